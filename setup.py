@@ -1,0 +1,79 @@
+"""Builds pagedkv._C: the block manager (csrc/core + csrc/bindings.cpp) and the torch ops (csrc/ops).
+
+CUDA sources are added when torch has CUDA and a CUDA toolkit is found (set CUDA_HOME), unless
+PAGEDKV_CUDA=0. The default arch list covers sm_80 and sm_90 (override with TORCH_CUDA_ARCH_LIST).
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+import torch
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rel(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def _want_cuda():
+    flag = os.environ.get("PAGEDKV_CUDA", "auto").lower()
+    if flag in ("0", "off", "false", "no"):
+        return False
+    found = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if flag in ("1", "on", "true", "yes") and not found:
+        raise RuntimeError("PAGEDKV_CUDA=1 but torch has no CUDA or CUDA_HOME is not set")
+    return found
+
+
+def _include_dirs():
+    dirs = [os.path.join(ROOT, "csrc")]
+    # Headers copied by hand for machines without Debian -dev packages (e.g. xxhash.h on a lent GPU).
+    extra = os.path.join(ROOT, "build_deps", "include")
+    if os.path.isdir(extra):
+        dirs.append(extra)
+    return dirs
+
+
+def _have_header(name):
+    return any(os.path.exists(os.path.join(d, name)) for d in _include_dirs() + ["/usr/include"])
+
+
+def _extension():
+    sources = _rel("csrc/core/*.cpp") + _rel("csrc/ops/*.cpp") + ["csrc/bindings.cpp"]
+    cxx = ["-O3", "-fvisibility=hidden"]  # torch picks the C++ standard it needs
+    define_macros = []
+    libraries = []
+    if _have_header("openssl/sha.h"):
+        define_macros.append(("PAGEDKV_HAVE_OPENSSL", "1"))
+        libraries.append("crypto")
+    if not _have_header("xxhash.h"):
+        raise RuntimeError("xxhash.h not found: apt-get install libxxhash-dev (or copy it to build_deps/include)")
+    kwargs = dict(
+        name="pagedkv._C",
+        include_dirs=_include_dirs(),
+        define_macros=define_macros,
+        libraries=libraries,
+    )
+    if _want_cuda():
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        sources += _rel("csrc/ops/cuda/*.cu")
+        define_macros.append(("PAGEDKV_WITH_CUDA", "1"))
+        nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+        return cpp_extension.CUDAExtension(sources=sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
+    return cpp_extension.CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
+
+
+setup(
+    name="pagedkv",
+    version="0.1.0",
+    description="Paged KV cache for LLM inference: C++ block manager with exact prefix caching, CPU/CUDA kernels",
+    packages=find_packages(include=["pagedkv", "pagedkv.*"]),
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.11",
+    install_requires=["torch>=2.11", "numpy", "tqdm"],
+    extras_require={"engine": ["safetensors", "tokenizers", "matplotlib"]},
+)
