@@ -1,0 +1,101 @@
+"""Runs one scheduled batch: moves blocks (swap, copy-on-write), builds the paged-attention inputs
+from the block manager, runs the model and samples the next tokens."""
+import torch
+
+from pagedkv import BlockManager
+
+from .config import EngineConfig
+from .llama import AttentionMetadata, LlamaForCausalLM
+from .sampling import sample
+from .scheduler import ScheduledBatch
+
+
+def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, keys and values."""
+    cfg = model.config
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int, num_cpu_blocks: int,
+                 seed: int = 0):
+        self.model = model
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        dtype = next(model.parameters()).dtype
+        self.kv_caches = self._allocate(num_blocks, self.device, dtype)
+        self.cpu_kv_caches = self._allocate(num_cpu_blocks, torch.device("cpu"), dtype,
+                                            pin=self.device.type == "cuda") if num_cpu_blocks else []
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+
+    def _allocate(self, num_blocks, device, dtype, pin=False):
+        cfg = self.model.config
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return [tuple(torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin) for _ in range(2))
+                for _ in range(cfg.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, bm: BlockManager) -> list[list[int]]:
+        self._move_blocks(batch)
+        if not batch.seqs:
+            return []
+        input_ids, positions, meta = self._prepare(batch, bm)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden)
+        return self._sample(logits, batch)
+
+    def _move_blocks(self, batch: ScheduledBatch) -> None:
+        # The scheduler swaps in before it preempts, so this order is the order of its decisions: a group
+        # swapped in may be swapped out again at once, and blocks freed by a swap-out may be the
+        # destination of a copy or of this step's new KV.
+        for mapping, to_cpu in ((batch.swap_in, False), (batch.swap_out, True)):
+            if not mapping:
+                continue
+            pairs = torch.tensor(mapping, dtype=torch.int64)
+            for gpu, cpu in zip(self.kv_caches, self.cpu_kv_caches):
+                for g, c in zip(gpu, cpu):
+                    src, dst = (g, c) if to_cpu else (c, g)
+                    torch.ops.pagedkv.swap_blocks(src, dst, pairs)
+        if batch.copies:
+            pairs = torch.tensor(batch.copies, dtype=torch.int64, device=self.device)
+            torch.ops.pagedkv.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
+
+    def _prepare(self, batch: ScheduledBatch, bm: BlockManager):
+        input_ids = [s.token_ids[-1] for s in batch.decodes]
+        positions = [len(s) - 1 for s in batch.decodes]
+        query_lens = [1] * len(batch.decodes)
+        slots = [batch.decode_slots] if batch.decodes else []
+        for seq, start in zip(batch.prefills, batch.prefill_starts):
+            input_ids += seq.token_ids[start:]
+            positions += range(start, len(seq))
+            query_lens.append(len(seq) - start)
+            slots.append(bm.slot_mapping(seq.seq_id, start, len(seq)))
+        seq_lens = [len(s) for s in batch.seqs]
+        query_start_loc = [0]
+        for q in query_lens:
+            query_start_loc.append(query_start_loc[-1] + q)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(dev, non_blocking=True),
+            block_tables=bm.block_tables([s.seq_id for s in batch.seqs]).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            max_seq_len=max(seq_lens),
+            max_query_len=max(query_lens),
+        )
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+
+    def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> list[list[int]]:
+        counts = batch.num_samples
+        params = [s.request.params for s in batch.seqs]
+        repeats = torch.tensor(counts, device=logits.device)
+        temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
+        top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
+        tokens = sample(logits.repeat_interleave(repeats, dim=0), temperatures.repeat_interleave(repeats),
+                        top_ps.repeat_interleave(repeats), self.generator).tolist()
+        out, i = [], 0
+        for c in counts:
+            out.append(tokens[i:i + c])
+            i += c
+        return out

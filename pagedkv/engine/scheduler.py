@@ -1,0 +1,202 @@
+"""Continuous batching over the block manager: waiting / running / swapped queues, admission through
+the prefix cache, decode appends, preemption (swap or recompute) and forking of n > 1 samples."""
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv import AllocStatus, BlockManager
+
+from .config import EngineConfig
+from .sequence import Request, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    decodes: list[Sequence] = field(default_factory=list)
+    decode_slots: torch.Tensor | None = None            # [len(decodes)] from bm.append_tokens
+    prefills: list[Sequence] = field(default_factory=list)
+    prefill_starts: list[int] = field(default_factory=list)   # first uncached position of each prefill
+    prefill_samples: list[int] = field(default_factory=list)  # n for a request's first prefill, else 1
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, gpu block)
+    copies: list[tuple[int, int]] = field(default_factory=list)     # copy-on-write (src, dst)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_samples(self) -> list[int]:
+        return [1] * len(self.decodes) + self.prefill_samples
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(len(s) - p for s, p in zip(self.prefills, self.prefill_starts))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(self, bm: BlockManager, config: EngineConfig, eos_token_ids: list[int], max_model_len: int):
+        self.bm = bm
+        self.config = config
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []          # arrival order: the newest is preempted first
+        self.swapped: deque[list[Sequence]] = deque()   # groups swapped out together, oldest first
+        self.next_seq_id = 0
+        self.stats = dict(preempted_swap=0, preempted_recompute=0, swapped_in=0, cow_copies=0,
+                          prefill_tokens=0, cached_prompt_tokens=0, decode_tokens=0, steps=0)
+
+    # ---- queue management -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        seq = self._new_seq(request, request.prompt_token_ids)
+        self.waiting.append(seq)
+
+    def _new_seq(self, request: Request, token_ids: list[int]) -> Sequence:
+        seq = Sequence(self.next_seq_id, request, token_ids)
+        self.next_seq_id += 1
+        request.seqs.append(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        self._swap_in(batch)
+        preempted = self._make_room_for_decodes(batch)
+        if self.running:
+            batch.decodes = list(self.running)
+            batch.decode_slots = self.bm.append_tokens([s.seq_id for s in batch.decodes],
+                                                       [s.token_ids[-1] for s in batch.decodes])
+        if not preempted and not self.swapped:
+            self._admit_waiting(batch)
+        batch.copies = list(self.bm.take_copies())
+        self.stats["cow_copies"] += len(batch.copies)
+        self.stats["steps"] += 1
+        return batch
+
+    def _swap_in(self, batch: ScheduledBatch) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            ids = [s.seq_id for s in group]
+            # Room for the group's blocks and for one new block per running sequence after it.
+            need = sum(_cdiv(len(s) - 1, self.config.block_size) for s in group) + len(self.running) + len(group)
+            if (len(self.running) + len(group) > self.config.max_num_seqs
+                    or self.bm.can_swap_in(ids) != AllocStatus.OK or self.bm.num_free_blocks < need):
+                return
+            self.swapped.popleft()
+            batch.swap_in += list(self.bm.swap_in(ids))
+            for s in group:
+                s.status = SequenceStatus.RUNNING
+            self.running = sorted(self.running + group, key=lambda s: (s.arrival, s.seq_id))
+            self.stats["swapped_in"] += len(group)
+
+    def _make_room_for_decodes(self, batch: ScheduledBatch) -> bool:
+        preempted = False
+        while self.running and not self.bm.can_append([s.seq_id for s in self.running]):
+            newest = self.running[-1].arrival
+            group = [s for s in self.running if s.arrival == newest]
+            self.running = [s for s in self.running if s.arrival != newest]
+            self._preempt(group, batch)
+            preempted = True
+        return preempted
+
+    def _preempt(self, group: list[Sequence], batch: ScheduledBatch) -> None:
+        ids = [s.seq_id for s in group]
+        if self.config.num_cpu_blocks > 0 and self.bm.can_swap_out(ids):
+            batch.swap_out += list(self.bm.swap_out(ids))
+            for s in group:
+                s.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+            self.stats["preempted_swap"] += len(group)
+            return
+        for s in reversed(group):   # recompute: drop the KV, prefill prompt + outputs again later
+            self.bm.free(s.seq_id)
+            s.status = SequenceStatus.WAITING
+            self.waiting.appendleft(s)
+        self.stats["preempted_recompute"] += len(group)
+
+    def _admit_waiting(self, batch: ScheduledBatch) -> None:
+        num_seqs = len(self.running)
+        while self.waiting:
+            seq = self.waiting[0]
+            width = self._fork_width(seq)
+            if num_seqs + width > self.config.max_num_seqs:
+                return
+            if batch.prefills and batch.num_tokens + len(seq) > self.config.max_num_batched_tokens:
+                return
+            status = self.bm.can_allocate(seq.token_ids)
+            if status == AllocStatus.LATER:
+                return
+            self.waiting.popleft()
+            if status == AllocStatus.NEVER:
+                self._fail(seq, f"sequence of {len(seq)} tokens can never fit in the KV cache "
+                                f"({self.bm.num_free_blocks} free of the pool's blocks, block_size "
+                                f"{self.config.block_size})")
+                continue
+            num_cached = self.bm.allocate(seq.seq_id, seq.token_ids)
+            seq.status = SequenceStatus.RUNNING
+            batch.prefills.append(seq)
+            batch.prefill_starts.append(num_cached)
+            batch.prefill_samples.append(width)
+            self.stats["prefill_tokens"] += len(seq) - num_cached
+            self.stats["cached_prompt_tokens"] += num_cached
+            num_seqs += width
+
+    def _fork_width(self, seq: Sequence) -> int:
+        """Sequences this prefill turns into: n for a request's first prefill, else 1."""
+        return seq.request.params.n if len(seq.request.seqs) == 1 and seq.num_output_tokens == 0 else 1
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        seq.request.error = message
+        for s in seq.request.seqs:
+            if s.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
+                self.bm.free(s.seq_id)
+            s.status = SequenceStatus.FINISHED
+            s.finish_reason = s.finish_reason or "error"
+        self.running = [s for s in self.running if s.request is not seq.request]
+        self.waiting = deque(s for s in self.waiting if s.request is not seq.request)
+        self.swapped = deque(g for g in self.swapped if g[0].request is not seq.request)
+
+    # ---- after the forward pass -------------------------------------------------------------------
+    def postprocess(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
+        """sampled[i]: the tokens drawn for batch.seqs[i] (n of them for a first prefill of n > 1).
+        Returns the sequences that finished in this step."""
+        seqs = batch.seqs
+        self.bm.mark_computed([s.seq_id for s in seqs])
+        self.stats["decode_tokens"] += len(batch.decodes)
+        for seq in batch.prefills:
+            if seq not in self.running:
+                self.running.append(seq)
+        finished = []
+        for seq, tokens in zip(seqs, sampled):
+            for token in tokens[1:]:            # n > 1: children share the prompt's blocks
+                child = self._new_seq(seq.request, seq.token_ids)
+                self.bm.fork(seq.seq_id, child.seq_id)
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+                finished += self._append(child, token)
+            finished += self._append(seq, tokens[0])
+        self.running.sort(key=lambda s: (s.arrival, s.seq_id))
+        return finished
+
+    def _append(self, seq: Sequence, token: int) -> list[Sequence]:
+        seq.token_ids.append(token)
+        params = seq.request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            seq.finish_reason = "length"
+        else:
+            return []
+        seq.status = SequenceStatus.FINISHED
+        self.bm.free(seq.seq_id)
+        self.running.remove(seq)
+        return [seq]

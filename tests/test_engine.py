@@ -1,0 +1,131 @@
+"""End-to-end tests of pagedkv.engine: greedy output equals Hugging Face transformers token for token,
+through prefix caching, preemption (swap and recompute) and n > 1 samples sharing blocks."""
+import json
+
+import pytest
+import torch
+
+from engine_fixtures import hf_greedy, save_tiny_llama, shared_prefix_prompts
+from pagedkv.engine import LLM, SamplingParams
+from pagedkv.engine.sampling import sample
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(checkpoint dir, HF model, prompts with shared prefixes, HF greedy outputs)."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model = save_tiny_llama(path)
+    prompts = shared_prefix_prompts(model.config.vocab_size)
+    expected = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    return str(path), model, prompts, expected
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_matches_transformers(tiny, device, prefix_caching):
+    path, _, prompts, expected = tiny
+    llm = LLM(path, device=device, block_size=8, enable_prefix_caching=prefix_caching)
+    first = llm.generate(prompts, GREEDY)
+    second = llm.generate(prompts[::-1], GREEDY)   # a second round: the cache holds every prompt now
+    assert [o.token_ids for o in first] == expected
+    assert [o.token_ids for o in second] == expected[::-1]
+    stats = llm.stats()
+    if prefix_caching:
+        assert stats["cached_prompt_tokens"] > 0 and stats["hits"] > 0
+    else:
+        assert stats["cached_prompt_tokens"] == 0
+    assert stats["used_blocks"] == 0, "every block is freed when its sequences finish"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_cpu_blocks", [64, 0], ids=["swap", "recompute"])
+def test_preemption_keeps_output_exact(tiny, device, num_cpu_blocks):
+    path, _, prompts, expected = tiny
+    # 7 prompts of up to ~57 tokens + 20 generated, block_size 8: ~10 blocks each, the pool holds ~2.
+    llm = LLM(path, device=device, block_size=8, num_blocks=24, num_cpu_blocks=num_cpu_blocks)
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    stats = llm.stats()
+    if num_cpu_blocks:
+        assert stats["preempted_swap"] > 0 and stats["swapped_in"] > 0
+    else:
+        assert stats["preempted_recompute"] > 0 and stats["preempted_swap"] == 0
+    assert stats["used_blocks"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_n_samples_fork_and_copy_on_write(tiny, device):
+    path, _, prompts, expected = tiny
+    llm = LLM(path, device=device, block_size=8)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=3)
+    outputs = llm.generate(prompts[:3], params)
+    for out, exp in zip(outputs, expected[:3]):
+        assert len(out.outputs) == 3
+        assert all(c.token_ids == exp for c in out.outputs)
+    assert llm.stats()["cow_copies"] > 0      # prompt lengths are not multiples of the block size
+    assert llm.stats()["prefill_tokens"] <= sum(len(p) for p in prompts[:3])   # one prefill per prompt
+
+
+def test_prompt_that_never_fits_fails_alone(tiny):
+    path, _, prompts, expected = tiny
+    llm = LLM(path, block_size=8, num_blocks=12)
+    outputs = llm.generate([list(range(3, 200)), prompts[1]], GREEDY)
+    assert outputs[0].error and "never fit" in outputs[0].error and outputs[0].token_ids == []
+    assert outputs[1].error is None and outputs[1].token_ids == expected[1]
+
+
+def test_stop_tokens_and_max_tokens(tiny):
+    path, _, prompts, expected = tiny
+    llm = LLM(path, block_size=8)
+    stop = expected[0][4]
+    cut = expected[0].index(stop) + 1
+    out = llm.generate([prompts[0], prompts[1]],
+                       [SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[stop]), SamplingParams(max_tokens=3)])
+    assert out[0].token_ids == expected[0][:cut] and out[0].outputs[0].finish_reason == "stop"
+    assert out[1].token_ids == expected[1][:3] and out[1].outputs[0].finish_reason == "length"
+
+
+def test_llama3_rope_tied_embeddings_sharded_checkpoint(tmp_path):
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32}
+    model = save_tiny_llama(tmp_path, seed=1, tie_word_embeddings=True, rope_scaling=rope,
+                            rope_theta=500000.0, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    prompts = shared_prefix_prompts(model.config.vocab_size, seed=1, num_systems=1, per_system=2, system_len=70)
+    llm = LLM(str(tmp_path), block_size=16)
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+
+
+def test_string_prompts_with_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model = save_tiny_llama(tmp_path)
+    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(model.config.vocab_size - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    llm = LLM(str(tmp_path))
+    out = llm.generate(["w5 w9 w30 w7", "w5 w9 w31"], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert out[0].prompt_token_ids == [8, 12, 33, 10]
+    assert out[0].token_ids == hf_greedy(model, [8, 12, 33, 10], 5)
+    assert out[0].text == tok.decode(out[0].token_ids)
+
+
+def test_sampler_temperature_and_top_p():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    greedy = sample(logits, torch.tensor([0.0, 0.0]), torch.tensor([1.0, 1.0]), gen)
+    assert greedy.tolist() == [1, 0]
+    # top_p tiny keeps only the most likely token, whatever the temperature.
+    nucleus = sample(logits, torch.tensor([5.0, 5.0]), torch.tensor([1e-3, 1e-3]), gen)
+    assert nucleus.tolist() == [1, 0]
+    draws = torch.stack([sample(logits, torch.tensor([1.0, 1.0]), torch.tensor([1.0, 1.0]), gen)
+                         for _ in range(200)])
+    assert set(draws[:, 0].tolist()) > {1}       # temperature 1 explores beyond the argmax
