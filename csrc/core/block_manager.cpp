@@ -1,0 +1,538 @@
+// Block manager implementation (see block_manager.h for the contract).
+#include "core/block_manager.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <unordered_set>
+
+#include "core/errors.h"
+
+namespace pagedkv {
+namespace {
+
+std::string seq_str(int64_t seq_id) { return "sequence " + std::to_string(seq_id); }
+
+template <typename... Args>
+std::string cat(Args&&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+}  // namespace
+
+BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks,
+                           bool enable_prefix_caching, double watermark, HashAlgo hash_algo)
+    : num_blocks_(num_blocks),
+      block_size_(block_size),
+      num_cpu_blocks_(num_cpu_blocks),
+      watermark_blocks_(0),
+      prefix_caching_(enable_prefix_caching),
+      hash_algo_(hash_algo),
+      gpu_free_(std::max(num_blocks, 0)),
+      cpu_free_(std::max(num_cpu_blocks, 0)) {
+  if (num_blocks <= 0) throw ValueError(cat("num_blocks must be positive, got ", num_blocks));
+  if (block_size <= 0) throw ValueError(cat("block_size must be positive, got ", block_size));
+  if (num_cpu_blocks < 0) throw ValueError(cat("num_cpu_blocks must be >= 0, got ", num_cpu_blocks));
+  if (!(watermark >= 0.0 && watermark < 1.0))
+    throw ValueError(cat("watermark must be in [0, 1), got ", watermark));
+  watermark_blocks_ = static_cast<int32_t>(watermark * num_blocks);
+  gpu_ref_.assign(num_blocks, 0);
+  block_node_.assign(num_blocks, PrefixCache::kNone);
+  for (int32_t b = 0; b < num_blocks; ++b) gpu_free_.push_back(b);
+  cpu_ref_.assign(num_cpu_blocks, 0);
+  for (int32_t b = 0; b < num_cpu_blocks; ++b) cpu_free_.push_back(b);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Lookup helpers
+
+BlockManager::Sequence& BlockManager::get(int64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) throw KeyError(cat("unknown ", seq_str(seq_id)));
+  return it->second;
+}
+
+const BlockManager::Sequence& BlockManager::get(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) throw KeyError(cat("unknown ", seq_str(seq_id)));
+  return it->second;
+}
+
+const BlockManager::Sequence& BlockManager::get_resident(int64_t seq_id, const char* what) const {
+  const Sequence& seq = get(seq_id);
+  if (seq.swapped) throw ValueError(cat(what, ": ", seq_str(seq_id), " is swapped out; swap it in first"));
+  return seq;
+}
+
+void BlockManager::check_unique(const int64_t* seq_ids, size_t n, const char* what) const {
+  std::unordered_set<int64_t> seen;
+  seen.reserve(n * 2);
+  for (size_t i = 0; i < n; ++i)
+    if (!seen.insert(seq_ids[i]).second)
+      throw ValueError(cat(what, ": ", seq_str(seq_ids[i]), " appears twice in seq_ids"));
+}
+
+uint64_t BlockManager::block_hash(Sequence& seq, int32_t index) const {
+  while (static_cast<int32_t>(seq.block_hashes.size()) <= index) {
+    const int32_t i = static_cast<int32_t>(seq.block_hashes.size());
+    std::optional<uint64_t> parent;
+    if (i > 0) parent = seq.block_hashes[i - 1];
+    seq.block_hashes.push_back(hash_block_tokens(seq.tokens.data() + int64_t(i) * block_size_, block_size_,
+                                                 parent, hash_algo_, i == 0 ? seq.salt : std::string()));
+  }
+  return seq.block_hashes[index];
+}
+
+std::vector<int32_t> BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens,
+                                                std::string_view salt, std::vector<uint64_t>* hashes) const {
+  std::vector<int32_t> hit_blocks;
+  if (!prefix_caching_) return hit_blocks;
+  const int32_t max_hits = num_blocks_for(static_cast<int64_t>(num_tokens)) - 1;  // last block: computed
+  PrefixCache::NodeId parent = PrefixCache::kRoot;
+  std::optional<uint64_t> parent_hash;
+  for (int32_t i = 0; i < max_hits; ++i) {
+    const int64_t* block_tokens = tokens + int64_t(i) * block_size_;
+    const uint64_t h = hash_block_tokens(block_tokens, block_size_, parent_hash, hash_algo_,
+                                         i == 0 ? salt : std::string_view());
+    const PrefixCache::NodeId node = cache_.find(h, parent, block_tokens, block_size_,
+                                                 i == 0 ? salt : std::string_view());
+    if (node == PrefixCache::kNone || cache_.node(node).block == PrefixCache::kNone) break;
+    hit_blocks.push_back(cache_.node(node).block);
+    if (hashes) hashes->push_back(h);
+    parent = node;
+    parent_hash = h;
+  }
+  return hit_blocks;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Block pools
+
+void BlockManager::untag_block(int32_t block) {
+  const PrefixCache::NodeId node = block_node_[block];
+  if (node == PrefixCache::kNone) return;
+  if (cache_.node(node).block == block) cache_.set_block(node, PrefixCache::kNone);
+  block_node_[block] = PrefixCache::kNone;
+  cache_.release(node);
+}
+
+int32_t BlockManager::take_free_block() {
+  const int32_t block = gpu_free_.pop_front();
+  const PrefixCache::NodeId node = block_node_[block];
+  if (node != PrefixCache::kNone && cache_.node(node).block == block) ++counters_.evictions;
+  untag_block(block);
+  gpu_ref_[block] = 1;
+  return block;
+}
+
+void BlockManager::release_block(int32_t block) {
+  if (--gpu_ref_[block] > 0) return;
+  const PrefixCache::NodeId node = block_node_[block];
+  // Cached KV goes to the back (evicted last, least recently freed first); a block without reusable
+  // content goes to the front so that it is handed out before any cached block.
+  if (node != PrefixCache::kNone && cache_.node(node).block == block)
+    gpu_free_.push_back(block);
+  else
+    gpu_free_.push_front(block);
+}
+
+int32_t BlockManager::take_cpu_block() {
+  const int32_t block = cpu_free_.pop_front();
+  cpu_ref_[block] = 1;
+  return block;
+}
+
+void BlockManager::release_cpu_block(int32_t block) {
+  if (--cpu_ref_[block] == 0) cpu_free_.push_back(block);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Allocation
+
+AllocStatus BlockManager::can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt) const {
+  if (num_tokens == 0) throw ValueError("can_allocate: token_ids is empty");
+  const int32_t needed = num_blocks_for(static_cast<int64_t>(num_tokens));
+  if (needed > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
+  const std::vector<int32_t> hits = match_prefix(tokens, num_tokens, salt, nullptr);
+  int32_t from_free = needed;
+  for (int32_t b : hits) from_free -= gpu_ref_[b] > 0;  // in-use hits cost no free block
+  return gpu_free_.size() - from_free >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
+}
+
+int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt) {
+  if (seqs_.count(seq_id)) throw ValueError(cat("allocate: ", seq_str(seq_id), " already exists"));
+  if (num_tokens == 0) throw ValueError("allocate: token_ids is empty");
+  const int32_t needed = num_blocks_for(static_cast<int64_t>(num_tokens));
+  std::vector<uint64_t> hashes;
+  const std::vector<int32_t> hits = match_prefix(tokens, num_tokens, salt, &hashes);
+  int32_t from_free = needed;
+  for (int32_t b : hits) from_free -= gpu_ref_[b] > 0;
+  if (from_free > gpu_free_.size())
+    throw OutOfBlocks(cat("allocate: ", seq_str(seq_id), " needs ", from_free, " free blocks but only ",
+                          gpu_free_.size(), " are free (check can_allocate first)"));
+
+  Sequence seq;
+  seq.tokens.assign(tokens, tokens + num_tokens);
+  seq.salt.assign(salt);
+  seq.block_hashes = std::move(hashes);
+  seq.block_table.reserve(needed);
+  for (int32_t b : hits) {
+    if (gpu_ref_[b]++ == 0) gpu_free_.remove(b);
+    seq.block_table.push_back(b);
+  }
+  while (static_cast<int32_t>(seq.block_table.size()) < needed) seq.block_table.push_back(take_free_block());
+  seq.num_registered = static_cast<int32_t>(hits.size());
+  seq.num_computed = int64_t(hits.size()) * block_size_;
+  counters_.queries += static_cast<int64_t>(num_tokens);
+  counters_.hits += seq.num_computed;
+  const int64_t cached = seq.num_computed;
+  seqs_.emplace(seq_id, std::move(seq));
+  return cached;
+}
+
+void BlockManager::register_computed_blocks(Sequence& seq) {
+  if (!prefix_caching_) return;
+  const int32_t full = static_cast<int32_t>(seq.num_computed / block_size_);
+  for (int32_t i = seq.num_registered; i < full; ++i) {
+    const PrefixCache::NodeId parent = i == 0 ? PrefixCache::kRoot : block_node_[seq.block_table[i - 1]];
+    if (i > 0 && parent == PrefixCache::kNone) break;  // the prefix lost its content tag (cache reset)
+    const uint64_t h = block_hash(seq, i);
+    const int32_t block = seq.block_table[i];
+    const PrefixCache::NodeId node = cache_.find_or_create(h, parent, seq.tokens.data() + int64_t(i) * block_size_,
+                                                           block_size_, i == 0 ? seq.salt : std::string());
+    if (block_node_[block] != node) {
+      untag_block(block);
+      block_node_[block] = node;
+      cache_.add_ref(node);
+    }
+    cache_.set_block(node, block);  // the latest registration wins
+    seq.num_registered = i + 1;
+  }
+}
+
+void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>* num_tokens) {
+  if (num_tokens && num_tokens->size() != seq_ids.size())
+    throw ValueError(cat("mark_computed: ", seq_ids.size(), " seq_ids but ", num_tokens->size(), " num_tokens"));
+  for (size_t i = 0; i < seq_ids.size(); ++i) {
+    const Sequence& seq = get_resident(seq_ids[i], "mark_computed");
+    if (num_tokens) {
+      const int64_t n = (*num_tokens)[i];
+      if (n < seq.num_computed || n > static_cast<int64_t>(seq.tokens.size()))
+        throw ValueError(cat("mark_computed: num_tokens=", n, " for ", seq_str(seq_ids[i]), " must be in [",
+                             seq.num_computed, ", ", seq.tokens.size(), "] (computed so far, length)"));
+    }
+  }
+  for (size_t i = 0; i < seq_ids.size(); ++i) {
+    Sequence& seq = get(seq_ids[i]);
+    seq.num_computed = num_tokens ? (*num_tokens)[i] : static_cast<int64_t>(seq.tokens.size());
+    register_computed_blocks(seq);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Decode
+
+int32_t BlockManager::blocks_needed_to_append(const int64_t* seq_ids, size_t n) const {
+  int32_t needed = 0;
+  std::unordered_map<int32_t, int32_t> appenders_of_shared;  // shared last block -> appenders in batch
+  for (size_t i = 0; i < n; ++i) {
+    const Sequence& seq = get_resident(seq_ids[i], "append");
+    if (seq.tokens.size() % block_size_ == 0) {
+      ++needed;
+    } else if (gpu_ref_[seq.block_table.back()] > 1) {
+      ++appenders_of_shared[seq.block_table.back()];
+    }
+  }
+  // k appenders on a block with r references copy k times, or k - 1 times when they are all of them.
+  for (const auto& [block, k] : appenders_of_shared) needed += k < gpu_ref_[block] ? k : k - 1;
+  return needed;
+}
+
+bool BlockManager::can_append(const int64_t* seq_ids, size_t n) const {
+  check_unique(seq_ids, n, "can_append");
+  return blocks_needed_to_append(seq_ids, n) <= gpu_free_.size();
+}
+
+int64_t BlockManager::append_token(int64_t seq_id, int64_t token_id) {
+  int64_t slot;
+  append_tokens(&seq_id, &token_id, 1, &slot);
+  return slot;
+}
+
+void BlockManager::append_tokens(const int64_t* seq_ids, const int64_t* token_ids, size_t n, int64_t* slots_out) {
+  check_unique(seq_ids, n, "append_tokens");
+  const int32_t needed = blocks_needed_to_append(seq_ids, n);
+  if (needed > gpu_free_.size())
+    throw OutOfBlocks(cat("append_tokens: needs ", needed, " free blocks but only ", gpu_free_.size(),
+                          " are free (check can_append first)"));
+  for (size_t i = 0; i < n; ++i) {
+    Sequence& seq = get(seq_ids[i]);
+    const int64_t pos = static_cast<int64_t>(seq.tokens.size());
+    if (pos % block_size_ == 0) {
+      seq.block_table.push_back(take_free_block());
+    } else {
+      const int32_t last = seq.block_table.back();
+      if (gpu_ref_[last] > 1) {  // shared after fork: copy on write
+        const int32_t copy = take_free_block();
+        pending_copies_.emplace_back(last, copy);
+        ++counters_.cow_copies;
+        release_block(last);
+        seq.block_table.back() = copy;
+      }
+    }
+    seq.tokens.push_back(token_ids[i]);
+    slots_out[i] = int64_t(seq.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
+  }
+}
+
+std::vector<BlockPair> BlockManager::take_copies() {
+  std::vector<BlockPair> copies;
+  copies.swap(pending_copies_);
+  return copies;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Lifetime
+
+void BlockManager::free(int64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) throw KeyError(cat("free: unknown ", seq_str(seq_id), " (never allocated or already freed)"));
+  const Sequence& seq = it->second;
+  // Tail first: prefix blocks are freed last, so they are the last to be evicted.
+  for (auto b = seq.block_table.rbegin(); b != seq.block_table.rend(); ++b)
+    seq.swapped ? release_cpu_block(*b) : release_block(*b);
+  seqs_.erase(it);
+}
+
+void BlockManager::fork(int64_t parent_seq_id, int64_t child_seq_id) {
+  const Sequence& parent = get_resident(parent_seq_id, "fork");
+  if (seqs_.count(child_seq_id)) throw ValueError(cat("fork: child ", seq_str(child_seq_id), " already exists"));
+  Sequence child = parent;
+  for (int32_t b : child.block_table) ++gpu_ref_[b];
+  seqs_.emplace(child_seq_id, std::move(child));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Swapping
+
+bool BlockManager::can_swap_out(const std::vector<int64_t>& seq_ids) const {
+  check_unique(seq_ids.data(), seq_ids.size(), "can_swap_out");
+  std::unordered_set<int32_t> blocks;
+  for (int64_t id : seq_ids) {
+    const Sequence& seq = get_resident(id, "can_swap_out");
+    blocks.insert(seq.block_table.begin(), seq.block_table.end());
+  }
+  return static_cast<int32_t>(blocks.size()) <= cpu_free_.size();
+}
+
+std::vector<BlockPair> BlockManager::swap_out(const std::vector<int64_t>& seq_ids) {
+  if (num_cpu_blocks_ == 0) throw ValueError("swap_out: this BlockManager has no CPU blocks (num_cpu_blocks=0)");
+  if (!can_swap_out(seq_ids))
+    throw OutOfBlocks(cat("swap_out: not enough free CPU blocks (", cpu_free_.size(), " free)"));
+  std::vector<BlockPair> mapping;
+  std::unordered_map<int32_t, int32_t> gpu_to_cpu;
+  for (int64_t id : seq_ids) {
+    Sequence& seq = get(id);
+    std::vector<int32_t> cpu_table(seq.block_table.size());
+    for (size_t i = 0; i < seq.block_table.size(); ++i) {
+      const int32_t gpu = seq.block_table[i];
+      auto [it, inserted] = gpu_to_cpu.emplace(gpu, 0);
+      if (inserted) {
+        it->second = take_cpu_block();
+        mapping.emplace_back(gpu, it->second);
+      } else {
+        ++cpu_ref_[it->second];
+      }
+      cpu_table[i] = it->second;
+    }
+    for (auto b = seq.block_table.rbegin(); b != seq.block_table.rend(); ++b) release_block(*b);
+    seq.block_table = std::move(cpu_table);
+    seq.swapped = true;
+    seq.num_registered = 0;  // re-registered by mark_computed once the KV is back on the GPU
+  }
+  counters_.swapped_out_blocks += static_cast<int64_t>(mapping.size());
+  return mapping;
+}
+
+AllocStatus BlockManager::can_swap_in(const std::vector<int64_t>& seq_ids) const {
+  check_unique(seq_ids.data(), seq_ids.size(), "can_swap_in");
+  std::unordered_set<int32_t> blocks;
+  for (int64_t id : seq_ids) {
+    const Sequence& seq = get(id);
+    if (!seq.swapped) throw ValueError(cat("can_swap_in: ", seq_str(id), " is not swapped out"));
+    blocks.insert(seq.block_table.begin(), seq.block_table.end());
+  }
+  const int32_t needed = static_cast<int32_t>(blocks.size());
+  if (needed > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
+  return gpu_free_.size() - needed >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
+}
+
+std::vector<BlockPair> BlockManager::swap_in(const std::vector<int64_t>& seq_ids) {
+  if (can_swap_in(seq_ids) == AllocStatus::kNever)
+    throw OutOfBlocks("swap_in: these sequences need more blocks than the pool can ever offer");
+  std::unordered_set<int32_t> distinct;
+  for (int64_t id : seq_ids) distinct.insert(get(id).block_table.begin(), get(id).block_table.end());
+  if (static_cast<int32_t>(distinct.size()) > gpu_free_.size())
+    throw OutOfBlocks(cat("swap_in: needs ", distinct.size(), " free blocks but only ", gpu_free_.size(),
+                          " are free (check can_swap_in first)"));
+  std::vector<BlockPair> mapping;
+  std::unordered_map<int32_t, int32_t> cpu_to_gpu;
+  for (int64_t id : seq_ids) {
+    Sequence& seq = get(id);
+    std::vector<int32_t> gpu_table(seq.block_table.size());
+    for (size_t i = 0; i < seq.block_table.size(); ++i) {
+      const int32_t cpu = seq.block_table[i];
+      auto [it, inserted] = cpu_to_gpu.emplace(cpu, 0);
+      if (inserted) {
+        it->second = take_free_block();
+        mapping.emplace_back(cpu, it->second);
+      } else {
+        ++gpu_ref_[it->second];
+      }
+      gpu_table[i] = it->second;
+    }
+    for (auto b = seq.block_table.rbegin(); b != seq.block_table.rend(); ++b) release_cpu_block(*b);
+    seq.block_table = std::move(gpu_table);
+    seq.swapped = false;
+  }
+  counters_.swapped_in_blocks += static_cast<int64_t>(mapping.size());
+  return mapping;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Queries for the model runner
+
+const std::vector<int32_t>& BlockManager::block_table(int64_t seq_id) const { return get(seq_id).block_table; }
+
+int32_t BlockManager::max_table_length(const int64_t* seq_ids, size_t n) const {
+  int32_t longest = 0;
+  for (size_t i = 0; i < n; ++i)
+    longest = std::max(longest, static_cast<int32_t>(get_resident(seq_ids[i], "block_tables").block_table.size()));
+  return longest;
+}
+
+void BlockManager::block_tables(const int64_t* seq_ids, size_t n, int32_t max_blocks, int32_t pad,
+                                int32_t* out) const {
+  const int32_t longest = max_table_length(seq_ids, n);
+  if (max_blocks < longest)
+    throw ValueError(cat("block_tables: max_blocks=", max_blocks, " is shorter than the longest block table (",
+                         longest, " blocks)"));
+  for (size_t i = 0; i < n; ++i) {
+    const std::vector<int32_t>& table = get(seq_ids[i]).block_table;
+    int32_t* row = out + int64_t(i) * max_blocks;
+    std::copy(table.begin(), table.end(), row);
+    std::fill(row + table.size(), row + max_blocks, pad);
+  }
+}
+
+void BlockManager::slot_mapping(int64_t seq_id, int64_t start, int64_t end, int64_t* out) const {
+  const Sequence& seq = get_resident(seq_id, "slot_mapping");
+  const int64_t len = static_cast<int64_t>(seq.tokens.size());
+  if (start < 0 || start > end || end > len)
+    throw ValueError(cat("slot_mapping: need 0 <= start <= end <= ", len, " for ", seq_str(seq_id), ", got start=",
+                         start, " end=", end));
+  for (int64_t p = start; p < end; ++p)
+    *out++ = int64_t(seq.block_table[p / block_size_]) * block_size_ + p % block_size_;
+}
+
+int64_t BlockManager::num_tokens(int64_t seq_id) const { return static_cast<int64_t>(get(seq_id).tokens.size()); }
+int64_t BlockManager::num_computed_tokens(int64_t seq_id) const { return get(seq_id).num_computed; }
+bool BlockManager::is_swapped(int64_t seq_id) const { return get(seq_id).swapped; }
+std::vector<int64_t> BlockManager::token_ids(int64_t seq_id) const { return get(seq_id).tokens; }
+
+BlockManagerStats BlockManager::stats() const {
+  BlockManagerStats s = counters_;
+  s.free_blocks = gpu_free_.size();
+  s.used_blocks = num_blocks_ - s.free_blocks;
+  s.cached_blocks = cache_.num_registered();
+  gpu_free_.for_each([&](int32_t b) {
+    const PrefixCache::NodeId node = block_node_[b];
+    s.cached_free_blocks += node != PrefixCache::kNone && cache_.node(node).block == b;
+  });
+  s.num_seqs = static_cast<int32_t>(seqs_.size());
+  for (const auto& kv : seqs_) s.num_swapped_seqs += kv.second.swapped;
+  s.free_cpu_blocks = cpu_free_.size();
+  return s;
+}
+
+void BlockManager::reset_prefix_cache() {
+  for (int32_t b = 0; b < num_blocks_; ++b) block_node_[b] = PrefixCache::kNone;
+  cache_.clear();
+  for (auto& kv : seqs_) kv.second.num_registered = 0;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Invariants
+
+void BlockManager::check_invariants() const {
+  auto fail = [](const std::string& what) { throw InvariantError("BlockManager invariant violated: " + what); };
+
+  // Reference counts equal the number of block-table entries that point at each block.
+  std::vector<int32_t> gpu_uses(num_blocks_, 0), cpu_uses(num_cpu_blocks_, 0);
+  for (const auto& [id, seq] : seqs_) {
+    const int64_t len = static_cast<int64_t>(seq.tokens.size());
+    if (static_cast<int64_t>(seq.block_table.size()) != num_blocks_for(len))
+      fail(cat(seq_str(id), " has ", seq.block_table.size(), " blocks for ", len, " tokens"));
+    if (seq.num_computed < 0 || seq.num_computed > len)
+      fail(cat(seq_str(id), " has num_computed=", seq.num_computed, " outside [0, ", len, "]"));
+    if (int64_t(seq.num_registered) * block_size_ > seq.num_computed)
+      fail(cat(seq_str(id), " registered ", seq.num_registered, " blocks beyond its computed tokens"));
+    for (int32_t b : seq.block_table) {
+      const int32_t limit = seq.swapped ? num_cpu_blocks_ : num_blocks_;
+      if (b < 0 || b >= limit) fail(cat(seq_str(id), " holds out-of-range block ", b));
+      ++(seq.swapped ? cpu_uses : gpu_uses)[b];
+    }
+    // Registered blocks carry exactly this sequence's content and prefix.
+    PrefixCache::NodeId parent = PrefixCache::kRoot;
+    for (int32_t i = 0; i < seq.num_registered && !seq.swapped; ++i) {
+      const PrefixCache::NodeId node = block_node_[seq.block_table[i]];
+      if (node == PrefixCache::kNone) fail(cat(seq_str(id), " block ", i, " is registered but has no content tag"));
+      const auto& n = cache_.node(node);
+      if (n.parent != parent || !std::equal(n.tokens.begin(), n.tokens.end(), seq.tokens.begin() + int64_t(i) * block_size_) ||
+          int32_t(n.tokens.size()) != block_size_ || (i == 0 && n.salt != seq.salt))
+        fail(cat(seq_str(id), " block ", i, " is tagged with content that differs from its tokens or prefix"));
+      parent = node;
+    }
+  }
+  for (int32_t b = 0; b < num_blocks_; ++b) {
+    if (gpu_ref_[b] != gpu_uses[b]) fail(cat("block ", b, " has ref_count ", gpu_ref_[b], " but ", gpu_uses[b], " uses"));
+    if ((gpu_ref_[b] == 0) != gpu_free_.contains(b))
+      fail(cat("block ", b, gpu_ref_[b] ? " is used and in the free list" : " is unused but not in the free list"));
+  }
+  for (int32_t b = 0; b < num_cpu_blocks_; ++b) {
+    if (cpu_ref_[b] != cpu_uses[b]) fail(cat("CPU block ", b, " has ref_count ", cpu_ref_[b], " but ", cpu_uses[b], " uses"));
+    if ((cpu_ref_[b] == 0) != cpu_free_.contains(b)) fail(cat("CPU block ", b, " free-list membership is wrong"));
+  }
+  int32_t walked = 0;
+  gpu_free_.for_each([&](int32_t) { ++walked; });
+  if (walked != gpu_free_.size()) fail(cat("free list walks ", walked, " blocks but counts ", gpu_free_.size()));
+
+  // Prefix cache: node references, registrations and the hash index agree.
+  const std::vector<PrefixCache::NodeId> live = cache_.live_nodes();
+  std::unordered_map<PrefixCache::NodeId, int32_t> refs;
+  const std::unordered_set<PrefixCache::NodeId> live_set(live.begin(), live.end());
+  for (int32_t b = 0; b < num_blocks_; ++b) {
+    if (block_node_[b] == PrefixCache::kNone) continue;
+    if (!live_set.count(block_node_[b])) fail(cat("block ", b, " is tagged with a freed prefix-cache node"));
+    ++refs[block_node_[b]];
+  }
+  int32_t registered = 0;
+  for (PrefixCache::NodeId id : live) {
+    const auto& n = cache_.node(id);
+    if (n.parent != PrefixCache::kRoot) ++refs[n.parent];
+    if (!cache_.indexed(id)) fail(cat("prefix-cache node ", id, " is missing from the hash index"));
+    if (n.block != PrefixCache::kNone) {
+      ++registered;
+      if (block_node_[n.block] != id) fail(cat("prefix-cache node ", id, " names block ", n.block, " which holds other content"));
+    }
+    if (prefix_caching_ && n.tokens.size() != size_t(block_size_)) fail(cat("prefix-cache node ", id, " is not a full block"));
+  }
+  for (PrefixCache::NodeId id : live)
+    if (cache_.node(id).refs != refs[id])
+      fail(cat("prefix-cache node ", id, " has refs ", cache_.node(id).refs, " but ", refs[id], " referrers"));
+  if (registered != cache_.num_registered()) fail("prefix-cache registration count is wrong");
+}
+
+}  // namespace pagedkv

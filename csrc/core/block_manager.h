@@ -1,0 +1,136 @@
+// The block manager: which physical block holds every token's KV. Owns the GPU block pool (with the
+// prefix cache and its LRU free list), the CPU block pool used for swapping, and each sequence's block
+// table. Every public call validates its arguments before changing anything, so an exception leaves the
+// manager exactly as it was.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "core/free_list.h"
+#include "core/hashing.h"
+#include "core/prefix_cache.h"
+
+namespace pagedkv {
+
+enum class AllocStatus { kOk = 0, kLater = 1, kNever = 2 };
+
+using BlockPair = std::pair<int32_t, int32_t>;  // (src block, dst block)
+
+struct BlockManagerStats {
+  int64_t queries = 0;      // prompt tokens looked up in the prefix cache
+  int64_t hits = 0;         // of those, tokens whose KV was already cached
+  int64_t evictions = 0;    // cached blocks reused for other content
+  int64_t cow_copies = 0;   // copy-on-write block copies queued
+  int64_t swapped_out_blocks = 0;
+  int64_t swapped_in_blocks = 0;
+  int32_t used_blocks = 0;  // GPU blocks referenced by a sequence
+  int32_t free_blocks = 0;
+  int32_t cached_blocks = 0;       // GPU blocks registered in the prefix cache (used or free)
+  int32_t cached_free_blocks = 0;  // free blocks that still hold reusable cached KV
+  int32_t num_seqs = 0;
+  int32_t num_swapped_seqs = 0;
+  int32_t free_cpu_blocks = 0;
+};
+
+class BlockManager {
+ public:
+  BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks = 0,
+               bool enable_prefix_caching = true, double watermark = 0.0,
+               HashAlgo hash_algo = HashAlgo::kXXH64);
+
+  AllocStatus can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt = {}) const;
+  // Gives seq_id a block table for its prompt; returns how many leading tokens are already cached.
+  int64_t allocate(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt = {});
+  // The KV of the first num_tokens[i] (all tokens when num_tokens is null) of each sequence is written:
+  // full blocks among them enter the prefix cache.
+  void mark_computed(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>* num_tokens = nullptr);
+
+  bool can_append(const int64_t* seq_ids, size_t n) const;
+  int64_t append_token(int64_t seq_id, int64_t token_id);
+  void append_tokens(const int64_t* seq_ids, const int64_t* token_ids, size_t n, int64_t* slots_out);
+  std::vector<BlockPair> take_copies();
+
+  void free(int64_t seq_id);
+  void fork(int64_t parent_seq_id, int64_t child_seq_id);
+
+  bool can_swap_out(const std::vector<int64_t>& seq_ids) const;
+  std::vector<BlockPair> swap_out(const std::vector<int64_t>& seq_ids);  // (gpu, cpu)
+  AllocStatus can_swap_in(const std::vector<int64_t>& seq_ids) const;
+  std::vector<BlockPair> swap_in(const std::vector<int64_t>& seq_ids);   // (cpu, gpu)
+
+  const std::vector<int32_t>& block_table(int64_t seq_id) const;
+  int32_t max_table_length(const int64_t* seq_ids, size_t n) const;
+  void block_tables(const int64_t* seq_ids, size_t n, int32_t max_blocks, int32_t pad, int32_t* out) const;
+  void slot_mapping(int64_t seq_id, int64_t start, int64_t end, int64_t* out) const;
+  int64_t num_tokens(int64_t seq_id) const;
+  int64_t num_computed_tokens(int64_t seq_id) const;
+  bool is_swapped(int64_t seq_id) const;
+  bool contains(int64_t seq_id) const { return seqs_.count(seq_id) != 0; }
+  std::vector<int64_t> token_ids(int64_t seq_id) const;
+
+  int32_t num_blocks() const { return num_blocks_; }
+  int32_t num_cpu_blocks() const { return num_cpu_blocks_; }
+  int32_t block_size() const { return block_size_; }
+  int32_t watermark_blocks() const { return watermark_blocks_; }
+  bool prefix_caching() const { return prefix_caching_; }
+  HashAlgo hash_algo() const { return hash_algo_; }
+  int32_t num_free_blocks() const { return gpu_free_.size(); }
+  int32_t num_free_cpu_blocks() const { return cpu_free_.size(); }
+
+  BlockManagerStats stats() const;
+  void reset_prefix_cache();
+  void check_invariants() const;  // throws InvariantError naming the first violation
+
+ private:
+  struct Sequence {
+    std::vector<int64_t> tokens;
+    std::vector<int32_t> block_table;   // GPU block ids, or CPU block ids while swapped
+    std::vector<uint64_t> block_hashes; // hashes of leading full blocks, filled lazily
+    int64_t num_computed = 0;           // tokens whose KV is written
+    int32_t num_registered = 0;         // leading full blocks registered in the prefix cache
+    std::string salt;
+    bool swapped = false;
+  };
+
+  Sequence& get(int64_t seq_id);
+  const Sequence& get(int64_t seq_id) const;
+  const Sequence& get_resident(int64_t seq_id, const char* what) const;
+  void check_unique(const int64_t* seq_ids, size_t n, const char* what) const;
+
+  int32_t num_blocks_for(int64_t num_tokens) const {
+    return static_cast<int32_t>((num_tokens + block_size_ - 1) / block_size_);
+  }
+  // Longest run of leading blocks (at most ceil(n/bs) - 1) whose content is cached.
+  std::vector<int32_t> match_prefix(const int64_t* tokens, size_t num_tokens, std::string_view salt,
+                                    std::vector<uint64_t>* hashes) const;
+  int32_t blocks_needed_to_append(const int64_t* seq_ids, size_t n) const;
+  uint64_t block_hash(Sequence& seq, int32_t index) const;
+  void register_computed_blocks(Sequence& seq);
+
+  int32_t take_free_block();         // pops the LRU free block, evicting its cached content
+  void release_block(int32_t block); // drops one reference; at zero the block joins the free list
+  void untag_block(int32_t block);   // forgets the block's prefix-cache content
+  int32_t take_cpu_block();
+  void release_cpu_block(int32_t block);
+
+  int32_t num_blocks_, block_size_, num_cpu_blocks_, watermark_blocks_;
+  bool prefix_caching_;
+  HashAlgo hash_algo_;
+
+  std::vector<int32_t> gpu_ref_;
+  std::vector<PrefixCache::NodeId> block_node_;  // content of each GPU block, or kNone
+  FreeList gpu_free_;
+  std::vector<int32_t> cpu_ref_;
+  FreeList cpu_free_;
+  PrefixCache cache_;
+
+  std::unordered_map<int64_t, Sequence> seqs_;
+  std::vector<BlockPair> pending_copies_;
+  BlockManagerStats counters_;
+};
+
+}  // namespace pagedkv

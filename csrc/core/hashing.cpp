@@ -1,0 +1,105 @@
+// Block hashing with the official xxHash header and, when available, OpenSSL's SHA-256.
+#include "core/hashing.h"
+
+#include <cstring>
+#include <vector>
+
+#include "core/errors.h"
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#ifdef PAGEDKV_HAVE_OPENSSL
+#include <openssl/evp.h>
+#endif
+
+namespace pagedkv {
+namespace {
+
+static_assert(sizeof(int64_t) == 8, "token ids are hashed as int64");
+
+uint64_t load_le64(const unsigned char* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+void store_le64(uint64_t v, unsigned char* p) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+
+uint64_t digest(const unsigned char* data, size_t len, HashAlgo algo) {
+  if (algo == HashAlgo::kSHA256) {
+#ifdef PAGEDKV_HAVE_OPENSSL
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int md_len = 0;
+    if (EVP_Digest(data, len, md, &md_len, EVP_sha256(), nullptr) != 1 || md_len < 8)
+      throw std::runtime_error("pagedkv: OpenSSL SHA-256 failed");
+    return load_le64(md);
+#else
+    throw ValueError("pagedkv was built without OpenSSL: hash_algo='sha256' is unavailable");
+#endif
+  }
+  uint64_t h = XXH64(data, len, 0);
+  return algo == HashAlgo::kWeak8 ? (h & 0xFFu) : h;
+}
+
+}  // namespace
+
+HashAlgo parse_hash_algo(std::string_view name) {
+  if (name == "xxh64") return HashAlgo::kXXH64;
+  if (name == "sha256") {
+    if (!sha256_available())
+      throw ValueError("hash_algo='sha256' is unavailable: pagedkv was built without OpenSSL");
+    return HashAlgo::kSHA256;
+  }
+  if (name == "weak8") return HashAlgo::kWeak8;
+  throw ValueError("hash_algo must be 'xxh64', 'sha256' or 'weak8', got '" + std::string(name) + "'");
+}
+
+const char* hash_algo_name(HashAlgo algo) {
+  switch (algo) {
+    case HashAlgo::kXXH64: return "xxh64";
+    case HashAlgo::kSHA256: return "sha256";
+    case HashAlgo::kWeak8: return "weak8";
+  }
+  return "?";
+}
+
+bool sha256_available() {
+#ifdef PAGEDKV_HAVE_OPENSSL
+  return true;
+#else
+  return false;
+#endif
+}
+
+uint64_t hash_block_tokens(const int64_t* tokens, size_t num_tokens, std::optional<uint64_t> parent,
+                           HashAlgo algo, std::string_view salt) {
+  if (!salt.empty() && !parent) {
+    // The salt becomes the parent of block 0: a distinct chain per salt, never equal to an unsalted one
+    // except by a hash collision (which exact matching turns into a miss).
+    std::vector<unsigned char> salted(salt.size() + 1);
+    salted[0] = 0xA5;  // domain tag: a salt is not a token sequence
+    std::memcpy(salted.data() + 1, salt.data(), salt.size());
+    parent = digest(salted.data(), salted.size(), algo);
+  }
+  // Small blocks hash from the stack; large ones from the heap.
+  const size_t len = (parent ? 8 : 0) + num_tokens * 8;
+  unsigned char stack_buf[8 + 64 * 8];
+  std::vector<unsigned char> heap_buf;
+  unsigned char* buf = stack_buf;
+  if (len > sizeof(stack_buf)) {
+    heap_buf.resize(len);
+    buf = heap_buf.data();
+  }
+  unsigned char* p = buf;
+  if (parent) {
+    store_le64(*parent, p);
+    p += 8;
+  }
+  for (size_t i = 0; i < num_tokens; ++i, p += 8) store_le64(static_cast<uint64_t>(tokens[i]), p);
+  return digest(buf, len, algo);
+}
+
+}  // namespace pagedkv

@@ -1,0 +1,60 @@
+// The prefix cache: a trie of block contents. A node is one distinct full-block prefix, keyed by
+// (parent node, the block's tokens, the salt for block 0); the chained block hash only indexes the
+// lookup. A hit therefore requires the block's tokens AND its whole prefix to be identical, whatever the
+// hash algorithm: a collision costs a miss, never a wrong hit. A node remembers which physical block
+// currently holds its KV (the latest registration wins).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace pagedkv {
+
+class PrefixCache {
+ public:
+  using NodeId = int32_t;
+  static constexpr NodeId kRoot = -1;   // parent of block 0
+  static constexpr NodeId kNone = -1;   // "no node" / "no block"
+
+  struct Node {
+    uint64_t hash = 0;
+    NodeId parent = kRoot;
+    std::vector<int64_t> tokens;
+    std::string salt;        // block 0 only
+    int32_t block = kNone;   // physical block registered for this content, or kNone
+    int32_t refs = 0;        // blocks tagged with this node + child nodes; freed at 0
+  };
+
+  // The node with exactly this content, or kNone.
+  NodeId find(uint64_t hash, NodeId parent, const int64_t* tokens, size_t num_tokens,
+              std::string_view salt) const;
+  NodeId find_or_create(uint64_t hash, NodeId parent, const int64_t* tokens, size_t num_tokens,
+                        std::string_view salt);
+
+  const Node& node(NodeId id) const { return nodes_[id]; }
+  void set_block(NodeId id, int32_t block);
+  void add_ref(NodeId id) { ++nodes_[id].refs; }
+  void release(NodeId id);  // drops one reference; frees the node (and releases its parent) at 0
+
+  int32_t num_nodes() const { return static_cast<int32_t>(nodes_.size() - free_ids_.size()); }
+  int32_t num_registered() const { return num_registered_; }
+  void clear();
+
+  // Every live node id (for check_invariants).
+  std::vector<NodeId> live_nodes() const;
+  bool indexed(NodeId id) const;  // the hash index points at this node
+
+ private:
+  bool matches(const Node& n, NodeId parent, const int64_t* tokens, size_t num_tokens,
+               std::string_view salt) const;
+
+  std::vector<Node> nodes_;
+  std::vector<NodeId> free_ids_;
+  std::vector<bool> live_;
+  std::unordered_multimap<uint64_t, NodeId> index_;
+  int32_t num_registered_ = 0;
+};
+
+}  // namespace pagedkv
