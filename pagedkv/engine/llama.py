@@ -18,7 +18,6 @@ class AttentionMetadata:
     seq_lens: torch.Tensor         # [B] int32, KV length including this step's tokens
     query_start_loc: torch.Tensor  # [B+1] int32
     max_seq_len: int
-    max_query_len: int
 
 
 class RMSNorm(nn.Module):
@@ -89,7 +88,8 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache
         torch.ops.pagedkv.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.ops.pagedkv.paged_attention(q.contiguous(), key_cache, value_cache, meta.block_tables,
-                                                meta.seq_lens, meta.query_start_loc, self.scale)
+                                                meta.seq_lens, meta.query_start_loc, self.scale,
+                                                max_seq_len=meta.max_seq_len)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -3,6 +3,7 @@ from the block manager, runs the model and samples the next tokens."""
 import torch
 
 from pagedkv import BlockManager
+from pagedkv.cache import allocate_kv_cache, block_bytes
 
 from .config import EngineConfig
 from .llama import AttentionMetadata, LlamaForCausalLM
@@ -13,7 +14,8 @@ from .scheduler import ScheduledBatch
 def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block across all layers, keys and values."""
     cfg = model.config
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    return block_bytes(num_layers=cfg.num_layers, block_size=block_size, num_kv_heads=cfg.num_kv_heads,
+                       head_dim=cfg.head_dim, dtype=dtype)
 
 
 class ModelRunner:
@@ -30,9 +32,8 @@ class ModelRunner:
 
     def _allocate(self, num_blocks, device, dtype, pin=False):
         cfg = self.model.config
-        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        return [tuple(torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin) for _ in range(2))
-                for _ in range(cfg.num_layers)]
+        return allocate_kv_cache(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                 dtype=dtype, device=device, pin_memory=pin)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, bm: BlockManager) -> list[list[int]]:
@@ -81,7 +82,6 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
             max_seq_len=max(seq_lens),
-            max_query_len=max(query_lens),
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta)

@@ -49,7 +49,7 @@ class Scheduler:
         self.running: list[Sequence] = []          # arrival order: the newest is preempted first
         self.swapped: deque[list[Sequence]] = deque()   # groups swapped out together, oldest first
         self.next_seq_id = 0
-        self.stats = dict(preempted_swap=0, preempted_recompute=0, swapped_in=0, cow_copies=0,
+        self.stats = dict(preempted_swap=0, preempted_recompute=0, swapped_in=0,
                           prefill_tokens=0, cached_prompt_tokens=0, decode_tokens=0, steps=0)
 
     # ---- queue management -------------------------------------------------------------------------
@@ -78,7 +78,6 @@ class Scheduler:
         if not preempted and not self.swapped:
             self._admit_waiting(batch)
         batch.copies = list(self.bm.take_copies())
-        self.stats["cow_copies"] += len(batch.copies)
         self.stats["steps"] += 1
         return batch
 
