@@ -99,7 +99,7 @@ class LLM:
             now_done = sum(r.finished or r.error is not None for r in requests)
             bar.update(now_done - done)
             done = now_done
-            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}", refresh=False)
         bar.close()
         return [self._output(r) for r in requests]
 

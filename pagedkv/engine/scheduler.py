@@ -124,21 +124,28 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch) -> None:
         num_seqs = len(self.running)
+        # A prompt whose first block equals that of a prompt prefilled in this step waits one step: the
+        # block is registered in the prefix cache only once its KV is written, and then it hits.
+        first_blocks, deferred = set(), []
         while self.waiting:
             seq = self.waiting[0]
             width = self._fork_width(seq)
             if num_seqs + width > self.config.max_num_seqs:
-                return
+                break
             if batch.prefills and batch.num_tokens + len(seq) > self.config.max_num_batched_tokens:
-                return
+                break
+            first = self._first_block(seq)
+            if first is not None and first in first_blocks:
+                deferred.append(self.waiting.popleft())
+                continue
             status = self.bm.can_allocate(seq.token_ids)
             if status == AllocStatus.LATER:
-                return
+                break
             self.waiting.popleft()
             if status == AllocStatus.NEVER:
-                self._fail(seq, f"sequence of {len(seq)} tokens can never fit in the KV cache "
-                                f"({self.bm.num_free_blocks} free of the pool's blocks, block_size "
-                                f"{self.config.block_size})")
+                self._fail(seq, f"sequence of {len(seq)} tokens can never fit in the KV cache: it needs "
+                                f"{_cdiv(len(seq), self.config.block_size)} blocks of {self.config.block_size} "
+                                f"tokens, the pool has {self.bm.num_blocks}")
                 continue
             num_cached = self.bm.allocate(seq.seq_id, seq.token_ids)
             seq.status = SequenceStatus.RUNNING
@@ -148,6 +155,16 @@ class Scheduler:
             self.stats["prefill_tokens"] += len(seq) - num_cached
             self.stats["cached_prompt_tokens"] += num_cached
             num_seqs += width
+            if first is not None:
+                first_blocks.add(first)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _first_block(self, seq: Sequence) -> tuple[int, ...] | None:
+        """The tokens of the sequence's first block when that block could be a prefix-cache hit."""
+        bs = self.config.block_size
+        if not self.config.enable_prefix_caching or len(seq) <= bs:
+            return None
+        return tuple(seq.token_ids[:bs])
 
     def _fork_width(self, seq: Sequence) -> int:
         """Sequences this prefill turns into: n for a request's first prefill, else 1."""

@@ -1,0 +1,137 @@
+"""pagedkv.engine vs transformers `generate` on the same random Llama and prompts (generated tokens/s),
+and KV memory: how many sequences fit in a fixed KV budget, paged vs one contiguous max-length buffer each.
+
+    python benchmarks/bench_engine.py [--batch 16] [--device cpu] [--threads 2]
+"""
+import argparse
+import os
+import random
+import tempfile
+import time
+
+import torch
+
+import pagedkv
+from pagedkv.engine import LLM, SamplingParams
+
+MODEL = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048, initializer_range=0.2)
+
+
+def build_model(path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**MODEL)).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def make_prompts(n, system_len, seed=0):
+    """n chat-style prompts: one shared system prompt + a distinct user turn of 16-64 tokens."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, MODEL["vocab_size"]) for _ in range(system_len)]
+    return [system + [rng.randrange(3, MODEL["vocab_size"]) for _ in range(rng.randrange(16, 65))]
+            for _ in range(n)]
+
+
+@torch.inference_mode()
+def run_transformers(model, prompts, max_new_tokens, device):
+    """One padded batch through model.generate (left padding, greedy)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                         min_new_tokens=0)
+    return [row[width:].tolist() for row in out]
+
+
+def run_engine(path, prompts, max_new_tokens, device, prefix_caching):
+    llm = LLM(path, device=device, enable_prefix_caching=prefix_caching, max_num_seqs=len(prompts))
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))   # warm-up
+    llm.bm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    _sync(device)
+    return [o.token_ids for o in outputs], time.perf_counter() - start
+
+
+def _sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device):
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - start
+
+
+def sequences_in_budget(budget_bytes, prompts, max_new_tokens, max_len, block_size, prefix_caching):
+    """Fills a BlockManager sized to the budget with the workload's sequences (prompt + output tokens)
+    until the next one does not fit; returns how many fit."""
+    token_bytes = 2 * MODEL["num_hidden_layers"] * MODEL["num_key_value_heads"] * \
+        (MODEL["hidden_size"] // MODEL["num_attention_heads"]) * 4
+    if block_size is None:                       # contiguous: every sequence reserves max_len tokens
+        return budget_bytes // (max_len * token_bytes)
+    bm = pagedkv.BlockManager(budget_bytes // (block_size * token_bytes), block_size,
+                              enable_prefix_caching=prefix_caching)
+    rng = random.Random(1)
+    for i in range(10 ** 6):
+        tokens = prompts[i % len(prompts)][:-1] + [rng.randrange(MODEL["vocab_size"])] * (max_new_tokens + 1)
+        if bm.can_allocate(tokens) != pagedkv.AllocStatus.OK:
+            return i
+        bm.allocate(i, tokens)
+        bm.mark_computed(i)
+    raise AssertionError("unreachable")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--system-len", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--kv-budget-mib", type=int, default=64)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = make_prompts(args.batch, args.system_len)
+    new = args.max_new_tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = build_model(tmp).to(args.device)
+        run_transformers(hf, prompts[:2], 2, args.device)      # warm-up
+        hf_out, hf_s = timed(lambda: run_transformers(hf, prompts, new, args.device), args.device)
+        eng_out, eng_s = run_engine(tmp, prompts, new, args.device, prefix_caching=True)
+        nopc_out, nopc_s = run_engine(tmp, prompts, new, args.device, prefix_caching=False)
+
+    generated = args.batch * new
+    print(f"\n{MODEL['num_hidden_layers']}-layer Llama, hidden {MODEL['hidden_size']}, vocab {MODEL['vocab_size']}, "
+          f"{args.device} ({torch.get_num_threads()} threads), batch {args.batch}: shared system prompt of "
+          f"{args.system_len} tokens + 16-64 user tokens, {new} new tokens each, greedy")
+    rows = [("transformers generate", hf_s, hf_out), ("pagedkv engine, prefix cache off", nopc_s, nopc_out),
+            ("pagedkv engine, prefix cache on", eng_s, eng_out)]
+    print(f"{'':34} {'seconds':>8} {'tok/s':>8} {'vs HF':>7} {'same tokens as HF':>18}")
+    for name, secs, out in rows:
+        same = sum(a == b for a, b in zip(out, hf_out))
+        print(f"{name:34} {secs:8.2f} {generated / secs:8.0f} {hf_s / secs:6.2f}x {same:>12}/{args.batch}")
+
+    budget = args.kv_budget_mib << 20
+    max_len = MODEL["max_position_embeddings"]
+    contiguous = sequences_in_budget(budget, prompts, new, max_len, None, False)
+    paged = sequences_in_budget(budget, prompts, new, max_len, 16, False)
+    shared = sequences_in_budget(budget, prompts, new, max_len, 16, True)
+    print(f"\nsequences that fit in {args.kv_budget_mib} MiB of fp32 KV (sequence = prompt + {new} tokens, "
+          f"~{sum(map(len, prompts)) // len(prompts) + new} tokens)")
+    print(f"{'contiguous, max_len ' + str(max_len) + ' per sequence':42} {contiguous:6}  1.00x")
+    print(f"{'paged, block 16':42} {paged:6} {paged / contiguous:6.2f}x")
+    print(f"{'paged, block 16, shared prefix cached':42} {shared:6} {shared / contiguous:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
