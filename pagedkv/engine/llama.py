@@ -27,9 +27,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -64,6 +62,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D], rotated by each token's position."""
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)   # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
@@ -81,10 +80,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
 
     def forward(self, positions, x, rope, kv_cache, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope(positions, q.view(-1, self.num_heads, self.head_dim))
-        k = rope(positions, k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k = rope(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         key_cache, value_cache = kv_cache
         torch.ops.pagedkv.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.ops.pagedkv.paged_attention(q.contiguous(), key_cache, value_cache, meta.block_tables,
@@ -126,10 +124,11 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg)
 
     def forward(self, input_ids, positions, kv_caches, meta):
+        """Final hidden states of the last token of every sequence: [B, hidden]."""
         h = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(positions, h, self.rotary_emb, kv_cache, meta)
-        return self.norm(h)
+        return self.norm(h[meta.query_start_loc[1:].long() - 1])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -147,8 +146,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of the last token of every sequence: [B, hidden]."""
-        h = self.model(input_ids, positions, kv_caches, meta)
-        return h[meta.query_start_loc[1:].long() - 1]
+        return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()
