@@ -37,11 +37,25 @@ struct Int64Array {
     if (py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj) || !py::isinstance<py::sequence>(obj))
       throw py::type_error(std::string(name) + " must be a sequence of ints or an integer tensor, got " +
                            std::string(py::str(py::type::of(obj).attr("__name__"))));
-    try {
-      storage = obj.cast<std::vector<int64_t>>();
-    } catch (const py::cast_error&) {
-      throw py::type_error(std::string(name) + " must contain only ints");
+    // Direct CPython access: several times faster than pybind11's generic list caster.
+    PyObject* seq = PySequence_Fast(obj.ptr(), name);
+    if (!seq) throw py::error_already_set();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    storage.resize(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!PyLong_Check(items[i])) {
+        Py_DECREF(seq);
+        throw py::type_error(std::string(name) + " must contain only ints, found " + Py_TYPE(items[i])->tp_name);
+      }
+      int overflow = 0;
+      storage[i] = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+      if (overflow) {
+        Py_DECREF(seq);
+        throw ValueError(std::string(name) + " holds an int that does not fit in int64");
+      }
     }
+    Py_DECREF(seq);
     data = storage.data();
     size = storage.size();
   }
