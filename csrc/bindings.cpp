@@ -37,11 +37,25 @@ struct Int64Array {
     if (py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj) || !py::isinstance<py::sequence>(obj))
       throw py::type_error(std::string(name) + " must be a sequence of ints or an integer tensor, got " +
                            std::string(py::str(py::type::of(obj).attr("__name__"))));
-    try {
-      storage = obj.cast<std::vector<int64_t>>();
-    } catch (const py::cast_error&) {
-      throw py::type_error(std::string(name) + " must contain only ints");
+    // Direct CPython access: several times faster than pybind11's generic list caster.
+    PyObject* seq = PySequence_Fast(obj.ptr(), name);
+    if (!seq) throw py::error_already_set();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    storage.resize(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!PyLong_Check(items[i])) {
+        Py_DECREF(seq);
+        throw py::type_error(std::string(name) + " must contain only ints, found " + Py_TYPE(items[i])->tp_name);
+      }
+      int overflow = 0;
+      storage[i] = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+      if (overflow) {
+        Py_DECREF(seq);
+        throw ValueError(std::string(name) + " holds an int that does not fit in int64");
+      }
     }
+    Py_DECREF(seq);
     data = storage.data();
     size = storage.size();
   }
@@ -146,6 +160,30 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("seq_id"), py::arg("token_ids"), py::kw_only(), py::arg("cache_salt") = py::none(),
           "Allocates the prompt's blocks; returns the number of leading tokens whose KV is already cached.")
+      .def(
+          "allocate_batch",
+          [](BlockManager& bm, const py::object& seq_ids, const py::sequence& prompts, const py::object& cache_salts) {
+            Int64Array ids(seq_ids, "seq_ids");
+            if (static_cast<size_t>(py::len(prompts)) != ids.size)
+              throw ValueError("allocate_batch: " + std::to_string(ids.size) + " seq_ids but " +
+                               std::to_string(py::len(prompts)) + " prompts");
+            if (!cache_salts.is_none() && static_cast<size_t>(py::len(cache_salts)) != ids.size)
+              throw ValueError("allocate_batch: cache_salts must have one entry per prompt");
+            py::list cached;
+            for (size_t i = 0; i < ids.size; ++i) {
+              Int64Array tokens(prompts[i], "prompts[i]");
+              const std::string salt =
+                  cache_salts.is_none() ? std::string() : salt_bytes(py::reinterpret_borrow<py::object>(cache_salts[py::int_(i)]));
+              if (bm.contains(ids.data[i]))
+                throw ValueError("allocate_batch: sequence " + std::to_string(ids.data[i]) + " already exists");
+              if (tokens.size == 0 || bm.can_allocate(tokens.data, tokens.size, salt) != AllocStatus::kOk) break;
+              cached.append(bm.allocate(ids.data[i], tokens.data, tokens.size, salt));
+            }
+            return cached;
+          },
+          py::arg("seq_ids"), py::arg("prompts"), py::kw_only(), py::arg("cache_salts") = py::none(),
+          "Admits prompts in order while can_allocate says OK, in one call; returns the cached-token count of\n"
+          "each admitted prompt (its length is the number admitted: seq_ids[:len(result)]).")
       .def(
           "mark_computed",
           [](BlockManager& bm, const py::object& seq_ids, const py::object& num_tokens) {

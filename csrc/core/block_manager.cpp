@@ -66,12 +66,24 @@ const BlockManager::Sequence& BlockManager::get_resident(int64_t seq_id, const c
   return seq;
 }
 
-void BlockManager::check_unique(const int64_t* seq_ids, size_t n, const char* what) const {
-  std::unordered_set<int64_t> seen;
-  seen.reserve(n * 2);
-  for (size_t i = 0; i < n; ++i)
-    if (!seen.insert(seq_ids[i]).second)
-      throw ValueError(cat(what, ": ", seq_str(seq_ids[i]), " appears twice in seq_ids"));
+const std::vector<BlockManager::Sequence*>& BlockManager::resolve(const int64_t* seq_ids, size_t n, const char* what,
+                                                                  bool unique, Where where) const {
+  scratch_.clear();
+  scratch_.reserve(n);
+  const uint64_t stamp = ++stamp_;
+  for (size_t i = 0; i < n; ++i) {
+    auto it = seqs_.find(seq_ids[i]);
+    if (it == seqs_.end()) throw KeyError(cat(what, ": unknown ", seq_str(seq_ids[i])));
+    Sequence& seq = const_cast<Sequence&>(it->second);
+    if (where == Where::kResident && seq.swapped)
+      throw ValueError(cat(what, ": ", seq_str(seq_ids[i]), " is swapped out; swap it in first"));
+    if (where == Where::kSwapped && !seq.swapped)
+      throw ValueError(cat(what, ": ", seq_str(seq_ids[i]), " is not swapped out"));
+    if (unique && seq.stamp == stamp) throw ValueError(cat(what, ": ", seq_str(seq_ids[i]), " appears twice in seq_ids"));
+    seq.stamp = stamp;
+    scratch_.push_back(&seq);
+  }
+  return scratch_;
 }
 
 uint64_t BlockManager::block_hash(Sequence& seq, int32_t index) const {
@@ -105,6 +117,23 @@ std::vector<int32_t> BlockManager::match_prefix(const int64_t* tokens, size_t nu
     parent_hash = h;
   }
   return hit_blocks;
+}
+
+const std::vector<int32_t>& BlockManager::match_prefix_memo(const int64_t* tokens, size_t num_tokens,
+                                                           std::string_view salt,
+                                                           const std::vector<uint64_t>** hashes) const {
+  MatchMemo& m = memo_;
+  const bool same = m.cache_version == cache_.version() && m.tokens.size() == num_tokens && m.salt == salt &&
+                    std::equal(m.tokens.begin(), m.tokens.end(), tokens);
+  if (!same) {
+    m.hashes.clear();
+    m.hits = match_prefix(tokens, num_tokens, salt, &m.hashes);
+    m.tokens.assign(tokens, tokens + num_tokens);
+    m.salt.assign(salt);
+    m.cache_version = cache_.version();
+  }
+  if (hashes) *hashes = &m.hashes;
+  return m.hits;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -155,7 +184,7 @@ AllocStatus BlockManager::can_allocate(const int64_t* tokens, size_t num_tokens,
   if (num_tokens == 0) throw ValueError("can_allocate: token_ids is empty");
   const int32_t needed = num_blocks_for(static_cast<int64_t>(num_tokens));
   if (needed > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
-  const std::vector<int32_t> hits = match_prefix(tokens, num_tokens, salt, nullptr);
+  const std::vector<int32_t>& hits = match_prefix_memo(tokens, num_tokens, salt, nullptr);
   int32_t from_free = needed;
   for (int32_t b : hits) from_free -= gpu_ref_[b] > 0;  // in-use hits cost no free block
   return gpu_free_.size() - from_free >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
@@ -165,8 +194,9 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
   if (seqs_.count(seq_id)) throw ValueError(cat("allocate: ", seq_str(seq_id), " already exists"));
   if (num_tokens == 0) throw ValueError("allocate: token_ids is empty");
   const int32_t needed = num_blocks_for(static_cast<int64_t>(num_tokens));
-  std::vector<uint64_t> hashes;
-  const std::vector<int32_t> hits = match_prefix(tokens, num_tokens, salt, &hashes);
+  const std::vector<uint64_t>* memo_hashes = nullptr;
+  const std::vector<int32_t> hits = match_prefix_memo(tokens, num_tokens, salt, &memo_hashes);
+  std::vector<uint64_t> hashes = *memo_hashes;
   int32_t from_free = needed;
   for (int32_t b : hits) from_free -= gpu_ref_[b] > 0;
   if (from_free > gpu_free_.size())
@@ -215,17 +245,15 @@ void BlockManager::register_computed_blocks(Sequence& seq) {
 void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>* num_tokens) {
   if (num_tokens && num_tokens->size() != seq_ids.size())
     throw ValueError(cat("mark_computed: ", seq_ids.size(), " seq_ids but ", num_tokens->size(), " num_tokens"));
-  for (size_t i = 0; i < seq_ids.size(); ++i) {
-    const Sequence& seq = get_resident(seq_ids[i], "mark_computed");
-    if (num_tokens) {
-      const int64_t n = (*num_tokens)[i];
-      if (n < seq.num_computed || n > static_cast<int64_t>(seq.tokens.size()))
-        throw ValueError(cat("mark_computed: num_tokens=", n, " for ", seq_str(seq_ids[i]), " must be in [",
-                             seq.num_computed, ", ", seq.tokens.size(), "] (computed so far, length)"));
-    }
+  const std::vector<Sequence*> seqs = resolve(seq_ids.data(), seq_ids.size(), "mark_computed", /*unique=*/false);
+  for (size_t i = 0; i < seqs.size() && num_tokens; ++i) {
+    const int64_t n = (*num_tokens)[i];
+    if (n < seqs[i]->num_computed || n > static_cast<int64_t>(seqs[i]->tokens.size()))
+      throw ValueError(cat("mark_computed: num_tokens=", n, " for ", seq_str(seq_ids[i]), " must be in [",
+                           seqs[i]->num_computed, ", ", seqs[i]->tokens.size(), "] (computed so far, length)"));
   }
-  for (size_t i = 0; i < seq_ids.size(); ++i) {
-    Sequence& seq = get(seq_ids[i]);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Sequence& seq = *seqs[i];
     seq.num_computed = num_tokens ? (*num_tokens)[i] : static_cast<int64_t>(seq.tokens.size());
     register_computed_blocks(seq);
   }
@@ -234,15 +262,14 @@ void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std:
 // ---------------------------------------------------------------------------------------------------
 // Decode
 
-int32_t BlockManager::blocks_needed_to_append(const int64_t* seq_ids, size_t n) const {
+int32_t BlockManager::blocks_needed_to_append(const std::vector<Sequence*>& seqs) const {
   int32_t needed = 0;
   std::unordered_map<int32_t, int32_t> appenders_of_shared;  // shared last block -> appenders in batch
-  for (size_t i = 0; i < n; ++i) {
-    const Sequence& seq = get_resident(seq_ids[i], "append");
-    if (seq.tokens.size() % block_size_ == 0) {
+  for (const Sequence* seq : seqs) {
+    if (seq->tokens.size() % block_size_ == 0) {
       ++needed;
-    } else if (gpu_ref_[seq.block_table.back()] > 1) {
-      ++appenders_of_shared[seq.block_table.back()];
+    } else if (gpu_ref_[seq->block_table.back()] > 1) {
+      ++appenders_of_shared[seq->block_table.back()];
     }
   }
   // k appenders on a block with r references copy k times, or k - 1 times when they are all of them.
@@ -251,8 +278,7 @@ int32_t BlockManager::blocks_needed_to_append(const int64_t* seq_ids, size_t n) 
 }
 
 bool BlockManager::can_append(const int64_t* seq_ids, size_t n) const {
-  check_unique(seq_ids, n, "can_append");
-  return blocks_needed_to_append(seq_ids, n) <= gpu_free_.size();
+  return blocks_needed_to_append(resolve(seq_ids, n, "can_append", /*unique=*/true)) <= gpu_free_.size();
 }
 
 int64_t BlockManager::append_token(int64_t seq_id, int64_t token_id) {
@@ -262,13 +288,13 @@ int64_t BlockManager::append_token(int64_t seq_id, int64_t token_id) {
 }
 
 void BlockManager::append_tokens(const int64_t* seq_ids, const int64_t* token_ids, size_t n, int64_t* slots_out) {
-  check_unique(seq_ids, n, "append_tokens");
-  const int32_t needed = blocks_needed_to_append(seq_ids, n);
+  const std::vector<Sequence*>& seqs = resolve(seq_ids, n, "append_tokens", /*unique=*/true);
+  const int32_t needed = blocks_needed_to_append(seqs);
   if (needed > gpu_free_.size())
     throw OutOfBlocks(cat("append_tokens: needs ", needed, " free blocks but only ", gpu_free_.size(),
                           " are free (check can_append first)"));
   for (size_t i = 0; i < n; ++i) {
-    Sequence& seq = get(seq_ids[i]);
+    Sequence& seq = *seqs[i];
     const int64_t pos = static_cast<int64_t>(seq.tokens.size());
     if (pos % block_size_ == 0) {
       seq.block_table.push_back(take_free_block());
@@ -318,12 +344,9 @@ void BlockManager::fork(int64_t parent_seq_id, int64_t child_seq_id) {
 // Swapping
 
 bool BlockManager::can_swap_out(const std::vector<int64_t>& seq_ids) const {
-  check_unique(seq_ids.data(), seq_ids.size(), "can_swap_out");
   std::unordered_set<int32_t> blocks;
-  for (int64_t id : seq_ids) {
-    const Sequence& seq = get_resident(id, "can_swap_out");
-    blocks.insert(seq.block_table.begin(), seq.block_table.end());
-  }
+  for (const Sequence* seq : resolve(seq_ids.data(), seq_ids.size(), "swap_out", /*unique=*/true))
+    blocks.insert(seq->block_table.begin(), seq->block_table.end());
   return static_cast<int32_t>(blocks.size()) <= cpu_free_.size();
 }
 
@@ -357,13 +380,9 @@ std::vector<BlockPair> BlockManager::swap_out(const std::vector<int64_t>& seq_id
 }
 
 AllocStatus BlockManager::can_swap_in(const std::vector<int64_t>& seq_ids) const {
-  check_unique(seq_ids.data(), seq_ids.size(), "can_swap_in");
   std::unordered_set<int32_t> blocks;
-  for (int64_t id : seq_ids) {
-    const Sequence& seq = get(id);
-    if (!seq.swapped) throw ValueError(cat("can_swap_in: ", seq_str(id), " is not swapped out"));
-    blocks.insert(seq.block_table.begin(), seq.block_table.end());
-  }
+  for (const Sequence* seq : resolve(seq_ids.data(), seq_ids.size(), "swap_in", /*unique=*/true, Where::kSwapped))
+    blocks.insert(seq->block_table.begin(), seq->block_table.end());
   const int32_t needed = static_cast<int32_t>(blocks.size());
   if (needed > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
   return gpu_free_.size() - needed >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
@@ -407,20 +426,20 @@ std::vector<BlockPair> BlockManager::swap_in(const std::vector<int64_t>& seq_ids
 const std::vector<int32_t>& BlockManager::block_table(int64_t seq_id) const { return get(seq_id).block_table; }
 
 int32_t BlockManager::max_table_length(const int64_t* seq_ids, size_t n) const {
-  int32_t longest = 0;
-  for (size_t i = 0; i < n; ++i)
-    longest = std::max(longest, static_cast<int32_t>(get_resident(seq_ids[i], "block_tables").block_table.size()));
-  return longest;
+  size_t longest = 0;
+  for (const Sequence* seq : resolve(seq_ids, n, "block_tables", /*unique=*/false))
+    longest = std::max(longest, seq->block_table.size());
+  return static_cast<int32_t>(longest);
 }
 
 void BlockManager::block_tables(const int64_t* seq_ids, size_t n, int32_t max_blocks, int32_t pad,
                                 int32_t* out) const {
-  const int32_t longest = max_table_length(seq_ids, n);
+  const int32_t longest = max_table_length(seq_ids, n);  // also resolves the ids into scratch_
   if (max_blocks < longest)
     throw ValueError(cat("block_tables: max_blocks=", max_blocks, " is shorter than the longest block table (",
                          longest, " blocks)"));
   for (size_t i = 0; i < n; ++i) {
-    const std::vector<int32_t>& table = get(seq_ids[i]).block_table;
+    const std::vector<int32_t>& table = scratch_[i]->block_table;
     int32_t* row = out + int64_t(i) * max_blocks;
     std::copy(table.begin(), table.end(), row);
     std::fill(row + table.size(), row + max_blocks, pad);

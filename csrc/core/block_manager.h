@@ -94,12 +94,17 @@ class BlockManager {
     int32_t num_registered = 0;         // leading full blocks registered in the prefix cache
     std::string salt;
     bool swapped = false;
+    mutable uint64_t stamp = 0;         // duplicate detection in batched calls
   };
+  enum class Where { kResident, kSwapped };
 
   Sequence& get(int64_t seq_id);
   const Sequence& get(int64_t seq_id) const;
   const Sequence& get_resident(int64_t seq_id, const char* what) const;
-  void check_unique(const int64_t* seq_ids, size_t n, const char* what) const;
+  // Looks up a batch of ids once (KeyError if unknown, ValueError if in the wrong place or, when
+  // `unique`, repeated). Returns a scratch vector valid until the next call.
+  const std::vector<Sequence*>& resolve(const int64_t* seq_ids, size_t n, const char* what, bool unique,
+                                        Where where = Where::kResident) const;
 
   int32_t num_blocks_for(int64_t num_tokens) const {
     return static_cast<int32_t>((num_tokens + block_size_ - 1) / block_size_);
@@ -107,7 +112,10 @@ class BlockManager {
   // Longest run of leading blocks (at most ceil(n/bs) - 1) whose content is cached.
   std::vector<int32_t> match_prefix(const int64_t* tokens, size_t num_tokens, std::string_view salt,
                                     std::vector<uint64_t>* hashes) const;
-  int32_t blocks_needed_to_append(const int64_t* seq_ids, size_t n) const;
+  // Cached: allocate() right after can_allocate() for the same prompt reuses the lookup.
+  const std::vector<int32_t>& match_prefix_memo(const int64_t* tokens, size_t num_tokens, std::string_view salt,
+                                                const std::vector<uint64_t>** hashes) const;
+  int32_t blocks_needed_to_append(const std::vector<Sequence*>& seqs) const;
   uint64_t block_hash(Sequence& seq, int32_t index) const;
   void register_computed_blocks(Sequence& seq);
 
@@ -130,6 +138,16 @@ class BlockManager {
 
   std::unordered_map<int64_t, Sequence> seqs_;
   std::vector<BlockPair> pending_copies_;
+  mutable std::vector<Sequence*> scratch_;
+  mutable uint64_t stamp_ = 0;
+  struct MatchMemo {
+    uint64_t cache_version = ~uint64_t(0);
+    std::vector<int64_t> tokens;
+    std::string salt;
+    std::vector<int32_t> hits;
+    std::vector<uint64_t> hashes;
+  };
+  mutable MatchMemo memo_;
   BlockManagerStats counters_;
 };
 

@@ -17,6 +17,11 @@ namespace pagedkv {
 namespace {
 
 static_assert(sizeof(int64_t) == 8, "token ids are hashed as int64");
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+constexpr bool kLittleEndian = true;  // tokens are already little-endian int64 bytes
+#else
+constexpr bool kLittleEndian = false;
+#endif
 
 uint64_t load_le64(const unsigned char* p) {
   uint64_t v = 0;
@@ -84,6 +89,7 @@ uint64_t hash_block_tokens(const int64_t* tokens, size_t num_tokens, std::option
     std::memcpy(salted.data() + 1, salt.data(), salt.size());
     parent = digest(salted.data(), salted.size(), algo);
   }
+  if (!parent && kLittleEndian) return digest(reinterpret_cast<const unsigned char*>(tokens), num_tokens * 8, algo);
   // Small blocks hash from the stack; large ones from the heap.
   const size_t len = (parent ? 8 : 0) + num_tokens * 8;
   unsigned char stack_buf[8 + 64 * 8];
@@ -98,7 +104,11 @@ uint64_t hash_block_tokens(const int64_t* tokens, size_t num_tokens, std::option
     store_le64(*parent, p);
     p += 8;
   }
-  for (size_t i = 0; i < num_tokens; ++i, p += 8) store_le64(static_cast<uint64_t>(tokens[i]), p);
+  if (kLittleEndian) {
+    std::memcpy(p, tokens, num_tokens * 8);
+  } else {
+    for (size_t i = 0; i < num_tokens; ++i, p += 8) store_le64(static_cast<uint64_t>(tokens[i]), p);
+  }
   return digest(buf, len, algo);
 }
 

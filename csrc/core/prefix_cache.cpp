@@ -46,6 +46,7 @@ PrefixCache::NodeId PrefixCache::find_or_create(uint64_t hash, NodeId parent, co
 
 void PrefixCache::set_block(NodeId id, int32_t block) {
   Node& n = nodes_[id];
+  ++version_;
   num_registered_ += (block != kNone) - (n.block != kNone);
   n.block = block;
 }
@@ -65,6 +66,7 @@ void PrefixCache::release(NodeId id) {
     n.salt.clear();
     live_[id] = false;
     free_ids_.push_back(id);
+    ++version_;
     id = parent;
   }
 }
@@ -75,6 +77,7 @@ void PrefixCache::clear() {
   live_.clear();
   index_.clear();
   num_registered_ = 0;
+  ++version_;
 }
 
 std::vector<PrefixCache::NodeId> PrefixCache::live_nodes() const {

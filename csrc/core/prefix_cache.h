@@ -40,6 +40,7 @@ class PrefixCache {
 
   int32_t num_nodes() const { return static_cast<int32_t>(nodes_.size() - free_ids_.size()); }
   int32_t num_registered() const { return num_registered_; }
+  uint64_t version() const { return version_; }  // changes whenever a lookup could answer differently
   void clear();
 
   // Every live node id (for check_invariants).
@@ -55,6 +56,7 @@ class PrefixCache {
   std::vector<bool> live_;
   std::unordered_multimap<uint64_t, NodeId> index_;
   int32_t num_registered_ = 0;
+  uint64_t version_ = 0;
 };
 
 }  // namespace pagedkv

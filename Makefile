@@ -1,0 +1,40 @@
+# The two set-up commands: `make demo` (the main job) and `make test` (every test). Both work from a
+# clean clone on a fresh machine: they install what they need first (scripts/setup_env.sh).
+PY := .venv/bin/python
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: demo test env build test-cpp test-py bench wheel-check clean
+
+demo: build
+	$(PY) -m pagedkv.simulate
+
+test: build test-cpp test-py
+
+env:
+	scripts/setup_env.sh
+
+build: env
+	PY=$(PY) scripts/build.sh
+
+# C++ core under AddressSanitizer + UndefinedBehaviorSanitizer.
+test-cpp: env
+	cmake -S . -B build/cpp-asan -G Ninja -DPAGEDKV_SANITIZE=ON -DCMAKE_MAKE_PROGRAM=$(CURDIR)/.venv/bin/ninja >/dev/null
+	cmake --build build/cpp-asan
+	ctest --test-dir build/cpp-asan --output-on-failure
+
+test-py: build
+	$(PY) -m pytest tests
+
+bench: build
+	$(PY) benchmarks/bench_block_manager.py
+
+# The wheel installs into a fresh venv that has torch, and imports.
+wheel-check: build
+	rm -rf dist /tmp/pagedkv-wheel-venv
+	$(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
+	$(PY) -m venv /tmp/pagedkv-wheel-venv
+	/tmp/pagedkv-wheel-venv/bin/pip install -q --disable-pip-version-check torch==2.14.1 numpy tqdm dist/pagedkv-*.whl
+	cd /tmp && /tmp/pagedkv-wheel-venv/bin/python -c "import pagedkv; bm = pagedkv.BlockManager(8, 4); print('wheel OK:', pagedkv.__file__, bm)"
+
+clean:
+	rm -rf build dist pagedkv/*.so

@@ -1,0 +1,136 @@
+"""Block-manager bookkeeping cost: pagedkv's C++ BlockManager vs a plain-Python implementation of the
+seeds' algorithm (benchmarks/seeds_block_manager.py), side by side in one process.
+
+  (1) admission: 256 prompts of 300-800 tokens sharing 8 system prompts. Seeds: per prompt
+      can_allocate, allocate (which registers hashes at once) and the prefill slot-mapping tensor.
+      pagedkv: per wave of --wave prompts, allocate_batch, slot_mappings and mark_computed (hashes are
+      registered only once KV is written, so prompts of one wave cannot hit each other).
+  (2) decode: steps at batch 256 producing what a model runner needs: the slot-mapping tensor and the
+      padded block-table tensor (and, for pagedkv, seq_lens + mark_computed).
+
+Run: python benchmarks/bench_block_manager.py [--repeats 5]
+"""
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from seeds_block_manager import Seq, SeedsBlockManager  # noqa: E402
+
+import pagedkv  # noqa: E402
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 24_000
+BATCH = 256
+
+
+def make_prompts(rng):
+    systems = [[rng.randrange(32_000) for _ in range(rng.randrange(150, 400))] for _ in range(8)]
+    prompts = []
+    for _ in range(BATCH):
+        system = rng.choice(systems)
+        total = rng.randrange(300, 801)
+        prompts.append(system + [rng.randrange(32_000) for _ in range(max(1, total - len(system)))])
+    return prompts
+
+
+def admit_seeds(prompts):
+    bm = SeedsBlockManager(NUM_BLOCKS, BLOCK_SIZE)
+    seqs, cached = [], 0
+    t0 = time.perf_counter()
+    for tokens in prompts:
+        seq = Seq(tokens, BLOCK_SIZE)
+        assert bm.can_allocate(seq)
+        bm.allocate(seq)
+        bs, table = BLOCK_SIZE, seq.block_table
+        torch.tensor([table[p // bs] * bs + p % bs for p in range(seq.num_cached_tokens, len(seq))], dtype=torch.int64)
+        cached += seq.num_cached_tokens
+        seqs.append(seq)
+    return time.perf_counter() - t0, cached, (bm, seqs)
+
+
+def admit_pagedkv(prompts, wave):
+    """Admission as a scheduler step does it: a wave of prompts per call, then their prefill slot
+    mapping, then mark_computed once their KV is written (so prompts hit waves before theirs)."""
+    bm = pagedkv.BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+    cached = 0
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), wave):
+        ids = list(range(start, min(start + wave, len(prompts))))
+        hits = bm.allocate_batch(ids, prompts[start:start + wave])
+        assert len(hits) == len(ids)
+        bm.slot_mappings(ids, hits)
+        bm.mark_computed(ids)
+        cached += sum(hits)
+    return time.perf_counter() - t0, cached, bm
+
+
+def decode_seeds(state, steps):
+    bm, seqs = state
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        slots = []
+        for seq in seqs:
+            seq.token_ids.append(7)
+            assert bm.can_append(seq)
+            bm.may_append(seq)
+            p = len(seq) - 1
+            slots.append(seq.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+        slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        width = max(len(s.block_table) for s in seqs)
+        block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+        torch.tensor([len(s) for s in seqs], dtype=torch.int32)
+    del slot_mapping, block_tables
+    return (time.perf_counter() - t0) / steps
+
+
+def decode_pagedkv(bm, steps):
+    ids = list(range(BATCH))
+    tokens = [7] * BATCH
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        assert bm.can_append(ids)
+        bm.append_tokens(ids, tokens)
+        bm.block_tables(ids)
+        bm.seq_lens(ids)
+        bm.mark_computed(ids)
+    return (time.perf_counter() - t0) / steps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=64, help="decode steps per repeat")
+    ap.add_argument("--wave", type=int, default=16, help="prompts admitted per pagedkv scheduler step")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = {"admit": [[], []], "decode": [[], []]}
+    hits = None
+    for r in range(args.repeats):
+        prompts = make_prompts(random.Random(r))
+        t_seeds, c_seeds, state = admit_seeds(prompts)
+        t_pkv, c_pkv, bm = admit_pagedkv(prompts, args.wave)
+        rows["admit"][0].append(t_seeds)
+        rows["admit"][1].append(t_pkv)
+        hits = (c_seeds, c_pkv, sum(map(len, prompts)))
+        rows["decode"][0].append(decode_seeds(state, args.steps))
+        rows["decode"][1].append(decode_pagedkv(bm, args.steps))
+        bm.check_invariants()
+
+    print(f"block_size={BLOCK_SIZE}, batch={BATCH}, median of {args.repeats} repeats, torch threads=1")
+    print(f"cached prompt tokens: seeds {hits[0]}, pagedkv {hits[1]} of {hits[2]} (pagedkv admits {args.wave} per step)")
+    print(f"| phase | seeds (pure Python) | pagedkv (C++) | speed-up |")
+    print(f"|---|---|---|---|")
+    labels = {"admit": "admit 256 prompts (total)", "decode": f"decode step, batch {BATCH}"}
+    for key, (py, cpp) in rows.items():
+        a, b = statistics.median(py), statistics.median(cpp)
+        print(f"| {labels[key]} | {a * 1e3:.2f} ms | {b * 1e3:.3f} ms | {a / b:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()

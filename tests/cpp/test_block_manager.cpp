@@ -1,0 +1,184 @@
+// BlockManager core behaviour, checked without Python: allocation, prefix hits, eviction order,
+// copy-on-write, swapping, exactness under forced hash collisions, and errors that change nothing.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "core/block_manager.h"
+#include "core/errors.h"
+
+using namespace pagedkv;
+
+namespace {
+
+std::vector<int64_t> iota_tokens(int64_t n, int64_t start = 0) {
+  std::vector<int64_t> v(n);
+  std::iota(v.begin(), v.end(), start);
+  return v;
+}
+
+int64_t alloc(BlockManager& bm, int64_t id, const std::vector<int64_t>& t, std::string_view salt = {}) {
+  return bm.allocate(id, t.data(), t.size(), salt);
+}
+
+}  // namespace
+
+TEST(BlockManager, AllBlocksUsableAndSlotsFollowTable) {
+  BlockManager bm(4, 4);
+  auto t = iota_tokens(16);
+  EXPECT_EQ(bm.can_allocate(t.data(), t.size()), AllocStatus::kOk);
+  EXPECT_EQ(alloc(bm, 1, t), 0);
+  EXPECT_EQ(bm.num_free_blocks(), 0);
+  const auto& table = bm.block_table(1);
+  std::vector<int64_t> slots(16);
+  bm.slot_mapping(1, 0, 16, slots.data());
+  for (int p = 0; p < 16; ++p) EXPECT_EQ(slots[p], table[p / 4] * 4 + p % 4);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, PrefixHitAfterMarkComputedOnly) {
+  BlockManager bm(16, 4);
+  auto t = iota_tokens(10);
+  alloc(bm, 1, t);
+  EXPECT_EQ(alloc(bm, 2, t), 0) << "hashes must not be registered before mark_computed";
+  bm.mark_computed({1});
+  EXPECT_EQ(alloc(bm, 3, t), 8);  // 2 full blocks hit, the partial last block is computed
+  EXPECT_EQ(bm.block_table(3)[0], bm.block_table(1)[0]);
+  EXPECT_EQ(bm.block_table(3)[1], bm.block_table(1)[1]);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, LastFullBlockIsAlwaysComputed) {
+  BlockManager bm(16, 4);
+  auto t = iota_tokens(8);
+  alloc(bm, 1, t);
+  bm.mark_computed({1});
+  EXPECT_EQ(alloc(bm, 2, t), 4);
+}
+
+TEST(BlockManager, EvictsLeastRecentlyFreedTailFirst) {
+  BlockManager bm(6, 2);
+  auto a = iota_tokens(6, 0), b = iota_tokens(6, 100);
+  alloc(bm, 1, a);
+  bm.mark_computed({1});
+  alloc(bm, 2, b);
+  bm.mark_computed({2});
+  auto ta = bm.block_table(1);
+  bm.free(1);
+  bm.free(2);
+  // One new 2-block prompt evicts a's last block first, then a's middle block.
+  auto c = iota_tokens(4, 500);
+  alloc(bm, 3, c);
+  EXPECT_EQ(bm.block_table(3)[0], ta[2]);
+  EXPECT_EQ(bm.block_table(3)[1], ta[1]);
+  EXPECT_EQ(bm.stats().evictions, 2);
+  // a's first block still hits.
+  EXPECT_EQ(alloc(bm, 4, a), 2);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, ForkCopiesOnWrite) {
+  BlockManager bm(8, 4);
+  auto t = iota_tokens(6);
+  alloc(bm, 1, t);
+  bm.fork(1, 2);
+  const int32_t shared_last = bm.block_table(1)[1];
+  const int64_t slot = bm.append_token(2, 42);
+  auto copies = bm.take_copies();
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].first, shared_last);
+  EXPECT_EQ(slot, int64_t(copies[0].second) * 4 + 2);
+  EXPECT_EQ(bm.append_token(1, 43), int64_t(shared_last) * 4 + 2) << "the last owner writes in place";
+  EXPECT_TRUE(bm.take_copies().empty());
+  bm.check_invariants();
+}
+
+TEST(BlockManager, SwapOutAndIn) {
+  BlockManager bm(4, 4, /*num_cpu_blocks=*/4);
+  auto t = iota_tokens(12);
+  alloc(bm, 1, t);
+  bm.fork(1, 2);
+  auto out = bm.swap_out({1, 2});
+  EXPECT_EQ(out.size(), 3u) << "shared blocks are copied once";
+  EXPECT_EQ(bm.num_free_blocks(), 4);
+  EXPECT_EQ(bm.num_free_cpu_blocks(), 1);
+  EXPECT_EQ(bm.can_swap_in({1, 2}), AllocStatus::kOk);
+  auto in = bm.swap_in({1, 2});
+  EXPECT_EQ(in.size(), 3u);
+  EXPECT_EQ(bm.num_free_cpu_blocks(), 4);
+  EXPECT_EQ(bm.block_table(1), bm.block_table(2));
+  bm.check_invariants();
+}
+
+TEST(BlockManager, ErrorsLeaveStateUnchanged) {
+  BlockManager bm(3, 4);
+  auto t = iota_tokens(8);
+  alloc(bm, 1, t);
+  EXPECT_THROW(alloc(bm, 1, t), ValueError);
+  EXPECT_THROW(alloc(bm, 2, iota_tokens(9)), OutOfBlocks);
+  EXPECT_THROW(bm.free(7), KeyError);
+  EXPECT_THROW(bm.swap_out({1}), ValueError);
+  int64_t ids[] = {1, 1}, toks[] = {5, 6}, slots[2];
+  EXPECT_THROW(bm.append_tokens(ids, toks, 2, slots), ValueError);
+  EXPECT_EQ(bm.num_free_blocks(), 1);
+  EXPECT_EQ(bm.num_tokens(1), 8);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, WatermarkGivesLaterAndNever) {
+  BlockManager bm(10, 4, 0, true, /*watermark=*/0.2);  // 2 blocks held back
+  auto big = iota_tokens(4 * 9);
+  EXPECT_EQ(bm.can_allocate(big.data(), big.size()), AllocStatus::kNever);
+  auto fits = iota_tokens(4 * 8);
+  EXPECT_EQ(bm.can_allocate(fits.data(), fits.size()), AllocStatus::kOk);
+  alloc(bm, 1, iota_tokens(4, 1000));
+  EXPECT_EQ(bm.can_allocate(fits.data(), fits.size()), AllocStatus::kLater);
+}
+
+TEST(BlockManager, SaltIsolatesTenants) {
+  BlockManager bm(16, 4);
+  auto t = iota_tokens(12);
+  alloc(bm, 1, t, "alice");
+  bm.mark_computed({1});
+  EXPECT_EQ(alloc(bm, 2, t, "bob"), 0);
+  EXPECT_EQ(alloc(bm, 3, t), 0);
+  EXPECT_EQ(alloc(bm, 4, t, "alice"), 8);
+}
+
+// With an 8-bit hash and a 2-token vocabulary, hashes collide constantly; every hit must still hand out
+// a block whose KV was written for exactly the same prefix.
+TEST(BlockManager, ForcedCollisionsNeverGiveWrongHits) {
+  BlockManager bm(64, 2, 0, true, 0.0, HashAlgo::kWeak8);
+  std::mt19937 rng(1234);
+  std::vector<std::vector<int64_t>> written(64);  // prefix whose KV each physical block holds
+  std::vector<int64_t> live;
+  int64_t next_id = 0;
+  std::map<int64_t, std::vector<int64_t>> prompts;
+  for (int step = 0; step < 2000; ++step) {
+    if (!live.empty() && (rng() % 3 == 0 || bm.num_free_blocks() < 6)) {
+      const size_t k = rng() % live.size();
+      bm.free(live[k]);
+      live.erase(live.begin() + k);
+      continue;
+    }
+    std::vector<int64_t> t(2 + rng() % 9);
+    for (auto& x : t) x = rng() % 2;
+    if (bm.can_allocate(t.data(), t.size()) != AllocStatus::kOk) continue;
+    const int64_t id = next_id++;
+    const int64_t cached = alloc(bm, id, t);
+    const auto& table = bm.block_table(id);
+    for (int64_t i = 0; i < cached / 2; ++i) {
+      std::vector<int64_t> prefix(t.begin(), t.begin() + 2 * (i + 1));
+      ASSERT_EQ(written[table[i]], prefix) << "wrong hit at step " << step;
+    }
+    for (size_t i = cached / 2; i < table.size(); ++i)
+      written[table[i]] = std::vector<int64_t>(t.begin(), t.begin() + std::min<size_t>(2 * (i + 1), t.size()));
+    bm.mark_computed({id});
+    live.push_back(id);
+    bm.check_invariants();
+  }
+  EXPECT_GT(bm.stats().hits, 0);
+}

@@ -1,0 +1,366 @@
+"""BlockManager behaviour by behaviour, through the Python API (DESIGN.md section 1)."""
+import random
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+import pagedkv
+from pagedkv import AllocStatus, BlockManager
+
+
+def toks(n, start=0):
+    return list(range(start, start + n))
+
+
+def seeds_hash(tokens, parent=None):
+    """The seeds' formula, written with the Python xxhash package."""
+    h = xxhash.xxh64()
+    if parent is not None:
+        h.update(parent.to_bytes(8, "little"))
+    h.update(np.array(tokens, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+# --- hashing -----------------------------------------------------------------------------------------
+
+def test_xxh64_chain_is_bit_identical_to_seeds():
+    rng = random.Random()
+    parent = None
+    for _ in range(20):
+        block = [rng.randrange(-(2**40), 2**40) for _ in range(rng.choice([1, 16, 64]))]
+        h = pagedkv.hash_block_tokens(block, parent)
+        assert h == seeds_hash(block, parent)
+        parent = h
+
+
+def test_hash_accepts_tensors_and_salts_change_block0_only():
+    block = toks(16)
+    assert pagedkv.hash_block_tokens(torch.tensor(block)) == seeds_hash(block)
+    salted = pagedkv.hash_block_tokens(block, cache_salt=b"tenant-a")
+    assert salted != seeds_hash(block)
+    assert salted != pagedkv.hash_block_tokens(block, cache_salt="tenant-b")
+    assert pagedkv.hash_block_tokens(block, 7, cache_salt="x") == seeds_hash(block, 7)
+
+
+@pytest.mark.skipif(not pagedkv._C.sha256_available(), reason="built without OpenSSL")
+def test_sha256_and_weak8():
+    import hashlib
+
+    block = toks(4)
+    digest = hashlib.sha256(np.array(block, dtype=np.int64).tobytes()).digest()
+    assert pagedkv.hash_block_tokens(block, algo="sha256") == int.from_bytes(digest[:8], "little")
+    assert pagedkv.hash_block_tokens(block, algo="weak8") == seeds_hash(block) & 0xFF
+    with pytest.raises(ValueError, match="hash_algo"):
+        BlockManager(4, 4, hash_algo="md5")
+
+
+# --- allocation and prefix caching ---------------------------------------------------------------------
+
+def test_all_blocks_usable_and_slot_mapping():
+    bm = BlockManager(4, 4)
+    assert bm.can_allocate(toks(16)) == AllocStatus.OK
+    assert bm.allocate(1, toks(16)) == 0
+    assert bm.num_free_blocks == 0
+    table = bm.block_table(1)
+    assert sorted(table) == [0, 1, 2, 3]
+    expected = [table[p // 4] * 4 + p % 4 for p in range(16)]
+    slots = bm.slot_mapping(1, 0, 16)
+    assert slots.dtype == torch.int64 and slots.tolist() == expected
+    assert bm.slot_mapping(1, 5, 9).tolist() == expected[5:9]
+    bm.check_invariants()
+
+
+def test_hits_need_mark_computed_and_last_block_is_computed():
+    bm = BlockManager(32, 4)
+    prompt = toks(12)
+    bm.allocate(1, prompt)
+    assert bm.allocate(2, prompt) == 0, "not registered before its KV is written"
+    bm.mark_computed(1, 8)  # two blocks written
+    assert bm.allocate(3, prompt) == 8
+    bm.mark_computed([1, 2, 3])
+    # 12 tokens = 3 full blocks, but the last is always computed.
+    assert bm.allocate(4, prompt) == 8
+    assert bm.allocate(5, prompt + [99]) == 12
+    # Latest registration wins (seq 2's blocks 0-1); block 2 was written by seq 3 after a parent held
+    # by another physical block: equal prefixes are interchangeable.
+    assert bm.block_table(5)[:3] == bm.block_table(2)[:2] + [bm.block_table(3)[2]]
+    st = bm.stats()
+    assert st["hits"] == 8 + 8 + 12 and st["queries"] == 12 * 4 + 13
+    assert st["hit_rate"] == pytest.approx(st["hits"] / st["queries"])
+    bm.check_invariants()
+
+
+def test_hit_requires_whole_prefix_not_just_block():
+    bm = BlockManager(32, 2)
+    bm.allocate(1, [1, 2, 3, 4, 5])
+    bm.mark_computed(1)
+    # Same second block, different first block: no hit anywhere.
+    assert bm.allocate(2, [9, 9, 3, 4, 5]) == 0
+    assert bm.allocate(3, [1, 2, 3, 4, 6]) == 4
+
+
+def test_latest_registration_wins():
+    bm = BlockManager(16, 4)
+    bm.allocate(1, toks(5))
+    bm.allocate(2, toks(5))
+    bm.mark_computed(1)
+    bm.mark_computed(2)
+    bm.allocate(3, toks(5))
+    assert bm.block_table(3)[0] == bm.block_table(2)[0]
+    # Freeing the winner and reusing the loser's block leaves the winner's entry intact.
+    first_loser = bm.block_table(1)[0]
+    bm.free(1)
+    bm.allocate(4, toks(4, 100))  # takes free blocks, possibly the loser's
+    bm.allocate(5, toks(5))
+    assert bm.block_table(5)[0] == bm.block_table(2)[0] != first_loser
+    bm.check_invariants()
+
+
+def test_cached_in_use_blocks_cost_no_free_block():
+    bm = BlockManager(5, 4)
+    bm.allocate(1, toks(13))  # 4 blocks
+    bm.mark_computed(1)
+    assert bm.num_free_blocks == 1
+    # 13 tokens again: 3 hit blocks in use, 1 new block needed.
+    assert bm.can_allocate(toks(13)) == AllocStatus.OK
+    assert bm.allocate(2, toks(13)) == 12
+    assert bm.can_allocate(toks(13)) == AllocStatus.LATER
+    assert bm.can_allocate(toks(21)) == AllocStatus.NEVER
+
+
+def test_watermark():
+    bm = BlockManager(10, 4, watermark=0.2)
+    assert bm.watermark_blocks == 2
+    assert bm.can_allocate(toks(36)) == AllocStatus.NEVER
+    assert bm.can_allocate(toks(32)) == AllocStatus.OK
+    bm.allocate(1, toks(4, 100))
+    assert bm.can_allocate(toks(32)) == AllocStatus.LATER
+
+
+def test_salt_isolates_and_prefix_caching_can_be_disabled():
+    bm = BlockManager(32, 4)
+    bm.allocate(1, toks(9), cache_salt="a")
+    bm.mark_computed(1)
+    assert bm.allocate(2, toks(9), cache_salt=b"b") == 0
+    assert bm.allocate(3, toks(9)) == 0
+    assert bm.allocate(4, toks(9), cache_salt="a") == 8
+    off = BlockManager(32, 4, enable_prefix_caching=False)
+    off.allocate(1, toks(9))
+    off.mark_computed(1)
+    assert off.allocate(2, toks(9)) == 0
+    assert off.stats()["cached_blocks"] == 0
+
+
+def test_lru_eviction_tail_first():
+    bm = BlockManager(6, 2)
+    bm.allocate(1, toks(6))
+    bm.mark_computed(1)
+    table = bm.block_table(1)
+    bm.free(1)
+    assert bm.stats()["cached_free_blocks"] == 3
+    bm.allocate(2, toks(2, 50))
+    bm.allocate(3, toks(2, 60))
+    bm.allocate(4, toks(2, 70))  # the 3 never-used blocks go first
+    assert bm.stats()["evictions"] == 0
+    bm.allocate(5, toks(2, 80))
+    assert bm.block_table(5) == [table[2]]  # the tail block is evicted first
+    assert bm.stats()["evictions"] == 1
+    for i in (2, 3, 4):
+        bm.free(i)
+    assert bm.allocate(6, toks(6)) == 4  # the prefix blocks survived
+    assert bm.block_table(6)[:2] == table[:2]
+    bm.check_invariants()
+
+
+def test_reset_prefix_cache():
+    bm = BlockManager(8, 2)
+    bm.allocate(1, toks(5))
+    bm.mark_computed(1)
+    bm.reset_prefix_cache()
+    assert bm.stats()["cached_blocks"] == 0
+    assert bm.allocate(2, toks(5)) == 0
+    bm.mark_computed([1, 2])  # re-registers the computed blocks
+    assert bm.allocate(3, toks(5)) == 4
+    bm.check_invariants()
+
+
+# --- decode, fork, copy-on-write ------------------------------------------------------------------------
+
+def test_append_token_allocates_at_block_boundary():
+    bm = BlockManager(4, 4)
+    bm.allocate(1, toks(4))
+    assert bm.num_free_blocks == 3
+    assert bm.can_append([1])
+    slot = bm.append_token(1, 4)
+    assert bm.num_free_blocks == 2
+    assert slot == bm.block_table(1)[1] * 4
+    assert bm.num_tokens(1) == 5
+    assert bm.token_ids(1) == toks(5)
+
+
+def test_batched_append_and_block_tables():
+    bm = BlockManager(64, 4)
+    for i in range(5):
+        bm.allocate(i, toks(3 + 3 * i))
+    slots = bm.append_tokens([0, 1, 2, 3, 4], [7, 7, 7, 7, 7])
+    assert slots.dtype == torch.int64
+    for i in range(5):
+        pos = bm.num_tokens(i) - 1
+        assert slots[i] == bm.block_table(i)[pos // 4] * 4 + pos % 4
+    bt = bm.block_tables([4, 0], max_blocks=6, pad=-1)
+    assert bt.dtype == torch.int32 and bt.shape == (2, 6)
+    assert bt[0, :4].tolist() == bm.block_table(4) and bt[1].tolist() == bm.block_table(0) + [-1] * 5
+    assert bm.block_tables([0, 4]).shape == (2, 4)
+    assert bm.seq_lens([0, 4]).tolist() == [4, 16]
+    with pytest.raises(ValueError, match="max_blocks"):
+        bm.block_tables([4], max_blocks=2)
+
+
+def test_fork_and_copy_on_write():
+    bm = BlockManager(16, 4)
+    bm.allocate(1, toks(6))
+    bm.mark_computed(1)
+    for child in (2, 3):
+        bm.fork(1, child)
+    shared = bm.block_table(1)[1]
+    used = bm.stats()["used_blocks"]
+    slots = bm.append_tokens([1, 2, 3], [10, 11, 12])
+    copies = bm.take_copies()
+    # Three sequences share the partial last block: two copies, the last writer keeps the original.
+    assert len(copies) == 2 and all(src == shared for src, _ in copies)
+    assert bm.stats()["used_blocks"] == used + 2
+    assert len({s // 4 for s in slots.tolist()}) == 3
+    assert bm.take_copies() == []
+    assert bm.block_table(2)[0] == bm.block_table(1)[0]  # the full block stays shared
+    bm.free(1)
+    bm.free(2)
+    bm.check_invariants()
+
+
+def test_can_append_counts_cow_exactly():
+    bm = BlockManager(3, 4)
+    bm.allocate(1, toks(6))
+    bm.fork(1, 2)
+    assert bm.num_free_blocks == 1
+    assert bm.can_append([1, 2])  # one copy, the other writes in place
+    bm.fork(1, 3)
+    assert not bm.can_append([1, 2, 3])
+    with pytest.raises(RuntimeError, match="free blocks"):
+        bm.append_tokens([1, 2, 3], [0, 0, 0])
+    assert bm.num_tokens(1) == 6 and bm.take_copies() == []
+    bm.check_invariants()
+
+
+# --- swap ----------------------------------------------------------------------------------------------
+
+def test_swap_out_and_in_roundtrip():
+    bm = BlockManager(6, 4, num_cpu_blocks=4)
+    bm.allocate(1, toks(10))
+    bm.mark_computed(1)
+    bm.fork(1, 2)
+    gpu_table = bm.block_table(1)
+    assert bm.can_swap_out([1, 2])
+    out = bm.swap_out([1, 2])
+    assert [g for g, _ in out] == gpu_table and bm.is_swapped(1)
+    assert bm.num_free_cpu_blocks == 1 and bm.num_free_blocks == 6
+    # The freed GPU blocks keep their cached KV.
+    assert bm.allocate(3, toks(10)) == 8
+    bm.free(3)
+    assert bm.can_swap_in([1, 2]) == AllocStatus.OK
+    back = bm.swap_in([1, 2])
+    assert [c for c, _ in back] == [c for _, c in out]
+    assert bm.block_table(1) == bm.block_table(2) == [g for _, g in back]
+    assert bm.num_free_cpu_blocks == 4
+    bm.append_token(1, 5)
+    bm.mark_computed([1, 2])
+    bm.check_invariants()
+
+
+def test_swap_errors():
+    bm = BlockManager(4, 4)
+    bm.allocate(1, toks(4))
+    with pytest.raises(ValueError, match="no CPU blocks"):
+        bm.swap_out([1])
+    assert not bm.can_swap_out([1])
+    bm2 = BlockManager(4, 4, num_cpu_blocks=1)
+    bm2.allocate(1, toks(8))
+    assert not bm2.can_swap_out([1])
+    with pytest.raises(RuntimeError, match="CPU blocks"):
+        bm2.swap_out([1])
+    with pytest.raises(ValueError, match="not swapped"):
+        bm2.swap_in([1])
+    bm3 = BlockManager(4, 4, num_cpu_blocks=4)
+    bm3.allocate(1, toks(8))
+    bm3.swap_out([1])
+    with pytest.raises(ValueError, match="swapped out"):
+        bm3.append_token(1, 0)
+    with pytest.raises(ValueError, match="swapped out"):
+        bm3.block_tables([1])
+    bm3.free(1)  # a swapped sequence can be freed: its CPU blocks return
+    assert bm3.num_free_cpu_blocks == 4
+    bm3.check_invariants()
+
+
+# --- bad input: a clear exception and no change of state -------------------------------------------------
+
+def snapshot(bm, ids):
+    return (bm.num_free_blocks, bm.num_free_cpu_blocks, bm.stats(),
+            {i: (bm.block_table(i), bm.num_tokens(i), bm.num_computed_tokens(i)) for i in ids if i in bm})
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda bm: bm.allocate(1, toks(3)), ValueError, "already exists"),
+        (lambda bm: bm.allocate(9, []), ValueError, "empty"),
+        (lambda bm: bm.allocate(9, toks(100)), RuntimeError, "free blocks"),
+        (lambda bm: bm.allocate(9, "abc"), TypeError, "token_ids"),
+        (lambda bm: bm.allocate(9, [1.5, 2.0]), TypeError, "ints"),
+        (lambda bm: bm.allocate(9, torch.ones(2, 2, dtype=torch.long)), ValueError, "1-D"),
+        (lambda bm: bm.free(9), KeyError, "unknown sequence 9"),
+        (lambda bm: bm.append_token(9, 1), KeyError, "unknown sequence 9"),
+        (lambda bm: bm.append_tokens([1, 9], [1, 1]), KeyError, "unknown sequence 9"),
+        (lambda bm: bm.append_tokens([1, 2], [1]), ValueError, "2 seq_ids but 1"),
+        (lambda bm: bm.append_tokens([1, 1], [1, 1]), ValueError, "twice"),
+        (lambda bm: bm.mark_computed([1, 9]), KeyError, "unknown sequence 9"),
+        (lambda bm: bm.mark_computed([1, 2], [3]), ValueError, "num_tokens"),
+        (lambda bm: bm.mark_computed(1, 99), ValueError, "num_tokens=99"),
+        (lambda bm: bm.slot_mapping(1, 2, 99), ValueError, "start <= end"),
+        (lambda bm: bm.slot_mapping(1, -1, 2), ValueError, "start"),
+        (lambda bm: bm.fork(1, 2), ValueError, "already exists"),
+        (lambda bm: bm.fork(9, 10), KeyError, "unknown"),
+        (lambda bm: bm.swap_out([1]), ValueError, "no CPU blocks"),
+        (lambda bm: bm.block_table(9), KeyError, "unknown"),
+        (lambda bm: bm.block_tables([1, 9]), KeyError, "unknown"),
+        (lambda bm: bm.can_append([1, 1]), ValueError, "twice"),
+    ],
+)
+def test_bad_input_raises_and_changes_nothing(call, exc, match):
+    bm = BlockManager(8, 4)
+    bm.allocate(1, toks(10))
+    bm.allocate(2, toks(3, 50))
+    bm.mark_computed(1, 4)
+    before = snapshot(bm, [1, 2, 9, 10])
+    with pytest.raises(exc, match=match):
+        call(bm)
+    assert snapshot(bm, [1, 2, 9, 10]) == before
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_blocks=0, block_size=4), dict(num_blocks=4, block_size=0),
+                                    dict(num_blocks=4, block_size=4, watermark=1.5),
+                                    dict(num_blocks=4, block_size=4, num_cpu_blocks=-1)])
+def test_bad_constructor_arguments(kwargs):
+    with pytest.raises(ValueError):
+        BlockManager(**kwargs)
+
+
+def test_double_free_is_key_error():
+    bm = BlockManager(4, 4)
+    bm.allocate(1, toks(3))
+    bm.free(1)
+    with pytest.raises(KeyError, match="already freed"):
+        bm.free(1)
+    assert bm.num_free_blocks == 4

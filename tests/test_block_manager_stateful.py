@@ -1,0 +1,140 @@
+"""Hypothesis drives the C++ BlockManager and the pure-Python model (tests/bm_model.py) with the same
+random calls and demands identical results, check_invariants() after every step, and that every prefix
+hit hands out a block whose KV (tracked here) was written for exactly that prefix."""
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from bm_model import Model
+from pagedkv import AllocStatus, BlockManager
+
+BS, NB, NCPU = 2, 12, 6
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(NB, BS, num_cpu_blocks=NCPU, hash_algo="weak8")
+        self.model = Model(NB, BS, NCPU)
+        self.kv = {}  # physical block -> tokens of the prefix whose KV it holds (up to its last written slot)
+        self.next_id = 0
+
+    def resident(self):
+        return [s for s, q in self.model.seqs.items() if not q.swapped]
+
+    def swapped(self):
+        return [s for s, q in self.model.seqs.items() if q.swapped]
+
+    def write_kv(self, sid):
+        """The runner wrote the KV of every token of sid (positions computed..len)."""
+        q = self.model.seqs[sid]
+        for p in range(len(q.tokens)):
+            self.kv.setdefault(q.table[p // BS], {})[p % BS] = tuple(q.tokens[: p + 1])
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9), salt=st.sampled_from([b"", b"t1"]))
+    def allocate(self, tokens, salt):
+        status = self.bm.can_allocate(tokens, cache_salt=salt or None)
+        need = self.model.free_blocks_needed(tokens, salt)
+        expected = (AllocStatus.NEVER if self.model.nblocks(len(tokens)) > NB
+                    else AllocStatus.OK if need <= len(self.model.free) else AllocStatus.LATER)
+        assert status == expected
+        if status != AllocStatus.OK:
+            return
+        sid, self.next_id = self.next_id, self.next_id + 1
+        cached = self.bm.allocate(sid, tokens, cache_salt=salt or None)
+        assert cached == self.model.allocate(sid, tokens, salt)
+        table = self.bm.block_table(sid)
+        assert table == self.model.seqs[sid].table
+        for p in range(cached):  # every hit holds exactly this prefix's KV
+            assert self.kv[table[p // BS]][p % BS] == tuple(tokens[: p + 1])
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def compute(self, data):
+        sids = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3, unique=True))
+        for sid in sids:
+            self.write_kv(sid)
+            self.model.mark_computed(sid)
+        self.bm.mark_computed(sids)
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def append(self, data, token):
+        sids = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3, unique=True))
+        ok = self.model.append_need(sids) <= len(self.model.free)
+        assert self.bm.can_append(sids) == ok
+        if not ok:
+            return
+        slots = self.bm.append_tokens(sids, [token] * len(sids)).tolist()
+        assert slots == [self.model.append(s, token) for s in sids]
+        copies = self.bm.take_copies()
+        assert copies == self.model.copies
+        self.model.copies = []
+        for src, dst in copies:  # the runner performs copy-on-write
+            self.kv[dst] = dict(self.kv.get(src, {}))
+
+    @precondition(lambda self: self.model.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.model.seqs)))
+        self.bm.free(sid)
+        self.model.free_seq(sid)
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.resident()))
+        child, self.next_id = self.next_id, self.next_id + 1
+        self.bm.fork(parent, child)
+        self.model.fork(parent, child)
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def swap_out(self, data):
+        sids = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=2, unique=True))
+        ok = self.model.distinct_blocks(sids) <= len(self.model.cpu_free)
+        assert self.bm.can_swap_out(sids) == ok
+        if ok:
+            mapping = self.bm.swap_out(sids)
+            assert mapping == self.model.swap_out(sids)
+            self.cpu_kv = getattr(self, "cpu_kv", {})
+            for g, c in mapping:
+                self.cpu_kv[c] = dict(self.kv.get(g, {}))
+
+    @precondition(lambda self: self.swapped())
+    @rule(data=st.data())
+    def swap_in(self, data):
+        sids = data.draw(st.lists(st.sampled_from(self.swapped()), min_size=1, max_size=2, unique=True))
+        need = self.model.distinct_blocks(sids)
+        status = self.bm.can_swap_in(sids)
+        assert status == (AllocStatus.NEVER if need > NB else
+                          AllocStatus.OK if need <= len(self.model.free) else AllocStatus.LATER)
+        if status == AllocStatus.OK:
+            mapping = self.bm.swap_in(sids)
+            assert mapping == self.model.swap_in(sids)
+            for c, g in mapping:
+                self.kv[g] = dict(self.cpu_kv[c])
+
+    @rule()
+    def reset_cache(self):
+        if self.model.seqs and len(self.model.seqs) % 5:
+            return  # rare
+        self.bm.reset_prefix_cache()
+        self.model.registry.clear()
+        self.model.tag.clear()
+        for q in self.model.seqs.values():
+            q.registered = 0
+
+    @invariant()
+    def agrees_with_model(self):
+        self.bm.check_invariants()
+        assert self.bm.num_free_blocks == len(self.model.free)
+        assert self.bm.num_free_cpu_blocks == len(self.model.cpu_free)
+        assert self.bm.stats()["evictions"] == self.model.evictions
+        for sid, q in self.model.seqs.items():
+            assert self.bm.block_table(sid) == q.table
+            assert self.bm.num_tokens(sid) == len(q.tokens)
+
+
+TestBlockManagerStateful = BlockManagerMachine.TestCase
+TestBlockManagerStateful.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
