@@ -12,10 +12,14 @@ import argparse
 import statistics
 import time
 
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
 
-import pagedkv.ops as ops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import pagedkv.ops as ops  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

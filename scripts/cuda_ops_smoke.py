@@ -1,8 +1,12 @@
 """Runs every CUDA op once on small shapes (for compute-sanitizer memcheck / racecheck): each dtype,
 the 16-byte and the scalar paths, a mixed decode/prefill batch, split-K with its merge, copy/swap."""
+import os
+import sys
+
 import torch
 
-import pagedkv.ops as ops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import pagedkv.ops as ops  # noqa: E402
 
 
 def attention(dtype, head_dim, block_size, group, seq_lens, q_lens, **kwargs):
