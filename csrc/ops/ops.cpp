@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <string>
 
 #include "ops/paged_kv.h"
 
@@ -16,17 +17,17 @@ bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
 
-void check_float_dtype(const at::Tensor& t, const char* name) {
+void check_float_dtype(const at::Tensor& t, const std::string& name) {
   TORCH_CHECK(is_supported_float(t.scalar_type()), name, " must be float32, float16 or bfloat16, got ",
               t.scalar_type());
 }
 
-void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
+void check_same_device(const at::Tensor& t, const std::string& name, const at::Tensor& ref, const char* ref_name) {
   TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name, " is on ", ref.device(),
               "; all tensors must be on the same device");
 }
 
-void check_cache(const at::Tensor& cache, const char* name) {
+void check_cache(const at::Tensor& cache, const std::string& name) {
   TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
               cache.sizes());
   check_float_dtype(cache, name);
@@ -116,13 +117,15 @@ void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vec
               " layers but value_caches has ", value_caches.size());
   check_block_mapping_shape(block_mapping);
   for (size_t i = 0; i < key_caches.size(); ++i) {
-    check_cache(key_caches[i], "key_caches[i]");
-    check_cache(value_caches[i], "value_caches[i]");
+    const std::string key_name = "key_caches[" + std::to_string(i) + "]";
+    const std::string value_name = "value_caches[" + std::to_string(i) + "]";
+    check_cache(key_caches[i], key_name);
+    check_cache(value_caches[i], value_name);
     TORCH_CHECK(key_caches[i].sizes() == value_caches[i].sizes() &&
                     key_caches[i].scalar_type() == value_caches[i].scalar_type(),
                 "value_caches[", i, "] must match key_caches[", i, "] in shape and dtype");
-    check_same_device(key_caches[i], "key_caches[i]", key_caches[0], "key_caches[0]");
-    check_same_device(value_caches[i], "value_caches[i]", key_caches[0], "key_caches[0]");
+    check_same_device(key_caches[i], key_name, key_caches[0], "key_caches[0]");
+    check_same_device(value_caches[i], value_name, key_caches[0], "key_caches[0]");
   }
   if (!key_caches.empty() && !block_mapping.is_cpu()) {
     check_same_device(block_mapping, "block_mapping", key_caches[0], "key_caches[0]");
