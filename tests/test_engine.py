@@ -41,6 +41,7 @@ def test_greedy_matches_transformers(tiny, device, prefix_caching):
     else:
         assert stats["cached_prompt_tokens"] == 0
     assert stats["used_blocks"] == 0, "every block is freed when its sequences finish"
+    llm.bm.check_invariants()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -57,6 +58,7 @@ def test_preemption_keeps_output_exact(tiny, device, num_cpu_blocks):
     else:
         assert stats["preempted_recompute"] > 0 and stats["preempted_swap"] == 0
     assert stats["used_blocks"] == 0
+    llm.bm.check_invariants()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -72,12 +74,45 @@ def test_n_samples_fork_and_copy_on_write(tiny, device):
     assert llm.stats()["prefill_tokens"] <= sum(len(p) for p in prompts[:3])   # one prefill per prompt
 
 
+@pytest.mark.parametrize("num_cpu_blocks", [64, 0], ids=["swap", "recompute"])
+def test_n_samples_under_preemption(tiny, num_cpu_blocks):
+    path, _, prompts, expected = tiny
+    llm = LLM(path, block_size=8, num_blocks=24, num_cpu_blocks=num_cpu_blocks)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+    outputs = llm.generate(prompts[:4], params)
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e, e] for e in expected[:4]]
+    stats = llm.stats()
+    assert stats["preempted_swap" if num_cpu_blocks else "preempted_recompute"] > 0
+    assert stats["used_blocks"] == 0
+    llm.bm.check_invariants()
+
+
+def test_random_sampling_is_seeded(tiny):
+    path, model, prompts, _ = tiny
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, n=3)
+    runs = [[c.token_ids for o in LLM(path, seed=7).generate(prompts[:2], params) for c in o.outputs]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert all(len(t) == 8 and all(0 <= x < model.config.vocab_size for x in t) for t in runs[0])
+    assert len({tuple(t) for t in runs[0]}) > 1
+
+
 def test_prompt_that_never_fits_fails_alone(tiny):
     path, _, prompts, expected = tiny
     llm = LLM(path, block_size=8, num_blocks=12)
     outputs = llm.generate([list(range(3, 200)), prompts[1]], GREEDY)
     assert outputs[0].error and "never fit" in outputs[0].error and outputs[0].token_ids == []
     assert outputs[1].error is None and outputs[1].token_ids == expected[1]
+
+
+def test_sequence_outgrowing_the_pool_fails_with_partial_output(tiny):
+    path, _, prompts, expected = tiny
+    llm = LLM(path, block_size=8, num_blocks=8, num_cpu_blocks=16)     # 64 tokens at most
+    out = llm.generate([prompts[1]], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert "outgrew" in out.error and out.outputs[0].finish_reason == "error"
+    assert len(prompts[1]) + len(out.token_ids) == 65     # 64 tokens of KV + the last sampled token
+    assert out.token_ids == expected[1][:len(out.token_ids)]
+    assert llm.stats()["used_blocks"] == 0
 
 
 def test_stop_tokens_and_max_tokens(tiny):

@@ -74,7 +74,7 @@ class LLM:
     def step(self) -> int:
         """Schedules and runs one batch; returns the number of tokens it processed."""
         batch = self.scheduler.schedule()
-        if not batch.seqs and not (batch.swap_in or batch.swap_out):
+        if batch.empty:
             raise RuntimeError("scheduler made no progress: the KV pool is too small for any waiting sequence")
         sampled = self.runner.execute(batch, self.bm)
         self.scheduler.postprocess(batch, sampled)

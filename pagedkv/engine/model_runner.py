@@ -70,7 +70,8 @@ class ModelRunner:
             input_ids += seq.token_ids[start:]
             positions += range(start, len(seq))
             query_lens.append(len(seq) - start)
-            slots.append(bm.slot_mapping(seq.seq_id, start, len(seq)))
+        if batch.prefills:
+            slots.append(bm.slot_mappings([s.seq_id for s in batch.prefills], batch.prefill_starts))
         seq_lens = [len(s) for s in batch.seqs]
         query_start_loc = [0]
         for q in query_lens:

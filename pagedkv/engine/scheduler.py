@@ -21,6 +21,11 @@ class ScheduledBatch:
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, gpu block)
     copies: list[tuple[int, int]] = field(default_factory=list)     # copy-on-write (src, dst)
+    failed: list[Request] = field(default_factory=list)             # requests failed while scheduling
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decodes or self.prefills or self.swap_in or self.swap_out or self.failed)
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -85,8 +90,10 @@ class Scheduler:
         while self.swapped:
             group = self.swapped[0]
             ids = [s.seq_id for s in group]
-            # Room for the group's blocks and for one new block per running sequence after it.
-            need = sum(_cdiv(len(s) - 1, self.config.block_size) for s in group) + len(self.running) + len(group)
+            # Room for the group's blocks and for one new block per running sequence after it, so that
+            # it is not preempted again at once.
+            blocks = {b for i in ids for b in self.bm.block_table(i)}
+            need = len(blocks) + len(self.running) + len(group)
             if (len(self.running) + len(group) > self.config.max_num_seqs
                     or self.bm.can_swap_in(ids) != AllocStatus.OK or self.bm.num_free_blocks < need):
                 return
@@ -103,6 +110,10 @@ class Scheduler:
             newest = self.running[-1].arrival
             group = [s for s in self.running if s.arrival == newest]
             self.running = [s for s in self.running if s.arrival != newest]
+            if not self.running:    # alone and still no room: it has outgrown the whole pool
+                self._fail(group[0], batch, f"sequence outgrew the KV cache ({self.bm.num_blocks} blocks of "
+                                     f"{self.config.block_size} tokens) after {len(group[0])} tokens")
+                return True
             self._preempt(group, batch)
             preempted = True
         return preempted
@@ -143,7 +154,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if status == AllocStatus.NEVER:
-                self._fail(seq, f"sequence of {len(seq)} tokens can never fit in the KV cache: it needs "
+                self._fail(seq, batch, f"sequence of {len(seq)} tokens can never fit in the KV cache: it needs "
                                 f"{_cdiv(len(seq), self.config.block_size)} blocks of {self.config.block_size} "
                                 f"tokens, the pool has {self.bm.num_blocks}")
                 continue
@@ -170,8 +181,9 @@ class Scheduler:
         """Sequences this prefill turns into: n for a request's first prefill, else 1."""
         return seq.request.params.n if len(seq.request.seqs) == 1 and seq.num_output_tokens == 0 else 1
 
-    def _fail(self, seq: Sequence, message: str) -> None:
+    def _fail(self, seq: Sequence, batch: ScheduledBatch, message: str) -> None:
         seq.request.error = message
+        batch.failed.append(seq.request)
         for s in seq.request.seqs:
             if s.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
                 self.bm.free(s.seq_id)
@@ -188,9 +200,7 @@ class Scheduler:
         seqs = batch.seqs
         self.bm.mark_computed([s.seq_id for s in seqs])
         self.stats["decode_tokens"] += len(batch.decodes)
-        for seq in batch.prefills:
-            if seq not in self.running:
-                self.running.append(seq)
+        self.running += batch.prefills
         finished = []
         for seq, tokens in zip(seqs, sampled):
             for token in tokens[1:]:            # n > 1: children share the prompt's blocks
