@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--num-system-prompts", type=int, default=4)
     p.add_argument("--system-len", type=int, default=192, help="system prompt tokens (token-id prompts)")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from a memory budget;"

@@ -56,10 +56,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        inv_freq = rope_inv_freq(cfg)
-        freqs = torch.arange(cfg.max_position_embeddings).float()[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        device = torch.get_default_device()
+        with torch.device("cpu"):   # the same tables on every device
+            inv_freq = rope_inv_freq(cfg)
+            freqs = torch.arange(cfg.max_position_embeddings).float()[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", freqs.cos().to(device), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D], rotated by each token's position."""
