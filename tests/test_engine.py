@@ -87,6 +87,23 @@ def test_n_samples_under_preemption(tiny, num_cpu_blocks):
     llm.bm.check_invariants()
 
 
+@pytest.mark.parametrize("num_cpu_blocks", [40, 0], ids=["swap", "recompute"])
+def test_mixed_workload_in_a_tight_pool(tiny, num_cpu_blocks):
+    """Different n and max_tokens per request, a small block size and a pool that forces preemption."""
+    path, _, prompts, expected = tiny
+    llm = LLM(path, block_size=4, num_blocks=40, num_cpu_blocks=num_cpu_blocks, max_num_seqs=8)
+    params = [SamplingParams(max_tokens=min(5 + 3 * i, MAX_TOKENS), n=1 + i % 3, ignore_eos=True)
+              for i in range(len(prompts))]
+    outputs = llm.generate(prompts, params)
+    for out, exp, sp in zip(outputs, expected, params):
+        assert out.error is None
+        assert [c.token_ids for c in out.outputs] == [exp[:sp.max_tokens]] * sp.n
+    stats = llm.stats()
+    assert stats["preempted_swap"] + stats["preempted_recompute"] > 0 and stats["cow_copies"] > 0
+    assert stats["used_blocks"] == 0 and stats["free_cpu_blocks"] == num_cpu_blocks
+    llm.bm.check_invariants()
+
+
 def test_random_sampling_is_seeded(tiny):
     path, model, prompts, _ = tiny
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, n=3)

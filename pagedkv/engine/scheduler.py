@@ -93,7 +93,7 @@ class Scheduler:
             # Room for the group's blocks and for one new block per running sequence after it, so that
             # it is not preempted again at once.
             blocks = {b for i in ids for b in self.bm.block_table(i)}
-            need = len(blocks) + len(self.running) + len(group)
+            need = len(blocks) + (len(self.running) + len(group) if self.running else 0)
             if (len(self.running) + len(group) > self.config.max_num_seqs
                     or self.bm.can_swap_in(ids) != AllocStatus.OK or self.bm.num_free_blocks < need):
                 return
@@ -141,8 +141,13 @@ class Scheduler:
         while self.waiting:
             seq = self.waiting[0]
             width = self._fork_width(seq)
+            if width > self.config.max_num_seqs:
+                self.waiting.popleft()
+                self._fail(seq, batch, f"n={width} samples exceed max_num_seqs={self.config.max_num_seqs}")
+                continue
             if num_seqs + width > self.config.max_num_seqs:
                 break
+            # The token budget bounds batches, not prompts: a longer prompt runs alone (no chunked prefill).
             if batch.prefills and batch.num_tokens + len(seq) > self.config.max_num_batched_tokens:
                 break
             first = self._first_block(seq)
