@@ -64,6 +64,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", help="Hugging Face Llama directory (default: a built-in tiny random Llama)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, the "
+                                                 "checkpoint's dtype on CUDA)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--num-system-prompts", type=int, default=4)
     p.add_argument("--system-len", type=int, default=192, help="system prompt tokens (token-id prompts)")
@@ -85,8 +87,9 @@ def main(argv=None) -> None:
             model_path = os.path.join(tmp, "tiny-llama")
             build_tiny_llama(model_path)
             num_blocks = num_blocks or 160
-        llm = LLM(model_path, device=args.device, block_size=args.block_size, num_blocks=num_blocks,
-                  num_cpu_blocks=args.num_cpu_blocks, max_num_seqs=args.max_num_seqs, seed=args.seed)
+        llm = LLM(model_path, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                  num_blocks=num_blocks, num_cpu_blocks=args.num_cpu_blocks, max_num_seqs=args.max_num_seqs,
+                  seed=args.seed)
     prompts, params = make_workload(args, llm.model_config.vocab_size, llm.tokenizer is not None)
 
     start = time.perf_counter()

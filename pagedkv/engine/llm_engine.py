@@ -16,7 +16,7 @@ from .sequence import CompletionOutput, Request, RequestOutput
 
 
 class LLM:
-    def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype | None = None,
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype | str | None = None,
                  block_size: int = 16, num_blocks: int | None = None, num_cpu_blocks: int = 0,
                  enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, kv_cache_bytes: int = 256 << 20,

@@ -71,10 +71,17 @@ def _check_complete(model, params, loaded) -> None:
         raise ValueError(f"checkpoint lacks weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
-def load_model(model_path: str, device: str, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+def load_model(model_path: str, device: str, dtype: torch.dtype | str | None = None) -> LlamaForCausalLM:
+    """The checkpoint's model on `device`; dtype None means float32 on CPU, the checkpoint's on CUDA."""
     cfg = ModelConfig.from_pretrained(model_path)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     dtype = dtype or (cfg.dtype if device != "cpu" else torch.float32)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)     # parameters are created in their final dtype, on the device
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
     load_weights(model, model_path)
     return model.to(dtype).eval()
