@@ -1,0 +1,149 @@
+"""paged_attention vs torch SDPA on the same KV stored contiguously: decode at several batch / context
+sizes and prefill over a cached prefix. Prints a table (median of repeats after warm-up; CUDA events
+on GPU) with speed ratios; on CUDA also the KV bandwidth achieved and its share of a measured
+device-to-device copy.
+
+    python benchmarks/bench_attention.py                  # CPU (or CUDA when present), short run
+    python benchmarks/bench_attention.py --device cpu --dtype float32 --repeats 20
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import pagedkv.ops as ops  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def time_ms(fn, device, warmup, repeats):
+    for _ in range(warmup):
+        fn()
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def copy_bandwidth_gbs(device, warmup, repeats):
+    """Device-to-device copy bandwidth (bytes read + written per second) of a 1 GiB buffer."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, warmup, repeats)
+    return 2 * src.numel() / ms / 1e6
+
+
+class Case:
+    """B sequences of equal length ctx (q_len new tokens each) over a shuffled paged cache, plus the
+    same K/V laid out contiguously for SDPA."""
+
+    def __init__(self, batch, ctx, q_len, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device):
+        self.batch, self.ctx, self.q_len = batch, ctx, q_len
+        blocks_per_seq = -(-ctx // block_size)
+        num_blocks = batch * blocks_per_seq
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.key_cache = torch.randn(shape, dtype=dtype, device=device)
+        self.value_cache = torch.randn(shape, dtype=dtype, device=device)
+        self.block_tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
+        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device)
+        self.query = torch.randn(batch * q_len, num_q_heads, head_dim, dtype=dtype, device=device)
+        self.scale = head_dim ** -0.5
+        # SDPA layout: [B, H, L, D]; keys gathered once through the block tables (outside the timing).
+        blocks = self.block_tables.long()
+        def contiguous(cache):
+            return cache[blocks].reshape(batch, -1, num_kv_heads, head_dim)[:, :ctx].transpose(1, 2).contiguous()
+        self.k, self.v = contiguous(self.key_cache), contiguous(self.value_cache)
+        self.group = num_q_heads // num_kv_heads
+        self.k_expanded = self.k.repeat_interleave(self.group, dim=1)
+        self.v_expanded = self.v.repeat_interleave(self.group, dim=1)
+        self.q = self.query.view(batch, q_len, num_q_heads, head_dim).transpose(1, 2)
+        # Bottom-right causal mask (queries are the last q_len positions); None for decode.
+        pos_q = torch.arange(ctx - q_len, ctx, device=device).view(-1, 1)
+        self.mask = None if q_len == 1 else (torch.arange(ctx, device=device).view(1, -1) <= pos_q)
+        self.kv_bytes = 2 * self.key_cache[0].numel() * self.key_cache.element_size() * num_blocks
+
+    def paged(self):
+        return ops.paged_attention(self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
+                                   self.query_start_loc, self.scale, max_seq_len=self.ctx)
+
+    def sdpa_gqa(self):
+        return F.scaled_dot_product_attention(self.q, self.k, self.v, attn_mask=self.mask, scale=self.scale,
+                                              enable_gqa=True)
+
+    def sdpa_expanded(self):
+        return F.scaled_dot_product_attention(self.q, self.k_expanded, self.v_expanded, attn_mask=self.mask,
+                                              scale=self.scale)
+
+    def max_error(self):
+        ref = self.sdpa_expanded().transpose(1, 2).reshape_as(self.query).float()
+        return (self.paged().float() - ref).abs().max().item()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--num-q-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=None, help="default: 10 on CPU, 50 on CUDA")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
+    repeats = args.repeats or (50 if cuda else 10)
+    if cuda:
+        cases = [(1, 4096, 1), (8, 4096, 1), (64, 2048, 1), (256, 1024, 1), (1, 32768, 1), (4, 4096, 512)]
+    else:
+        cases = [(1, 4096, 1), (8, 1024, 1), (32, 512, 1), (1, 2048, 128)]
+    copy_gbs = copy_bandwidth_gbs(device, args.warmup, repeats) if cuda else None
+
+    print(f"device={device} dtype={str(dtype).split('.')[-1]} Hq={args.num_q_heads} Hkv={args.num_kv_heads} "
+          f"D={args.head_dim} block_size={args.block_size} threads={torch.get_num_threads()}"
+          + (f" d2d_copy={copy_gbs:.0f} GB/s" if cuda else ""))
+    header = f"{'kind':<8}{'B':>5}{'ctx':>7}{'q_len':>6}{'paged ms':>10}{'sdpa_gqa ms':>12}{'sdpa_exp ms':>12}" \
+             f"{'speed vs best sdpa':>20}{'max err':>10}"
+    if cuda:
+        header += f"{'KV GB/s':>9}{'% copy':>8}"
+    print(header)
+    for batch, ctx, q_len in cases:
+        case = Case(batch, ctx, q_len, num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads,
+                    head_dim=args.head_dim, block_size=args.block_size, dtype=dtype, device=device)
+        paged = time_ms(case.paged, device, args.warmup, repeats)
+        gqa = time_ms(case.sdpa_gqa, device, args.warmup, repeats)
+        expanded = time_ms(case.sdpa_expanded, device, args.warmup, repeats)
+        kind = "decode" if q_len == 1 else "prefill"
+        line = (f"{kind:<8}{batch:>5}{ctx:>7}{q_len:>6}{paged:>10.3f}{gqa:>12.3f}{expanded:>12.3f}"
+                f"{min(gqa, expanded) / paged:>19.2f}x{case.max_error():>10.1e}")
+        if cuda:
+            gbs = case.kv_bytes / paged / 1e6
+            line += f"{gbs:>9.0f}{100 * gbs / copy_gbs:>7.0f}%"
+        print(line)
+        del case
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Throughput (GB/s of bytes moved, read + write) of the cache ops vs plain torch indexing doing the
+same work: reshape_and_cache vs ``cache.view(-1, H, D)[slots] = key``, copy_blocks vs ``index_copy_``,
+swap_blocks vs gather + ``.to(device)`` + ``index_copy_``.
+
+    python benchmarks/bench_cache_ops.py                # CPU (and CUDA <-> CPU swaps when present)
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import pagedkv.ops as ops  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def time_ms(fn, device, warmup, repeats):
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def row(name, nbytes, ours_ms, torch_ms):
+    print(f"{name:<34}{nbytes / 2**20:>9.1f}{ours_ms:>10.3f}{torch_ms:>10.3f}"
+          f"{nbytes / ours_ms / 1e6:>11.1f}{nbytes / torch_ms / 1e6:>11.1f}{torch_ms / ours_ms:>8.2f}x")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--num-blocks", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    nb, bs, h, d = args.num_blocks, args.block_size, args.num_kv_heads, args.head_dim
+    timing = dict(device=device, warmup=args.warmup, repeats=args.repeats)
+    caches = [(torch.randn(nb, bs, h, d, dtype=dtype, device=device),
+               torch.randn(nb, bs, h, d, dtype=dtype, device=device)) for _ in range(args.num_layers)]
+    key_cache, value_cache = caches[0]
+    itemsize = key_cache.element_size()
+    block_bytes = bs * h * d * itemsize
+
+    print(f"device={device} dtype={args.dtype} num_blocks={nb} block_size={bs} Hkv={h} D={d} "
+          f"layers={args.num_layers} threads={torch.get_num_threads()}")
+    print(f"{'op':<34}{'MiB':>9}{'ours ms':>10}{'torch ms':>10}{'ours GB/s':>11}{'torch GB/s':>11}{'speedup':>9}")
+
+    for tokens in (256, 4096):
+        key = torch.randn(tokens, h, d, dtype=dtype, device=device)
+        value = torch.randn_like(key)
+        slots = torch.randperm(nb * bs, device=device)[:tokens]
+
+        def torch_write():
+            key_cache.view(-1, h, d)[slots] = key
+            value_cache.view(-1, h, d)[slots] = value
+
+        nbytes = 2 * 2 * key.numel() * itemsize
+        row(f"reshape_and_cache T={tokens}", nbytes,
+            time_ms(lambda: ops.reshape_and_cache(key, value, key_cache, value_cache, slots), **timing),
+            time_ms(torch_write, **timing))
+
+    pairs = 256
+    perm = torch.randperm(nb)
+    mapping = torch.stack([perm[:pairs], perm[pairs:2 * pairs]], dim=1).to(device)
+    src_ids, dst_ids = mapping[:, 0], mapping[:, 1]
+    keys, values = [k for k, _ in caches], [v for _, v in caches]
+
+    def torch_copy():
+        for cache in keys + values:
+            cache.index_copy_(0, dst_ids, cache.index_select(0, src_ids))
+
+    row(f"copy_blocks {pairs} pairs x {args.num_layers} layers", 2 * 2 * pairs * args.num_layers * block_bytes,
+        time_ms(lambda: ops.copy_blocks(keys, values, mapping), **timing), time_ms(torch_copy, **timing))
+
+    targets = [torch.device("cpu")] + ([device] if device.type == "cuda" else [])
+    for target in targets:
+        pin = device.type == "cuda" and target.type == "cpu"
+        dst = torch.empty(nb // 2, bs, h, d, dtype=dtype, device=target, pin_memory=pin)
+        swap_map = torch.stack([torch.randperm(nb)[:pairs], torch.randperm(nb // 2)[:pairs]], dim=1)
+        s_ids, d_ids = swap_map[:, 0].to(device), swap_map[:, 1].to(target)
+
+        def torch_swap():
+            dst.index_copy_(0, d_ids, key_cache.index_select(0, s_ids).to(target))
+
+        row(f"swap_blocks {device.type}->{target.type} {pairs} blocks", 2 * pairs * block_bytes,
+            time_ms(lambda: ops.swap_blocks(key_cache, dst, swap_map), **timing), time_ms(torch_swap, **timing))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+// Schemas of torch.ops.pagedkv.*, their argument checks, and the CPU kernels of the cache ops
+// (reshape_and_cache, copy_blocks, swap_blocks). CPU paged attention lives in attention_cpu.cpp.
+#include "ops/ops.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <string>
+
+#include "ops/paged_kv.h"
+
+namespace pagedkv {
+namespace {
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_float_dtype(const at::Tensor& t, const std::string& name) {
+  TORCH_CHECK(is_supported_float(t.scalar_type()), name, " must be float32, float16 or bfloat16, got ",
+              t.scalar_type());
+}
+
+void check_same_device(const at::Tensor& t, const std::string& name, const at::Tensor& ref, const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name, " is on ", ref.device(),
+              "; all tensors must be on the same device");
+}
+
+void check_cache(const at::Tensor& cache, const std::string& name) {
+  TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
+              cache.sizes());
+  check_float_dtype(cache, name);
+  TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
+}
+
+void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimension(s), got shape ", t.sizes());
+}
+
+void check_block_mapping_shape(const at::Tensor& block_mapping) {
+  check_index_tensor(block_mapping, "block_mapping", at::kLong, 2);
+  TORCH_CHECK(block_mapping.size(1) == 2, "block_mapping must be [n, 2] (src, dst) pairs, got shape ",
+              block_mapping.sizes());
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// Checks
+
+void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  check_cache(key_cache, "key_cache");
+  check_cache(value_cache, "value_cache");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "value_cache shape ", value_cache.sizes(),
+              " must equal key_cache shape ", key_cache.sizes());
+  TORCH_CHECK(key.dim() == 3, "key must be [num_tokens, num_kv_heads, head_dim], got shape ", key.sizes());
+  TORCH_CHECK(value.sizes() == key.sizes(), "value shape ", value.sizes(), " must equal key shape ", key.sizes());
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3), "key shape ", key.sizes(),
+              " does not match key_cache [num_blocks, block_size, num_kv_heads, head_dim] = ", key_cache.sizes());
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "key dtype ", key.scalar_type(),
+              " must equal key_cache dtype ", key_cache.scalar_type());
+  TORCH_CHECK(value.scalar_type() == value_cache.scalar_type(), "value dtype ", value.scalar_type(),
+              " must equal value_cache dtype ", value_cache.scalar_type());
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "value_cache dtype must equal key_cache dtype");
+  check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1);
+  TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
+              " entries but key has ", key.size(0), " tokens");
+  check_same_device(value, "value", key, "key");
+  check_same_device(key_cache, "key_cache", key, "key");
+  check_same_device(value_cache, "value_cache", key, "key");
+  check_same_device(slot_mapping, "slot_mapping", key, "key");
+}
+
+AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                     int64_t sliding_window, double softcap) {
+  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_q_heads, head_dim], got shape ", query.sizes());
+  check_float_dtype(query, "query");
+  check_cache(key_cache, "key_cache");
+  check_cache(value_cache, "value_cache");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "value_cache shape ", value_cache.sizes(),
+              " must equal key_cache shape ", key_cache.sizes());
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
+              "key_cache/value_cache dtype (", key_cache.scalar_type(), "/", value_cache.scalar_type(),
+              ") must equal query dtype ", query.scalar_type());
+  TORCH_CHECK(query.size(2) == key_cache.size(3), "query head_dim ", query.size(2),
+              " must equal key_cache head_dim ", key_cache.size(3));
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(num_kv_heads > 0 && query.size(1) % num_kv_heads == 0, "query num_q_heads ", query.size(1),
+              " must be a multiple of key_cache num_kv_heads ", num_kv_heads);
+  check_index_tensor(block_tables, "block_tables", at::kInt, 2);
+  check_index_tensor(seq_lens, "seq_lens", at::kInt, 1);
+  check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1);
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables has ", block_tables.size(0),
+              " rows but seq_lens has ", num_seqs, " sequences");
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc must have num_seqs + 1 = ", num_seqs + 1,
+              " entries, got ", query_start_loc.size(0));
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0 disables it), got ", softcap);
+  TORCH_CHECK(sliding_window != 0, "sliding_window must be positive or -1 (disabled), got 0");
+  check_same_device(key_cache, "key_cache", query, "query");
+  check_same_device(value_cache, "value_cache", query, "query");
+  check_same_device(block_tables, "block_tables", query, "query");
+  check_same_device(seq_lens, "seq_lens", query, "query");
+  check_same_device(query_start_loc, "query_start_loc", query, "query");
+  return AttentionShape{query.size(0),     query.size(1),         num_kv_heads,      query.size(2),
+                        num_seqs,          block_tables.size(1),  key_cache.size(0), key_cache.size(1)};
+}
+
+void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+                       const at::Tensor& block_mapping) {
+  TORCH_CHECK(key_caches.size() == value_caches.size(), "key_caches has ", key_caches.size(),
+              " layers but value_caches has ", value_caches.size());
+  check_block_mapping_shape(block_mapping);
+  for (size_t i = 0; i < key_caches.size(); ++i) {
+    const std::string key_name = "key_caches[" + std::to_string(i) + "]";
+    const std::string value_name = "value_caches[" + std::to_string(i) + "]";
+    check_cache(key_caches[i], key_name);
+    check_cache(value_caches[i], value_name);
+    TORCH_CHECK(key_caches[i].sizes() == value_caches[i].sizes() &&
+                    key_caches[i].scalar_type() == value_caches[i].scalar_type(),
+                "value_caches[", i, "] must match key_caches[", i, "] in shape and dtype");
+    check_same_device(key_caches[i], key_name, key_caches[0], "key_caches[0]");
+    check_same_device(value_caches[i], value_name, key_caches[0], "key_caches[0]");
+  }
+  if (!key_caches.empty() && !block_mapping.is_cpu()) {
+    check_same_device(block_mapping, "block_mapping", key_caches[0], "key_caches[0]");
+  }
+}
+
+void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping) {
+  TORCH_CHECK(src.dim() >= 1 && src.dim() == dst.dim() && src.sizes().slice(1) == dst.sizes().slice(1),
+              "src shape ", src.sizes(), " and dst shape ", dst.sizes(),
+              " must agree in every dimension but the first (num_blocks)");
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), "src dtype ", src.scalar_type(), " must equal dst dtype ",
+              dst.scalar_type());
+  TORCH_CHECK(src.is_contiguous(), "src must be contiguous");
+  TORCH_CHECK(dst.is_contiguous(), "dst must be contiguous");
+  check_block_mapping_shape(block_mapping);
+  TORCH_CHECK(block_mapping.is_cpu(), "block_mapping must be on the CPU, got ", block_mapping.device());
+  TORCH_CHECK(src.is_cpu() || src.is_cuda(), "src must be a CPU or CUDA tensor, got ", src.device());
+  TORCH_CHECK(dst.is_cpu() || dst.is_cuda(), "dst must be a CPU or CUDA tensor, got ", dst.device());
+  if (src.is_cuda() && dst.is_cuda()) check_same_device(dst, "dst", src, "src");
+}
+
+void check_slot_values(const at::Tensor& slot_mapping, int64_t num_slots) {
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t) {
+    TORCH_CHECK(s[t] < num_slots, "slot_mapping[", t, "] = ", s[t], " is out of range: the cache has ", num_slots,
+                " slots (num_blocks * block_size); use a negative slot for padding");
+  }
+}
+
+void check_attention_metadata_values(const AttentionShape& shape, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                     int64_t sliding_window) {
+  const at::Tensor tables = block_tables.contiguous();
+  const int32_t* bt = tables.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.contiguous().data_ptr<int32_t>();
+  const at::Tensor qsl_t = query_start_loc.contiguous();
+  const int32_t* qsl = qsl_t.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0, "query_start_loc[0] must be 0, got ", qsl[0]);
+  TORCH_CHECK(qsl[shape.num_seqs] == shape.num_tokens, "query_start_loc[-1] = ", qsl[shape.num_seqs],
+              " must equal the number of query tokens ", shape.num_tokens);
+  for (int64_t b = 0; b < shape.num_seqs; ++b) {
+    const int64_t q_len = int64_t(qsl[b + 1]) - qsl[b];
+    TORCH_CHECK(q_len >= 0, "query_start_loc must be non-decreasing, but query_start_loc[", b + 1,
+                "] < query_start_loc[", b, "]");
+    TORCH_CHECK(sl[b] >= q_len, "seq_lens[", b, "] = ", sl[b], " is smaller than the sequence's ", q_len,
+                " query tokens (seq_lens counts this step's tokens too)");
+    TORCH_CHECK(sl[b] <= shape.max_blocks * shape.block_size, "seq_lens[", b, "] = ", sl[b],
+                " needs more blocks than block_tables has columns (", shape.max_blocks, ")");
+    if (q_len == 0 || sl[b] == 0) continue;
+    // Only the blocks that some query of this sequence can see must be valid.
+    const int64_t first_key = visible_keys(query_position(sl[b], q_len, 0), sliding_window).begin;
+    for (int64_t i = first_key / shape.block_size; i < ceil_div(sl[b], shape.block_size); ++i) {
+      const int32_t block = bt[b * shape.max_blocks + i];
+      TORCH_CHECK(block >= 0 && block < shape.num_blocks, "block_tables[", b, ", ", i, "] = ", block,
+                  " is out of range [0, ", shape.num_blocks, ")");
+    }
+  }
+}
+
+void check_block_mapping_values(const at::Tensor& block_mapping, int64_t num_src_blocks, int64_t num_dst_blocks) {
+  const at::Tensor mapping = block_mapping.contiguous();
+  const int64_t* m = mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < mapping.size(0); ++i) {
+    TORCH_CHECK(m[2 * i] >= 0 && m[2 * i] < num_src_blocks, "block_mapping[", i, ", 0] = ", m[2 * i],
+                " is out of range [0, ", num_src_blocks, ")");
+    TORCH_CHECK(m[2 * i + 1] >= 0 && m[2 * i + 1] < num_dst_blocks, "block_mapping[", i, ", 1] = ", m[2 * i + 1],
+                " is out of range [0, ", num_dst_blocks, ")");
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// CPU kernels of the cache ops
+
+namespace {
+
+// Copies one token's [Hkv, D] rows (any strides) into its cache slot; elements are moved as raw bits.
+template <typename bits_t>
+void reshape_and_cache_cpu_typed(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& slots) {
+  const int64_t num_tokens = key.size(0), num_heads = key.size(1), head_dim = key.size(2);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const auto* k = static_cast<const bits_t*>(key.data_ptr());
+  const auto* v = static_cast<const bits_t*>(value.data_ptr());
+  auto* kc = static_cast<bits_t*>(key_cache.data_ptr());
+  auto* vc = static_cast<bits_t*>(value_cache.data_ptr());
+  const auto ks = key.strides(), vs = value.strides();
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot[t] < 0) continue;  // padding
+      const SlotLocation loc = decode_slot(slot[t], block_size);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const int64_t dst = cache_row_offset(loc.block * block_size + loc.offset, h, num_heads, head_dim);
+        const bits_t* k_row = k + t * ks[0] + h * ks[1];
+        const bits_t* v_row = v + t * vs[0] + h * vs[1];
+        for (int64_t d = 0; d < head_dim; ++d) {
+          kc[dst + d] = k_row[d * ks[2]];
+          vc[dst + d] = v_row[d * vs[2]];
+        }
+      }
+    }
+  });
+}
+
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+  check_slot_values(slot_mapping, key_cache.size(0) * key_cache.size(1));
+  const at::Tensor slots = slot_mapping.contiguous();
+  if (key.element_size() == 4) {
+    reshape_and_cache_cpu_typed<uint32_t>(key, value, key_cache, value_cache, slots);
+  } else {
+    reshape_and_cache_cpu_typed<uint16_t>(key, value, key_cache, value_cache, slots);
+  }
+}
+
+void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
+  const std::vector<at::Tensor> keys = key_caches.vec(), values = value_caches.vec();
+  check_copy_blocks(keys, values, block_mapping);
+  if (keys.empty() || block_mapping.size(0) == 0) return;
+  const int64_t num_blocks = keys[0].size(0);
+  for (const auto& c : keys) {
+    TORCH_CHECK(c.size(0) == num_blocks, "all key_caches must have the same num_blocks");
+  }
+  check_block_mapping_values(block_mapping, num_blocks, num_blocks);
+  const at::Tensor mapping = block_mapping.contiguous();
+  const int64_t* m = mapping.data_ptr<int64_t>();
+  const int64_t num_pairs = mapping.size(0);
+  const int64_t num_layers = static_cast<int64_t>(keys.size());
+  // One work unit = one (layer, pair); each moves a key block and a value block.
+  at::parallel_for(0, num_layers * num_pairs, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const at::Tensor& kc = keys[i / num_pairs];
+      const at::Tensor& vc = values[i / num_pairs];
+      const int64_t src = m[2 * (i % num_pairs)], dst = m[2 * (i % num_pairs) + 1];
+      const int64_t block_bytes = kc.stride(0) * kc.element_size();
+      auto* kb = static_cast<char*>(kc.data_ptr());
+      auto* vb = static_cast<char*>(vc.data_ptr());
+      std::memmove(kb + dst * block_bytes, kb + src * block_bytes, block_bytes);
+      std::memmove(vb + dst * block_bytes, vb + src * block_bytes, block_bytes);
+    }
+  });
+}
+
+void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
+  check_swap_blocks(src, dst, block_mapping);
+  check_block_mapping_values(block_mapping, src.size(0), dst.size(0));
+  const at::Tensor mapping = block_mapping.contiguous();
+  const int64_t* m = mapping.data_ptr<int64_t>();
+  const int64_t block_bytes = src.numel() == 0 ? 0 : src.stride(0) * src.element_size();
+  const auto* s = static_cast<const char*>(src.data_ptr());
+  auto* d = static_cast<char*>(dst.data_ptr());
+  at::parallel_for(0, mapping.size(0), 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memmove(d + m[2 * i + 1] * block_bytes, s + m[2 * i] * block_bytes, block_bytes);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace pagedkv
+
+TORCH_LIBRARY(pagedkv, m) {
+  m.set_python_module("pagedkv.ops");
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start_loc, float scale, *, int max_seq_len=-1, int sliding_window=-1, "
+      "float softcap=0.0) -> Tensor");
+  m.def(
+      "paged_attention_with_lse(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start_loc, float scale, *, int max_seq_len=-1, int sliding_window=-1, "
+      "float softcap=0.0) -> (Tensor, Tensor)");
+  m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
+  m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("reshape_and_cache", &pagedkv::reshape_and_cache_cpu);
+  m.impl("copy_blocks", &pagedkv::copy_blocks_cpu);
+  m.impl("swap_blocks", &pagedkv::swap_blocks_cpu);
+}

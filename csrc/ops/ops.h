@@ -1,0 +1,49 @@
+// Host-side contract of the pagedkv ops shared by the CPU and CUDA backends: argument checks
+// (TORCH_CHECK messages name the offending argument) and the kernels each backend provides.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+#include <vector>
+
+namespace pagedkv {
+
+// Shapes of one paged_attention call, read off the (already checked) arguments.
+struct AttentionShape {
+  int64_t num_tokens;    // T: packed query tokens
+  int64_t num_q_heads;   // Hq
+  int64_t num_kv_heads;  // Hkv
+  int64_t head_dim;      // D
+  int64_t num_seqs;      // B
+  int64_t max_blocks;    // M: block table width
+  int64_t num_blocks;    // physical blocks in the cache
+  int64_t block_size;
+};
+
+// Checks that work on shapes, dtypes and devices only (safe on any backend, never syncs).
+void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                     int64_t sliding_window, double softcap);
+void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+                       const at::Tensor& block_mapping);
+void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
+
+// Checks that read tensor values; only for tensors that live on the CPU.
+void check_slot_values(const at::Tensor& slot_mapping, int64_t num_slots);
+void check_attention_metadata_values(const AttentionShape& shape, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                     int64_t sliding_window);
+void check_block_mapping_values(const at::Tensor& block_mapping, int64_t num_src_blocks, int64_t num_dst_blocks);
+
+// CPU paged attention (csrc/ops/attention_cpu.cpp): fills out [T, Hq, D] and, when defined, lse [T, Hq].
+void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& query,
+                              const at::Tensor& key_cache, const at::Tensor& value_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                              double softcap);
+
+}  // namespace pagedkv

@@ -1,0 +1,108 @@
+// Paged-KV index math and softmax-state algebra shared by the CPU (csrc/ops/*.cpp) and CUDA
+// (csrc/ops/cuda/*.cu) kernels. Plain C++: compiles with g++ and nvcc alike, no torch includes.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define PAGEDKV_HD __host__ __device__ __forceinline__
+#else
+#define PAGEDKV_HD inline
+#endif
+
+namespace pagedkv {
+
+constexpr float kNegInf = -INFINITY;
+
+// ---------------------------------------------------------------------------------------------
+// Slots and block tables. Slot of token position p: block_table[p / block_size] * block_size +
+// p % block_size; the cache is [num_blocks, block_size, num_kv_heads, head_dim].
+
+struct SlotLocation {
+  int64_t block;
+  int64_t offset;  // token index inside the block
+};
+
+PAGEDKV_HD SlotLocation decode_slot(int64_t slot, int64_t block_size) {
+  return {slot / block_size, slot % block_size};
+}
+
+// Slot holding KV position `pos` of a sequence whose block table row is `block_table`.
+PAGEDKV_HD int64_t slot_of_position(const int32_t* block_table, int64_t pos, int64_t block_size) {
+  return static_cast<int64_t>(block_table[pos / block_size]) * block_size + pos % block_size;
+}
+
+// Element offset of (slot, kv_head, 0) in a contiguous NHD cache.
+PAGEDKV_HD int64_t cache_row_offset(int64_t slot, int64_t kv_head, int64_t num_kv_heads, int64_t head_dim) {
+  return (slot * num_kv_heads + kv_head) * head_dim;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal masking, bottom-right aligned: query j of a sequence with q_len queries and seq_len keys
+// sits at position seq_len - q_len + j and sees keys (pos - sliding_window, pos] (all of [0, pos]
+// when sliding_window <= 0).
+
+struct KeyRange {
+  int64_t begin;  // first visible key position
+  int64_t end;    // one past the last visible key position
+};
+
+PAGEDKV_HD int64_t query_position(int64_t seq_len, int64_t q_len, int64_t j) { return seq_len - q_len + j; }
+
+PAGEDKV_HD KeyRange visible_keys(int64_t query_pos, int64_t sliding_window) {
+  int64_t begin = 0;
+  if (sliding_window > 0 && query_pos + 1 - sliding_window > 0) begin = query_pos + 1 - sliding_window;
+  return {begin, query_pos + 1};
+}
+
+// Raw score -> logit: the scale is folded into the query beforehand; softcap > 0 applies
+// softcap * tanh(s / softcap) (Gemma 2 style).
+PAGEDKV_HD float apply_softcap(float s, float softcap) { return softcap > 0.f ? softcap * tanhf(s / softcap) : s; }
+
+// ---------------------------------------------------------------------------------------------
+// Online softmax for one query row: running max m and running sum l of exp(s - m); the caller
+// keeps the unnormalised accumulator acc = sum_j exp(s_j - m) v_j next to it.
+
+struct OnlineSoftmax {
+  float m = kNegInf;
+  float l = 0.f;
+
+  // Moves the running max to cover a new tile whose largest logit is tile_max; returns the factor
+  // by which l (already done here) and the caller's accumulator must be multiplied.
+  PAGEDKV_HD float rescale_to(float tile_max) {
+    const float m_new = fmaxf(m, tile_max);
+    const float alpha = (m == kNegInf) ? 0.f : expf(m - m_new);
+    l *= alpha;
+    m = m_new;
+    return alpha;
+  }
+  PAGEDKV_HD float inv_sum() const { return l > 0.f ? 1.f / l : 0.f; }
+  // Natural-log log-sum-exp of the logits seen so far; -inf when none.
+  PAGEDKV_HD float lse() const { return l > 0.f ? m + logf(l) : kNegInf; }
+};
+
+// Merging partial results over disjoint key sets (split-K partitions). Each partial is a
+// normalised output o_i with its log-sum-exp lse_i; the merged output is
+// sum_i w_i o_i / sum_i w_i with w_i = exp(lse_i - max_lse), and the merged lse is
+// max_lse + log(sum_i w_i). Empty partials (lse = -inf) get weight 0.
+PAGEDKV_HD float lse_merge_weight(float lse, float max_lse) {
+  return lse == kNegInf ? 0.f : expf(lse - max_lse);
+}
+PAGEDKV_HD float lse_merged(float max_lse, float weight_sum) {
+  return weight_sum > 0.f ? max_lse + logf(weight_sum) : kNegInf;
+}
+
+// Split-K partitioning of a key range into num_partitions pieces of partition_size keys; the last
+// partition runs to the end whatever its nominal size, so a too-small size hint never drops keys.
+PAGEDKV_HD KeyRange partition_keys(KeyRange keys, int64_t partition, int64_t num_partitions,
+                                   int64_t partition_size) {
+  const int64_t begin = keys.begin + partition * partition_size;
+  int64_t end = partition + 1 == num_partitions ? keys.end : begin + partition_size;
+  if (end > keys.end) end = keys.end;
+  return {begin < keys.end ? begin : keys.end, end};
+}
+
+PAGEDKV_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace pagedkv

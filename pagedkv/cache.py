@@ -1,0 +1,42 @@
+"""Allocation and sizing of per-layer paged KV caches ([num_blocks, block_size, num_kv_heads, head_dim])."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["allocate_kv_cache", "num_blocks_for", "block_bytes"]
+
+
+def block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one physical block costs across all layers, keys and values together."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def num_blocks_for(memory_bytes: int, *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> int:
+    """How many blocks fit in ``memory_bytes`` (keys + values of every layer); 0 when not even one."""
+    if memory_bytes < 0:
+        raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
+    per_block = block_bytes(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, dtype=dtype)
+    return int(memory_bytes) // per_block
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
+                      dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu",
+                      pin_memory: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One ``(key_cache, value_cache)`` pair per layer, each ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` and contiguous. Contents are uninitialised: a slot is valid only once written by
+    ``reshape_and_cache`` (or copied in by ``copy_blocks`` / ``swap_blocks``). ``pin_memory`` (CPU only)
+    makes swaps with a GPU cache asynchronous."""
+    for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
+                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if v <= 0:
+            raise ValueError(f"{name} must be positive, got {v}")
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    pin = pin_memory and torch.device(device).type == "cpu"
+
+    def one():
+        return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+
+    return [(one(), one()) for _ in range(num_layers)]

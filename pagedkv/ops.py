@@ -1,0 +1,155 @@
+"""Python entry points of the paged-KV ops (``torch.ops.pagedkv.*``) and their fake (meta) kernels.
+
+The cache of one layer is a pair ``key_cache, value_cache``, each ``[num_blocks, block_size,
+num_kv_heads, head_dim]`` (NHD, as FlashAttention / FlashInfer / vLLM's flash layout). Token position
+``p`` of a sequence lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+Supported dtypes: float32, float16, bfloat16 (fp32 accumulation). Every op runs on CPU and CUDA,
+works under ``torch.compile(fullgraph=True)``, and CUDA kernels never synchronise the host.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (registers torch.ops.pagedkv.*)
+
+__all__ = ["reshape_and_cache", "paged_attention", "paged_attention_with_lse", "copy_blocks", "swap_blocks"]
+
+_ops = torch.ops.pagedkv
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Writes this step's keys and values into their cache slots, in place.
+
+    Args:
+        key, value: ``[T, num_kv_heads, head_dim]``, same dtype as the caches; any strides.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
+        slot_mapping: ``[T]`` int64; token ``t`` goes to slot ``slot_mapping[t]``; a negative slot is
+            padding and is skipped. On CPU an out-of-range slot raises before anything is written; CUDA
+            kernels cannot raise and skip such slots.
+
+    Example::
+
+        slots = torch.tensor([0, 1, 17, -1])            # block 0 offsets 0, 1; block 1 offset 1 (bs=16)
+        reshape_and_cache(k, v, key_cache, value_cache, slots)
+    """
+    _ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, *, max_seq_len: int = -1, sliding_window: int = -1,
+                    softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of packed queries over a paged KV cache (decode and prefill in one batch).
+
+    Args:
+        query: ``[T, num_q_heads, head_dim]`` packed over ``B`` sequences (``head_dim`` contiguous or
+            not; a copy is made when not). ``num_q_heads % num_kv_heads == 0`` (GQA / MQA).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, query's dtype.
+        block_tables: ``[B, M]`` int32; row ``b`` maps logical block ``i`` of sequence ``b`` to a
+            physical block. Entries past a sequence's length are never read (may be anything).
+        seq_lens: ``[B]`` int32, the KV length of each sequence *including* this step's tokens (which
+            ``reshape_and_cache`` has already written).
+        query_start_loc: ``[B + 1]`` int32; sequence ``b`` owns query rows
+            ``query_start_loc[b]:query_start_loc[b + 1]``.
+        scale: multiplies ``q . k`` (usually ``head_dim ** -0.5``).
+        max_seq_len: optional upper bound on ``seq_lens`` used by the CUDA kernel to size its split-K
+            launch without reading ``seq_lens`` on the host (default: ``M * block_size``). A too small
+            value only costs speed, never correctness. Ignored on CPU.
+        sliding_window: when > 0, a query at position ``p`` sees keys in ``(p - sliding_window, p]``.
+        softcap: when > 0, logits become ``softcap * tanh(logit / softcap)`` (after ``scale``).
+
+    Masking is causal and bottom-right aligned: query ``j`` of sequence ``b`` with ``q_len`` queries
+    sits at position ``seq_lens[b] - q_len + j``. Decode is ``q_len == 1``.
+
+    Returns:
+        ``[T, num_q_heads, head_dim]``, query's dtype, contiguous.
+
+    Example::
+
+        # two sequences: a decode step (KV length 37) and a 5-token prefill over a 11-token prefix
+        qsl = torch.tensor([0, 1, 6], dtype=torch.int32)
+        seq_lens = torch.tensor([37, 16], dtype=torch.int32)
+        out = paged_attention(q, key_cache, value_cache, block_tables, seq_lens, qsl, 128 ** -0.5)
+    """
+    return _ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                                max_seq_len=max_seq_len, sliding_window=sliding_window, softcap=softcap)
+
+
+def paged_attention_with_lse(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                             scale: float, *, max_seq_len: int = -1, sliding_window: int = -1,
+                             softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like :func:`paged_attention`, and also returns the log-sum-exp of each query row's logits.
+
+    Returns:
+        ``(out, lse)``: ``out`` as in :func:`paged_attention`; ``lse`` ``[T, num_q_heads]`` float32,
+        natural log of ``sum_k exp(logit_k)`` over the visible keys (``-inf`` when there are none).
+        Two results over disjoint key sets merge as ``o = (w1 o1 + w2 o2) / (w1 + w2)`` with
+        ``w_i = exp(lse_i - max(lse_1, lse_2))`` (e.g. cascade / shared-prefix attention).
+    """
+    return _ops.paged_attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                         scale, max_seq_len=max_seq_len, sliding_window=sliding_window,
+                                         softcap=softcap)
+
+
+def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                block_mapping: torch.Tensor) -> None:
+    """Copies whole blocks inside each layer's cache (copy-on-write after a fork), in place.
+
+    Args:
+        key_caches, value_caches: one cache per layer, all with the same ``num_blocks`` and device.
+        block_mapping: ``[n, 2]`` int64 ``(src, dst)`` block pairs applied to every layer. Destinations
+            must be distinct and must not be sources of other pairs. On CPU (or a CPU mapping with CUDA
+            caches) out-of-range ids raise; with a CUDA mapping they are skipped.
+
+    Example::
+
+        copy_blocks([k for k, _ in kv], [v for _, v in kv], torch.tensor(bm.take_copies()).view(-1, 2))
+    """
+    _ops.copy_blocks(key_caches, value_caches, block_mapping)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copies blocks ``src[i] -> dst[j]`` for each ``(i, j)`` in ``block_mapping``, in place.
+
+    ``src`` and ``dst`` are caches (or any tensors blocked on dim 0) that agree in every dimension but
+    the first and in dtype; they may be on different devices (GPU <-> CPU swap) or the same one. On CUDA
+    the copies are ``cudaMemcpyAsync`` on the current stream; pin the CPU tensor for truly async copies.
+    ``block_mapping``: ``[n, 2]`` int64 on the CPU; ids are range-checked.
+
+    Example::
+
+        swap_blocks(gpu_key_cache, cpu_key_cache, torch.tensor(bm.swap_out([seq_id])).view(-1, 2))
+    """
+    _ops.swap_blocks(src, dst, block_mapping)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fake (meta) kernels: shapes only, for torch.compile and FakeTensor tracing.
+
+@torch.library.register_fake("pagedkv::reshape_and_cache")
+def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping):
+    return None
+
+
+@torch.library.register_fake("pagedkv::paged_attention")
+def _paged_attention_fake(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
+                          max_seq_len=-1, sliding_window=-1, softcap=0.0):
+    return query.new_empty(query.shape)
+
+
+@torch.library.register_fake("pagedkv::paged_attention_with_lse")
+def _paged_attention_with_lse_fake(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                                   *, max_seq_len=-1, sliding_window=-1, softcap=0.0):
+    return query.new_empty(query.shape), query.new_empty(query.shape[:2], dtype=torch.float32)
+
+
+@torch.library.register_fake("pagedkv::copy_blocks")
+def _copy_blocks_fake(key_caches, value_caches, block_mapping):
+    return None
+
+
+@torch.library.register_fake("pagedkv::swap_blocks")
+def _swap_blocks_fake(src, dst, block_mapping):
+    return None

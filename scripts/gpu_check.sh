@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The one prepared command for a lent GPU machine (H200: python3, torch + CUDA 13, nvcc, ninja; headers
+# such as xxhash.h carried in build_deps/include/): builds pagedkv in place for sm_90, runs the CUDA
+# tests, compute-sanitizer memcheck + racecheck on scripts/cuda_ops_smoke.py, both benchmarks, and
+# prints a summary table last. Logs go to $OUT (or /tmp/pagedkv_gpu_check). Usage: scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+LOGS=${OUT:-/tmp/pagedkv_gpu_check}
+mkdir -p "$LOGS"
+export TORCH_CUDA_ARCH_LIST=9.0 PAGEDKV_CUDA=1 MAX_JOBS=${MAX_JOBS:-16}
+export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")}
+SANITIZER=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
+declare -a NAMES STATUS SECONDS_TAKEN
+
+step() {  # step NAME TIMEOUT_S CMD...: runs CMD with a timeout, logs to $LOGS/NAME.log, records the result
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$LOGS/$name.log"
+  NAMES+=("$name")
+  STATUS+=("$([ $rc -eq 0 ] && echo ok || echo "FAIL rc=$rc")")
+  SECONDS_TAKEN+=("$((SECONDS - t0))")
+  return $rc
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+
+if step build 420 $PY setup.py build_ext --inplace; then
+  step pytest_cuda 240 $PY -m pytest tests/test_ops.py -k cuda -q -x
+  step memcheck 240 "$SANITIZER" --tool memcheck --error-exitcode 3 $PY scripts/cuda_ops_smoke.py
+  step racecheck 300 "$SANITIZER" --tool racecheck --error-exitcode 3 $PY scripts/cuda_ops_smoke.py
+  step bench_attention 180 $PY benchmarks/bench_attention.py
+  step bench_cache_ops 120 $PY benchmarks/bench_cache_ops.py
+fi
+
+echo
+echo "=== benchmark tables"
+for b in bench_attention bench_cache_ops; do [ -f "$LOGS/$b.log" ] && cat "$LOGS/$b.log"; done
+echo
+echo "=== summary (logs in $LOGS)"
+printf "%-18s %-14s %8s\n" step result seconds
+for i in "${!NAMES[@]}"; do printf "%-18s %-14s %8s\n" "${NAMES[$i]}" "${STATUS[$i]}" "${SECONDS_TAKEN[$i]}"; done
+for s in "${STATUS[@]}"; do [ "$s" = ok ] || exit 1; done

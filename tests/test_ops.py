@@ -1,0 +1,406 @@
+"""torch.ops.pagedkv.* against float64 references (tests/ops_reference.py) on fresh random inputs,
+plus opcheck, torch.compile and bad-input checks. CUDA variants are skipped without a GPU."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import pagedkv.ops as ops
+from pagedkv.cache import allocate_kv_cache, block_bytes, num_blocks_for
+
+sys.path.insert(0, os.path.dirname(__file__))
+import ops_reference as ref  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"))]
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+TOLERANCE = {F32: 2e-5, F16: 3e-3, BF16: 2e-2}  # atol = rtol against the float64 reference
+
+
+def assert_close(actual, expected, dtype, what):
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Batch construction
+
+class PagedBatch:
+    """A random batch of sequences over a random paged cache: sequence b has prefix[b] cached tokens
+    and q_lens[b] new query tokens (all already in the cache). Block tables are padded with
+    out-of-range ids past each sequence's length, which the kernels must never read."""
+
+    def __init__(self, prefixes, q_lens, *, block_size, num_kv_heads, group, head_dim, dtype, device,
+                 query_layout="contiguous"):
+        self.seq_lens_list = [p + q for p, q in zip(prefixes, q_lens)]
+        blocks_per_seq = [-(-n // block_size) for n in self.seq_lens_list]
+        self.num_blocks = sum(blocks_per_seq) + 3
+        width = max(blocks_per_seq) + 2
+        perm = torch.randperm(self.num_blocks)
+        tables = torch.randint(self.num_blocks, self.num_blocks + 1000, (len(q_lens), width))
+        used = 0
+        for b, n in enumerate(blocks_per_seq):
+            tables[b, :n] = perm[used:used + n]
+            used += n
+        shape = (self.num_blocks, block_size, num_kv_heads, head_dim)
+        self.key_cache = torch.randn(shape, dtype=dtype, device=device)
+        self.value_cache = torch.randn(shape, dtype=dtype, device=device)
+        self.block_tables = tables.to(torch.int32).to(device)
+        self.seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
+                                            device=device)
+        num_tokens, num_q_heads = sum(q_lens), num_kv_heads * group
+        if query_layout == "contiguous":
+            self.query = torch.randn(num_tokens, num_q_heads, head_dim, dtype=dtype, device=device)
+        elif query_layout == "strided_tokens":  # head_dim contiguous, rows spaced apart
+            self.query = torch.randn(num_tokens, num_q_heads, 2 * head_dim, dtype=dtype, device=device)[..., :head_dim]
+        else:  # "transposed": head_dim not contiguous
+            self.query = torch.randn(num_tokens, head_dim, num_q_heads, dtype=dtype, device=device).transpose(1, 2)
+        self.scale = head_dim ** -0.5
+
+    def args(self):
+        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
+                self.query_start_loc, self.scale)
+
+    def reference(self, **kwargs):
+        return ref.paged_attention(*self.args(), **kwargs)
+
+
+# dtype, block_size, num_kv_heads, group (Hq / Hkv), head_dim, query layout: every value of each axis
+# appears at least once without running the full product.
+ATTENTION_CONFIGS = [
+    (F32, 16, 2, 1, 64, "contiguous"),
+    (F16, 1, 1, 4, 80, "strided_tokens"),
+    (BF16, 8, 2, 2, 96, "transposed"),
+    (F32, 32, 1, 8, 128, "contiguous"),
+    (F16, 256, 2, 1, 256, "contiguous"),
+    (BF16, 16, 4, 8, 128, "strided_tokens"),
+    (F32, 8, 1, 2, 80, "transposed"),
+    (BF16, 256, 1, 4, 64, "contiguous"),
+    (F16, 32, 2, 8, 96, "contiguous"),
+    (BF16, 1, 2, 1, 256, "contiguous"),
+    (F16, 16, 8, 1, 128, "transposed"),
+    (F32, 256, 2, 4, 96, "strided_tokens"),
+]
+
+# (cached prefix, query tokens) per sequence: decodes, a fresh prefill, prefills over cached prefixes.
+MIXED_BATCH = [(36, 1), (0, 9), (50, 13), (300, 1), (4, 1), (17, 40), (0, 1)]
+
+
+def config_id(c):
+    return f"{str(c[0]).split('.')[-1]}-bs{c[1]}-kv{c[2]}-g{c[3]}-d{c[4]}-{c[5]}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", ATTENTION_CONFIGS, ids=config_id)
+def test_paged_attention_mixed_batch(device, config):
+    dtype, block_size, num_kv_heads, group, head_dim, layout = config
+    prefixes = [p + int(torch.randint(0, 5, ())) for p, _ in MIXED_BATCH]
+    batch = PagedBatch(prefixes, [q for _, q in MIXED_BATCH], block_size=block_size, num_kv_heads=num_kv_heads,
+                       group=group, head_dim=head_dim, dtype=dtype, device=device, query_layout=layout)
+    out = ops.paged_attention(*batch.args())
+    expected, _ = batch.reference()
+    assert out.shape == batch.query.shape and out.dtype == dtype and out.is_contiguous()
+    assert_close(out, expected, dtype, f"prefixes={prefixes}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_paged_attention_long_context_split_k(device, dtype, q_len):
+    # Few sequences x KV heads and a long context: the CPU and CUDA paths split the keys into
+    # partitions and merge them by log-sum-exp.
+    seq_len = 3000 + int(torch.randint(0, 500, ()))
+    batch = PagedBatch([seq_len - q_len], [q_len], block_size=16, num_kv_heads=1, group=4, head_dim=128,
+                       dtype=dtype, device=device)
+    out, lse = ops.paged_attention_with_lse(*batch.args())
+    expected, expected_lse = batch.reference()
+    assert_close(out, expected, dtype, f"seq_len={seq_len}")
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("sliding_window,softcap", [(1, 0.0), (7, 0.0), (64, 0.0), (-1, 3.0), (20, 10.0)])
+def test_paged_attention_window_softcap_lse(device, dtype, sliding_window, softcap):
+    batch = PagedBatch([40, 0, 100, 7], [1, 12, 30, 1], block_size=8, num_kv_heads=2, group=2, head_dim=64,
+                       dtype=dtype, device=device)
+    out, lse = ops.paged_attention_with_lse(*batch.args(), sliding_window=sliding_window, softcap=softcap)
+    expected, expected_lse = batch.reference(sliding_window=sliding_window, softcap=softcap)
+    assert lse.shape == batch.query.shape[:2] and lse.dtype == F32
+    assert_close(out, expected, dtype, "out")
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+    plain = ops.paged_attention(*batch.args(), sliding_window=sliding_window, softcap=softcap)
+    torch.testing.assert_close(plain, out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lse_merges_disjoint_key_sets(device):
+    # Splitting a sequence's keys in two (an even prefix, queried as "decode at length 32", and the
+    # full set) must be recoverable through lse: the property cascade attention relies on.
+    batch = PagedBatch([63], [1], block_size=16, num_kv_heads=1, group=1, head_dim=64, dtype=F32, device=device)
+    out, lse = ops.paged_attention_with_lse(*batch.args())
+    expected, expected_lse = batch.reference()
+    assert_close(out, expected, F32, "out")
+    assert torch.isfinite(lse).all()
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_empty_and_zero_query_sequences(device):
+    batch = PagedBatch([10, 5], [0, 2], block_size=4, num_kv_heads=1, group=2, head_dim=64, dtype=F32, device=device)
+    out = ops.paged_attention(*batch.args())
+    assert_close(out, batch.reference()[0], F32, "out")
+    empty = PagedBatch([3], [0], block_size=4, num_kv_heads=1, group=2, head_dim=64, dtype=F32, device=device)
+    assert ops.paged_attention(*empty.args()).shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_paged_attention_max_seq_len_hint(device, dtype):
+    # max_seq_len only sizes the CUDA launch; any value (even a too-small one) gives the same result.
+    batch = PagedBatch([900, 20], [1, 1], block_size=16, num_kv_heads=2, group=4, head_dim=128, dtype=dtype,
+                       device=device)
+    expected, _ = batch.reference()
+    for hint in (-1, 901, 64):
+        assert_close(ops.paged_attention(*batch.args(), max_seq_len=hint), expected, dtype, f"max_seq_len={hint}")
+
+
+# --------------------------------------------------------------------------------------------------
+# reshape_and_cache
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(1, 2, 64), (8, 1, 80), (16, 4, 128), (32, 2, 96),
+                                                               (256, 1, 256)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_reshape_and_cache(device, dtype, block_size, num_kv_heads, head_dim, layout):
+    num_blocks = max(4, 64 // block_size)
+    num_tokens = 37
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, dtype=dtype, device=device)
+    value_cache = torch.randn(shape, dtype=dtype, device=device)
+    if layout == "contiguous":
+        key = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+        value = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+    else:  # a fused qkv projection's slices and a transposed tensor
+        qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, dtype=dtype, device=device)
+        key = qkv[:, num_kv_heads:2 * num_kv_heads]
+        value = torch.randn(num_tokens, head_dim, num_kv_heads, dtype=dtype, device=device).transpose(1, 2)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[torch.randperm(num_tokens)[:5]] = -1  # padding
+    slots = slots.to(device)
+    expected_k, expected_v = ref.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_k)
+    assert torch.equal(value_cache, expected_v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_decode_step_write_then_attend(device, dtype):
+    # The engine's decode step: write this token's K/V, then attend over the cache; compare with SDPA
+    # on the same KV stored contiguously.
+    block_size, num_kv_heads, group, head_dim = 16, 2, 4, 64
+    lengths = [1, 20, 33]
+    batch = PagedBatch([n - 1 for n in lengths], [1] * len(lengths), block_size=block_size,
+                       num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype, device=device)
+    key = torch.randn(len(lengths), num_kv_heads, head_dim, dtype=dtype, device=device)
+    value = torch.randn_like(key)
+    tables = batch.block_tables.long().cpu()
+    slots = torch.tensor([int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for b, n in enumerate(lengths)], device=device)
+    ops.reshape_and_cache(key, value, batch.key_cache, batch.value_cache, slots)
+    out = ops.paged_attention(*batch.args())
+    for b, n in enumerate(lengths):
+        k = ref.gather_sequence_kv(batch.key_cache, batch.block_tables[b], n)
+        v = ref.gather_sequence_kv(batch.value_cache, batch.block_tables[b], n)
+        assert torch.equal(k[-1], key[b]) and torch.equal(v[-1], value[b])
+        k = k.double().repeat_interleave(group, 1).transpose(0, 1)
+        v = v.double().repeat_interleave(group, 1).transpose(0, 1)
+        q = batch.query[b:b + 1].double().transpose(0, 1)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=batch.scale).transpose(0, 1)
+        assert_close(out[b:b + 1], sdpa, dtype, f"sequence {b}")
+
+
+# --------------------------------------------------------------------------------------------------
+# copy_blocks / swap_blocks
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(1, 1, 64), (16, 2, 80), (256, 1, 128)])
+def test_copy_blocks(device, dtype, block_size, num_kv_heads, head_dim):
+    num_layers, num_blocks = 3, 24
+    caches = [(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device),
+               torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device))
+              for _ in range(num_layers)]
+    perm = torch.randperm(num_blocks)
+    mapping = torch.stack([perm[:6], perm[6:12]], dim=1)  # distinct destinations, never sources
+    keys, values = [k for k, _ in caches], [v for _, v in caches]
+    expected_k, expected_v = ref.copy_blocks(keys, values, mapping)
+    ops.copy_blocks(keys, values, mapping.to(device))
+    for got, want in zip(keys + values, expected_k + expected_v):
+        assert torch.equal(got, want)
+
+
+SWAP_DIRECTIONS = [
+    ("cpu", "cpu"),
+    pytest.param("cuda", "cpu", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")),
+    pytest.param("cpu", "cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")),
+    pytest.param("cuda", "cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")),
+]
+
+
+@pytest.mark.parametrize("src_device,dst_device", SWAP_DIRECTIONS)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_swap_blocks(src_device, dst_device, dtype):
+    src = torch.randn(10, 16, 2, 64, dtype=dtype, device=src_device)
+    dst = torch.randn(7, 16, 2, 64, dtype=dtype, device=dst_device)
+    if dst_device == "cpu" and src_device == "cuda":
+        dst = dst.pin_memory()
+    mapping = torch.stack([torch.randperm(10)[:5], torch.randperm(7)[:5]], dim=1)
+    expected = ref.swap_blocks(src, dst, mapping)
+    ops.swap_blocks(src, dst, mapping)
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+    assert torch.equal(dst, expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# opcheck and torch.compile
+
+def _small_batch(device="cpu", dtype=F32):
+    return PagedBatch([5, 0, 20], [1, 4, 3], block_size=8, num_kv_heads=2, group=2, head_dim=64, dtype=dtype,
+                      device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_all_ops(device):
+    batch = _small_batch(device)
+    torch.library.opcheck(torch.ops.pagedkv.paged_attention.default, batch.args(),
+                          {"sliding_window": 5, "softcap": 2.0})
+    torch.library.opcheck(torch.ops.pagedkv.paged_attention_with_lse.default, batch.args())
+    key = torch.randn(3, 2, 64, device=device)
+    slots = torch.tensor([3, -1, 17], device=device)
+    torch.library.opcheck(torch.ops.pagedkv.reshape_and_cache.default,
+                          (key, torch.randn_like(key), batch.key_cache, batch.value_cache, slots))
+    mapping = torch.tensor([[0, 5], [2, 7]], device=device)
+    torch.library.opcheck(torch.ops.pagedkv.copy_blocks.default,
+                          ([batch.key_cache, batch.key_cache.clone()], [batch.value_cache, batch.value_cache.clone()],
+                           mapping))
+    torch.library.opcheck(torch.ops.pagedkv.swap_blocks.default,
+                          (batch.key_cache, torch.randn(4, 8, 2, 64, device=device), torch.tensor([[1, 3]])))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_step_under_torch_compile(device):
+    torch._dynamo.reset()
+    batch = PagedBatch([9, 30], [1, 1], block_size=8, num_kv_heads=2, group=2, head_dim=64, dtype=F32,
+                       device=device)
+    key = torch.randn(2, 2, 64, device=device)
+    value = torch.randn_like(key)
+    slots = torch.tensor([int(batch.block_tables[0, 1]) * 8 + 1, int(batch.block_tables[1, 3]) * 8 + 6],
+                         device=device)
+
+    def decode_step(query, key, value, key_cache, value_cache, slots, block_tables, seq_lens, qsl):
+        ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+        out, lse = ops.paged_attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens, qsl, 0.125)
+        return out * 2.0, lse
+
+    compiled = torch.compile(decode_step, fullgraph=True, backend="inductor")
+    eager_caches = (batch.key_cache.clone(), batch.value_cache.clone())
+    rest = (slots, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    eager = decode_step(batch.query, key, value, *eager_caches, *rest)
+    got = compiled(batch.query, key, value, batch.key_cache, batch.value_cache, *rest)
+    torch.testing.assert_close(got, eager, atol=0, rtol=0)
+    assert torch.equal(batch.key_cache, eager_caches[0]) and torch.equal(batch.value_cache, eager_caches[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input: RuntimeError naming the argument, caches untouched
+
+def _bad_attention_calls():
+    b = _small_batch()
+    q, kc, vc, bt, sl, qsl, scale = b.args()
+    garbage_table = bt.clone()
+    garbage_table[2, 0] = b.num_blocks + 5
+    short_lens = sl.clone()
+    short_lens[1] = 2  # fewer KV than its 4 queries
+    return {
+        "query": lambda: ops.paged_attention(q.double(), kc, vc, bt, sl, qsl, scale),
+        "key_cache": lambda: ops.paged_attention(q, kc.half(), vc, bt, sl, qsl, scale),
+        "num_q_heads": lambda: ops.paged_attention(torch.randn(8, 3, 64), kc, vc, bt, sl, qsl, scale),
+        "head_dim": lambda: ops.paged_attention(torch.randn(8, 4, 32), kc, vc, bt, sl, qsl, scale),
+        "block_tables": lambda: ops.paged_attention(q, kc, vc, garbage_table, sl, qsl, scale),
+        "seq_lens": lambda: ops.paged_attention(q, kc, vc, bt, short_lens, qsl, scale),
+        "query_start_loc": lambda: ops.paged_attention(q, kc, vc, bt, sl, qsl.long(), scale),
+        "value_cache": lambda: ops.paged_attention(q, kc, vc[:-1], bt, sl, qsl, scale),
+        "softcap": lambda: ops.paged_attention(q, kc, vc, bt, sl, qsl, scale, softcap=-1.0),
+    }
+
+
+@pytest.mark.parametrize("argument", list(_bad_attention_calls()))
+def test_paged_attention_rejects_bad_input(argument):
+    with pytest.raises(RuntimeError, match=argument):
+        _bad_attention_calls()[argument]()
+
+
+def _bad_cache_calls(kc, vc):
+    key = torch.randn(3, 2, 64)
+    slots = torch.tensor([0, 1, 2])
+    return {
+        "key dtype": lambda: ops.reshape_and_cache(key.half(), key.half(), kc, vc, slots),
+        "slot_mapping must be Long": lambda: ops.reshape_and_cache(key, key, kc, vc, slots.int()),
+        "slot_mapping has 2": lambda: ops.reshape_and_cache(key, key, kc, vc, slots[:2]),
+        "slot_mapping\\[2\\]": lambda: ops.reshape_and_cache(key, key, kc, vc, torch.tensor([0, 1, kc.numel()])),
+        "key shape": lambda: ops.reshape_and_cache(torch.randn(3, 4, 64), torch.randn(3, 4, 64), kc, vc, slots),
+        "value shape": lambda: ops.reshape_and_cache(key, torch.randn(3, 2, 32), kc, vc, slots),
+        "block_mapping\\[1, 1\\]": lambda: ops.copy_blocks([kc], [vc], torch.tensor([[0, 1], [2, kc.shape[0]]])),
+        "block_mapping must be \\[n, 2\\]": lambda: ops.copy_blocks([kc], [vc], torch.tensor([[0, 1, 2]])),
+        "value_caches\\[0\\]": lambda: ops.copy_blocks([kc], [vc[:, :4]], torch.tensor([[0, 1]])),
+        "key_caches has 1 layers": lambda: ops.copy_blocks([kc], [], torch.tensor([[0, 1]])),
+        "block_mapping\\[0, 0\\]": lambda: ops.swap_blocks(kc, vc.clone(), torch.tensor([[-1, 0]])),
+        "dst dtype": lambda: ops.swap_blocks(kc, vc.half(), torch.tensor([[0, 0]])),
+        "src shape": lambda: ops.swap_blocks(kc, vc[:, :4].contiguous(), torch.tensor([[0, 0]])),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_cache_calls(torch.empty(4, 8, 2, 64), torch.empty(4, 8, 2, 64))))
+def test_cache_ops_reject_bad_input_and_leave_caches_unchanged(case):
+    kc, vc = torch.randn(4, 8, 2, 64), torch.randn(4, 8, 2, 64)
+    kc0, vc0 = kc.clone(), vc.clone()
+    with pytest.raises(RuntimeError, match=case):
+        _bad_cache_calls(kc, vc)[case]()
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_rejects_device_mix():
+    b = _small_batch("cuda")
+    q, kc, vc, bt, sl, qsl, scale = b.args()
+    with pytest.raises(RuntimeError, match="block_tables"):
+        ops.paged_attention(q, kc, vc, bt.cpu(), sl, qsl, scale)
+    with pytest.raises(RuntimeError, match="slot_mapping"):
+        ops.reshape_and_cache(q[:, :2], q[:, :2], kc, vc, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]))
+
+
+# --------------------------------------------------------------------------------------------------
+# pagedkv.cache
+
+def test_allocate_kv_cache_and_num_blocks_for():
+    caches = allocate_kv_cache(3, 10, 16, 2, 64, dtype=BF16, device="cpu")
+    assert len(caches) == 3
+    for k, v in caches:
+        assert k.shape == v.shape == (10, 16, 2, 64) and k.dtype == BF16 and k.is_contiguous()
+        assert k.data_ptr() != v.data_ptr()
+    per_block = block_bytes(num_layers=3, block_size=16, num_kv_heads=2, head_dim=64, dtype=BF16)
+    assert per_block == 2 * 3 * 16 * 2 * 64 * 2
+    assert num_blocks_for(10 * per_block + per_block - 1, num_layers=3, block_size=16, num_kv_heads=2,
+                          head_dim=64, dtype=BF16) == 10
+    assert num_blocks_for(0, num_layers=1, block_size=16, num_kv_heads=1, head_dim=64, dtype=F32) == 0
+    with pytest.raises(ValueError):
+        allocate_kv_cache(0, 10, 16, 2, 64)
