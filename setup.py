@@ -8,8 +8,13 @@ import os
 
 from setuptools import find_packages, setup
 
-import torch
-from torch.utils import cpp_extension
+# torch derives CUDA_HOME when cpp_extension is imported; the nvcc first on PATH may be a wrapper
+# outside the toolkit, so prefer the standard toolkit location when CUDA_HOME is not set.
+if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import torch  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 

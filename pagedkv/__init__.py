@@ -1,7 +1,17 @@
-"""pagedkv: a paged KV cache for LLM inference (block manager + CPU/CUDA kernels)."""
+"""pagedkv: a paged KV cache for LLM inference.
+
+- ``pagedkv.BlockManager``: where every token's KV lives (C++; prefix caching, CoW, fork, swap).
+- ``pagedkv.ops``: ``reshape_and_cache``, ``paged_attention``, ``copy_blocks``, ``swap_blocks``
+  (``torch.ops.pagedkv.*``, CPU and CUDA).
+- ``pagedkv.allocate_kv_cache`` / ``pagedkv.num_blocks_for``: cache tensors and pool sizing.
+- ``pagedkv.engine``: a small reference engine for Llama-family models.
+"""
 import torch  # noqa: F401  (loads libtorch before the extension)
 
+from . import ops
 from ._C import AllocStatus, BlockManager, hash_block_tokens  # also registers torch.ops.pagedkv.*
+from .cache import allocate_kv_cache, block_bytes, num_blocks_for
 
 __version__ = "0.1.0"
-__all__ = ["AllocStatus", "BlockManager", "hash_block_tokens"]
+__all__ = ["AllocStatus", "BlockManager", "hash_block_tokens", "ops", "allocate_kv_cache", "block_bytes",
+           "num_blocks_for"]
