@@ -139,15 +139,26 @@ def test_paged_attention_window_softcap_lse(device, dtype, sliding_window, softc
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_lse_merges_disjoint_key_sets(device):
-    # Splitting a sequence's keys in two (an even prefix, queried as "decode at length 32", and the
-    # full set) must be recoverable through lse: the property cascade attention relies on.
-    batch = PagedBatch([63], [1], block_size=16, num_kv_heads=1, group=1, head_dim=64, dtype=F32, device=device)
-    out, lse = ops.paged_attention_with_lse(*batch.args())
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_lse_merges_disjoint_key_sets(device, dtype):
+    # Cascade property: attention over keys [0, L) equals the lse-weighted merge of attention over
+    # [0, L - w) (a decode at length L - w) and over [L - w, L) (sliding window w at length L).
+    seq_len, window = 300 + int(torch.randint(0, 50, ())), 64
+    batch = PagedBatch([seq_len - 1], [1], block_size=16, num_kv_heads=2, group=4, head_dim=64, dtype=dtype,
+                       device=device)
+    q, kc, vc, bt, sl, qsl, scale = batch.args()
+    full, full_lse = ops.paged_attention_with_lse(q, kc, vc, bt, sl, qsl, scale)
+    head, head_lse = ops.paged_attention_with_lse(q, kc, vc, bt, sl - window, qsl, scale)
+    tail, tail_lse = ops.paged_attention_with_lse(q, kc, vc, bt, sl, qsl, scale, sliding_window=window)
+    top = torch.maximum(head_lse, tail_lse)
+    w_head, w_tail = torch.exp(head_lse - top), torch.exp(tail_lse - top)
+    merged = (w_head[..., None] * head.float() + w_tail[..., None] * tail.float()) / (w_head + w_tail)[..., None]
+    merged_lse = top + torch.log(w_head + w_tail)
     expected, expected_lse = batch.reference()
-    assert_close(out, expected, F32, "out")
-    assert torch.isfinite(lse).all()
-    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-5, rtol=1e-5)
+    assert_close(full, expected, dtype, "full")
+    assert_close(merged, expected, dtype, "merged")
+    torch.testing.assert_close(merged_lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(full_lse, merged_lse, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
