@@ -331,6 +331,38 @@ def test_decode_step_under_torch_compile(device):
     assert torch.equal(batch.key_cache, eager_caches[0]) and torch.equal(batch.value_cache, eager_caches[1])
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seq_len", [40, 3000])  # one partition / split-K with the merge kernel
+def test_cuda_decode_step_graph_capture(seq_len):
+    # A decode step must capture into a CUDA graph (no host syncs) and replay on new inputs.
+    batch = PagedBatch([seq_len - 1, 10], [1, 1], block_size=16, num_kv_heads=2, group=4, head_dim=128,
+                       dtype=BF16, device="cuda")
+    key = torch.randn(2, 2, 128, dtype=BF16, device="cuda")
+    value = torch.randn_like(key)
+    tables = batch.block_tables.long().cpu()
+    slots = torch.tensor([int(tables[0, (seq_len - 1) // 16]) * 16 + (seq_len - 1) % 16,
+                          int(tables[1, 0]) * 16 + 10], device="cuda")
+
+    def step():
+        ops.reshape_and_cache(key, value, batch.key_cache, batch.value_cache, slots)
+        return ops.paged_attention(*batch.args(), max_seq_len=seq_len)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(2):
+        batch.query.copy_(torch.randn_like(batch.query))
+        key.copy_(torch.randn_like(key))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, batch.reference()[0], BF16, "graph replay")
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad input: RuntimeError naming the argument, caches untouched
 
