@@ -139,15 +139,26 @@ def test_paged_attention_window_softcap_lse(device, dtype, sliding_window, softc
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_lse_merges_disjoint_key_sets(device):
-    # Splitting a sequence's keys in two (an even prefix, queried as "decode at length 32", and the
-    # full set) must be recoverable through lse: the property cascade attention relies on.
-    batch = PagedBatch([63], [1], block_size=16, num_kv_heads=1, group=1, head_dim=64, dtype=F32, device=device)
-    out, lse = ops.paged_attention_with_lse(*batch.args())
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_lse_merges_disjoint_key_sets(device, dtype):
+    # Cascade property: attention over keys [0, L) equals the lse-weighted merge of attention over
+    # [0, L - w) (a decode at length L - w) and over [L - w, L) (sliding window w at length L).
+    seq_len, window = 300 + int(torch.randint(0, 50, ())), 64
+    batch = PagedBatch([seq_len - 1], [1], block_size=16, num_kv_heads=2, group=4, head_dim=64, dtype=dtype,
+                       device=device)
+    q, kc, vc, bt, sl, qsl, scale = batch.args()
+    full, full_lse = ops.paged_attention_with_lse(q, kc, vc, bt, sl, qsl, scale)
+    head, head_lse = ops.paged_attention_with_lse(q, kc, vc, bt, sl - window, qsl, scale)
+    tail, tail_lse = ops.paged_attention_with_lse(q, kc, vc, bt, sl, qsl, scale, sliding_window=window)
+    top = torch.maximum(head_lse, tail_lse)
+    w_head, w_tail = torch.exp(head_lse - top), torch.exp(tail_lse - top)
+    merged = (w_head[..., None] * head.float() + w_tail[..., None] * tail.float()) / (w_head + w_tail)[..., None]
+    merged_lse = top + torch.log(w_head + w_tail)
     expected, expected_lse = batch.reference()
-    assert_close(out, expected, F32, "out")
-    assert torch.isfinite(lse).all()
-    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-5, rtol=1e-5)
+    assert_close(full, expected, dtype, "full")
+    assert_close(merged, expected, dtype, "merged")
+    torch.testing.assert_close(merged_lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(full_lse, merged_lse, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -318,6 +329,38 @@ def test_decode_step_under_torch_compile(device):
     got = compiled(batch.query, key, value, batch.key_cache, batch.value_cache, *rest)
     torch.testing.assert_close(got, eager, atol=0, rtol=0)
     assert torch.equal(batch.key_cache, eager_caches[0]) and torch.equal(batch.value_cache, eager_caches[1])
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seq_len", [40, 3000])  # one partition / split-K with the merge kernel
+def test_cuda_decode_step_graph_capture(seq_len):
+    # A decode step must capture into a CUDA graph (no host syncs) and replay on new inputs.
+    batch = PagedBatch([seq_len - 1, 10], [1, 1], block_size=16, num_kv_heads=2, group=4, head_dim=128,
+                       dtype=BF16, device="cuda")
+    key = torch.randn(2, 2, 128, dtype=BF16, device="cuda")
+    value = torch.randn_like(key)
+    tables = batch.block_tables.long().cpu()
+    slots = torch.tensor([int(tables[0, (seq_len - 1) // 16]) * 16 + (seq_len - 1) % 16,
+                          int(tables[1, 0]) * 16 + 10], device="cuda")
+
+    def step():
+        ops.reshape_and_cache(key, value, batch.key_cache, batch.value_cache, slots)
+        return ops.paged_attention(*batch.args(), max_seq_len=seq_len)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(2):
+        batch.query.copy_(torch.randn_like(batch.query))
+        key.copy_(torch.randn_like(key))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, batch.reference()[0], BF16, "graph replay")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint16_t v8u16_u __attribute__((vector_size(16), aligned(2), may_alias));
 
 constexpr int64_t kKeyTile = 32;     // keys gathered (and converted to fp32) per step
-constexpr int64_t kRowsPerItem = 64;  // query rows (query x GQA head) per work item, at least one GQA group
+constexpr int64_t kRowsPerItem = 32;  // query rows (query x GQA head) per work item, at least one GQA group
 constexpr int64_t kMinKeysPerPartition = 256;
 
 struct CpuAttentionArgs {
@@ -74,8 +74,8 @@ struct CpuScratch {
     if (static_cast<int64_t>(k_tile.size()) < kKeyTile * head_dim) {
       k_tile.resize(kKeyTile * head_dim);
       v_tile.resize(kKeyTile * head_dim);
-      scores.resize(kKeyTile + 8);
     }
+    if (static_cast<int64_t>(scores.size()) < rows * (kKeyTile + 8)) scores.resize(rows * (kKeyTile + 8));
   }
 };
 
