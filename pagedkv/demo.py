@@ -78,7 +78,13 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--plot", default="pagedkv_demo.png")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 for the built-in model, whose ops are too small to gain "
+                        "from threads and slow down badly on a busy machine; torch's choice otherwise)")
     args = p.parse_args(argv)
+    threads = args.threads or (1 if args.model is None else None)
+    if threads:
+        torch.set_num_threads(threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         model_path = args.model
