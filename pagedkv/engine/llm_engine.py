@@ -71,37 +71,40 @@ class LLM:
             self.scheduler.add_request(request)
         return request
 
-    def step(self) -> int:
-        """Schedules and runs one batch; returns the number of tokens it processed."""
+    def step(self) -> list[Request]:
+        """Schedules and runs one batch; returns the requests that finished in it."""
         batch = self.scheduler.schedule()
         if batch.empty:
             raise RuntimeError("scheduler made no progress: the KV pool is too small for any waiting sequence")
         sampled = self.runner.execute(batch, self.bm)
-        self.scheduler.postprocess(batch, sampled)
+        finished = self.scheduler.postprocess(batch, sampled)
         stats = self.bm.stats()
         self.history.append(dict(step=len(self.history), used_blocks=stats["used_blocks"],
                                  cached_blocks=stats["cached_blocks"], running=len(self.scheduler.running),
                                  tokens=batch.num_tokens))
-        return batch.num_tokens
+        requests = {s.request.request_id: s.request for s in finished if s.request.finished}
+        return batch.failed + list(requests.values())
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
+        """Runs the prompts (token-id lists, or strings with a tokenizer) to completion; outputs in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm)
-        start, tokens, done = time.perf_counter(), 0, sum(r.error is not None for r in requests)
-        bar.update(done)
+        bar.update(sum(r.error is not None for r in requests))
+        start, computed = time.perf_counter(), self._computed_tokens()
         while self.scheduler.has_unfinished():
-            tokens += self.step()
-            now_done = sum(r.finished or r.error is not None for r in requests)
-            bar.update(now_done - done)
-            done = now_done
-            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}", refresh=False)
+            bar.update(len(self.step()))
+            rate = (self._computed_tokens() - computed) / (time.perf_counter() - start)
+            bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
         bar.close()
         return [self._output(r) for r in requests]
+
+    def _computed_tokens(self) -> int:
+        return self.scheduler.stats["prefill_tokens"] + self.scheduler.stats["decode_tokens"]
 
     def _output(self, request: Request) -> RequestOutput:
         outputs = [CompletionOutput(i, s.output_token_ids, self._decode(s.output_token_ids), s.finish_reason)
@@ -116,5 +119,4 @@ class LLM:
     def stats(self) -> dict:
         """Scheduler counters (preemptions, CoW copies, tokens), the block manager's stats, peak usage."""
         peak = max((h["used_blocks"] for h in self.history), default=0)
-        return {**self.scheduler.stats, **self.bm.stats(), "peak_used_blocks": peak,
-                "num_blocks": self.num_blocks}
+        return {**self.scheduler.stats, **self.bm.stats(), "peak_used_blocks": peak}

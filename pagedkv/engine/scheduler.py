@@ -111,8 +111,8 @@ class Scheduler:
             group = [s for s in self.running if s.arrival == newest]
             self.running = [s for s in self.running if s.arrival != newest]
             if not self.running:    # alone and still no room: it has outgrown the whole pool
-                self._fail(group[0], batch, f"sequence outgrew the KV cache ({self.bm.num_blocks} blocks of "
-                                     f"{self.config.block_size} tokens) after {len(group[0])} tokens")
+                self._fail(group, batch, f"sequence outgrew the KV cache ({self.bm.num_blocks} blocks of "
+                                         f"{self.config.block_size} tokens) at {len(group[0])} tokens")
                 return True
             self._preempt(group, batch)
             preempted = True
@@ -143,7 +143,7 @@ class Scheduler:
             width = self._fork_width(seq)
             if width > self.config.max_num_seqs:
                 self.waiting.popleft()
-                self._fail(seq, batch, f"n={width} samples exceed max_num_seqs={self.config.max_num_seqs}")
+                self._fail([seq], batch, f"n={width} samples exceed max_num_seqs={self.config.max_num_seqs}")
                 continue
             if num_seqs + width > self.config.max_num_seqs:
                 break
@@ -159,9 +159,10 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if status == AllocStatus.NEVER:
-                self._fail(seq, batch, f"sequence of {len(seq)} tokens can never fit in the KV cache: it needs "
-                                f"{_cdiv(len(seq), self.config.block_size)} blocks of {self.config.block_size} "
-                                f"tokens, the pool has {self.bm.num_blocks}")
+                bs = self.config.block_size
+                self._fail([seq], batch, f"sequence of {len(seq)} tokens can never fit in the KV cache: it needs "
+                                         f"{_cdiv(len(seq), bs)} blocks of {bs} tokens, the pool has "
+                                         f"{self.bm.num_blocks}")
                 continue
             num_cached = self.bm.allocate(seq.seq_id, seq.token_ids)
             seq.status = SequenceStatus.RUNNING
@@ -186,17 +187,18 @@ class Scheduler:
         """Sequences this prefill turns into: n for a request's first prefill, else 1."""
         return seq.request.params.n if len(seq.request.seqs) == 1 and seq.num_output_tokens == 0 else 1
 
-    def _fail(self, seq: Sequence, batch: ScheduledBatch, message: str) -> None:
-        seq.request.error = message
-        batch.failed.append(seq.request)
-        for s in seq.request.seqs:
+    def _fail(self, seqs: list[Sequence], batch: ScheduledBatch, message: str) -> None:
+        """Ends these sequences with an error (their siblings go on); they are out of every queue."""
+        request = seqs[0].request
+        request.error = message
+        for s in seqs:
             if s.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
                 self.bm.free(s.seq_id)
             s.status = SequenceStatus.FINISHED
-            s.finish_reason = s.finish_reason or "error"
-        self.running = [s for s in self.running if s.request is not seq.request]
-        self.waiting = deque(s for s in self.waiting if s.request is not seq.request)
-        self.swapped = deque(g for g in self.swapped if g[0].request is not seq.request)
+            s.finish_reason = "error"
+        self.running = [s for s in self.running if s.status != SequenceStatus.FINISHED]
+        if request.finished:
+            batch.failed.append(request)
 
     # ---- after the forward pass -------------------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
