@@ -4,7 +4,6 @@ and KV memory: how many sequences fit in a fixed KV budget, paged vs one contigu
     python benchmarks/bench_engine.py [--batch 16] [--device cpu] [--threads 2]
 """
 import argparse
-import os
 import random
 import tempfile
 import time

@@ -1,6 +1,5 @@
 """End-to-end tests of pagedkv.engine: greedy output equals Hugging Face transformers token for token,
 through prefix caching, preemption (swap and recompute) and n > 1 samples sharing blocks."""
-import json
 
 import pytest
 import torch
