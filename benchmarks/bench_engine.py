@@ -131,16 +131,18 @@ def main():
         print(f"{name:34} {secs:8.2f} {generated / secs:8.0f} {hf_s / secs:6.2f}x {same:>12}/{args.batch}")
 
     budget = args.kv_budget_mib << 20
-    max_len = MODEL["max_position_embeddings"]
-    contiguous = sequences_in_budget(budget, prompts, new, max_len, None, False)
-    paged = sequences_in_budget(budget, prompts, new, max_len, 16, False)
-    shared = sequences_in_budget(budget, prompts, new, max_len, 16, True)
+    longest = max(map(len, prompts)) + new
+    rows = [(f"contiguous, max_len {MODEL['max_position_embeddings']} (model limit) each",
+             sequences_in_budget(budget, prompts, new, MODEL["max_position_embeddings"], None, False)),
+            (f"contiguous, max_len {longest} (longest sequence) each",
+             sequences_in_budget(budget, prompts, new, longest, None, False)),
+            ("paged, block 16", sequences_in_budget(budget, prompts, new, None, 16, False)),
+            ("paged, block 16, shared prefix cached", sequences_in_budget(budget, prompts, new, None, 16, True))]
     print(f"\nsequences that fit in {args.kv_budget_mib} MiB of fp32 KV (sequence = prompt + {new} tokens, "
-          f"~{sum(map(len, prompts)) // len(prompts) + new} tokens)")
-    print(f"{'contiguous, max_len ' + str(max_len) + ' per sequence':42} {contiguous:6}  1.00x")
-    print(f"{'paged, block 16':42} {paged:6} {paged / contiguous:6.2f}x")
-    print(f"{'paged, block 16, shared prefix cached':42} {shared:6} {shared / contiguous:6.2f}x")
-
+          f"{sum(map(len, prompts)) // len(prompts) + new} tokens on average)")
+    base = rows[0][1]
+    for name, count in rows:
+        print(f"{name:48} {count:6} {count / base:7.2f}x")
 
 if __name__ == "__main__":
     main()
