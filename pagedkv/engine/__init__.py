@@ -1,5 +1,16 @@
 """pagedkv.engine: a small reference LLM engine on the paged KV cache (continuous batching, prefix
-caching, preemption by swap or recompute, n > 1 samples by fork + copy-on-write)."""
+caching, preemption by swap or recompute, n > 1 samples by fork + copy-on-write).
+
+    from pagedkv.engine import LLM, SamplingParams
+    llm = LLM("path/to/llama", device="cuda", num_cpu_blocks=512)
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+    print(out[0].text, llm.stats()["hit_rate"])
+
+Files: config (model and engine settings), llama (the model, attention through torch.ops.pagedkv),
+loader (safetensors), sampling, sequence (sequences, requests, outputs), scheduler (queues and
+block-manager decisions), model_runner (block moves, attention inputs, forward, sampling),
+llm_engine (the LLM API).
+"""
 from .llm_engine import LLM
 from .sampling import SamplingParams
 from .sequence import CompletionOutput, RequestOutput
