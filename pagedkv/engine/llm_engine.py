@@ -92,6 +92,10 @@ class LLM:
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        if self.tokenizer is None and any(isinstance(p, str) for p in prompts):
+            raise ValueError("string prompts need a tokenizer.json in the model directory")
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm)
         bar.update(sum(r.error is not None for r in requests))
