@@ -143,39 +143,30 @@ class Model:
         for b in p.table:
             self.ref[b] += 1
 
-    def swap_out(self, sids):
+    def move(self, sids, to_cpu):
+        take, dst_ref = (self.take_cpu, self.cpu_ref) if to_cpu else (self.take, self.ref)
+        release = self.release if to_cpu else self.release_cpu
         mapping, m = [], {}
         for sid in sids:
             s = self.seqs[sid]
             new = []
             for b in s.table:
                 if b not in m:
-                    m[b] = self.take_cpu()
+                    m[b] = take()
                     mapping.append((b, m[b]))
                 else:
-                    self.cpu_ref[m[b]] += 1
+                    dst_ref[m[b]] += 1
                 new.append(m[b])
             for b in reversed(s.table):
-                self.release(b)
-            s.table, s.swapped, s.registered = new, True, 0
+                release(b)
+            s.table, s.swapped, s.registered = new, to_cpu, 0
         return mapping
 
+    def swap_out(self, sids):
+        return self.move(sids, to_cpu=True)
+
     def swap_in(self, sids):
-        mapping, m = [], {}
-        for sid in sids:
-            s = self.seqs[sid]
-            new = []
-            for b in s.table:
-                if b not in m:
-                    m[b] = self.take()
-                    mapping.append((b, m[b]))
-                else:
-                    self.ref[m[b]] += 1
-                new.append(m[b])
-            for b in reversed(s.table):
-                self.release_cpu(b)
-            s.table, s.swapped = new, False
-        return mapping
+        return self.move(sids, to_cpu=False)
 
     def distinct_blocks(self, sids):
         return len({b for sid in sids for b in self.seqs[sid].table})

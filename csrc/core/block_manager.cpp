@@ -343,81 +343,63 @@ void BlockManager::fork(int64_t parent_seq_id, int64_t child_seq_id) {
 // ---------------------------------------------------------------------------------------------------
 // Swapping
 
-bool BlockManager::can_swap_out(const std::vector<int64_t>& seq_ids) const {
+int32_t BlockManager::distinct_blocks(const std::vector<int64_t>& seq_ids, const char* what, Where where) const {
   std::unordered_set<int32_t> blocks;
-  for (const Sequence* seq : resolve(seq_ids.data(), seq_ids.size(), "swap_out", /*unique=*/true))
+  for (const Sequence* seq : resolve(seq_ids.data(), seq_ids.size(), what, /*unique=*/true, where))
     blocks.insert(seq->block_table.begin(), seq->block_table.end());
-  return static_cast<int32_t>(blocks.size()) <= cpu_free_.size();
+  return static_cast<int32_t>(blocks.size());
+}
+
+std::vector<BlockPair> BlockManager::move_blocks(const std::vector<int64_t>& seq_ids, bool to_cpu) {
+  // Blocks shared inside the group are copied once; the destination block is shared the same way.
+  std::vector<BlockPair> mapping;
+  std::unordered_map<int32_t, int32_t> src_to_dst;
+  for (int64_t id : seq_ids) {
+    Sequence& seq = get(id);
+    std::vector<int32_t> dst_table(seq.block_table.size());
+    for (size_t i = 0; i < seq.block_table.size(); ++i) {
+      auto [it, inserted] = src_to_dst.emplace(seq.block_table[i], 0);
+      if (inserted) {
+        it->second = to_cpu ? take_cpu_block() : take_free_block();
+        mapping.emplace_back(seq.block_table[i], it->second);
+      } else {
+        ++(to_cpu ? cpu_ref_ : gpu_ref_)[it->second];
+      }
+      dst_table[i] = it->second;
+    }
+    for (auto b = seq.block_table.rbegin(); b != seq.block_table.rend(); ++b)
+      to_cpu ? release_block(*b) : release_cpu_block(*b);
+    seq.block_table = std::move(dst_table);
+    seq.swapped = to_cpu;
+    seq.num_registered = 0;  // re-registered by mark_computed once the KV is back on the GPU
+  }
+  (to_cpu ? counters_.swapped_out_blocks : counters_.swapped_in_blocks) += static_cast<int64_t>(mapping.size());
+  return mapping;
+}
+
+bool BlockManager::can_swap_out(const std::vector<int64_t>& seq_ids) const {
+  return distinct_blocks(seq_ids, "swap_out", Where::kResident) <= cpu_free_.size();
 }
 
 std::vector<BlockPair> BlockManager::swap_out(const std::vector<int64_t>& seq_ids) {
   if (num_cpu_blocks_ == 0) throw ValueError("swap_out: this BlockManager has no CPU blocks (num_cpu_blocks=0)");
   if (!can_swap_out(seq_ids))
     throw OutOfBlocks(cat("swap_out: not enough free CPU blocks (", cpu_free_.size(), " free)"));
-  std::vector<BlockPair> mapping;
-  std::unordered_map<int32_t, int32_t> gpu_to_cpu;
-  for (int64_t id : seq_ids) {
-    Sequence& seq = get(id);
-    std::vector<int32_t> cpu_table(seq.block_table.size());
-    for (size_t i = 0; i < seq.block_table.size(); ++i) {
-      const int32_t gpu = seq.block_table[i];
-      auto [it, inserted] = gpu_to_cpu.emplace(gpu, 0);
-      if (inserted) {
-        it->second = take_cpu_block();
-        mapping.emplace_back(gpu, it->second);
-      } else {
-        ++cpu_ref_[it->second];
-      }
-      cpu_table[i] = it->second;
-    }
-    for (auto b = seq.block_table.rbegin(); b != seq.block_table.rend(); ++b) release_block(*b);
-    seq.block_table = std::move(cpu_table);
-    seq.swapped = true;
-    seq.num_registered = 0;  // re-registered by mark_computed once the KV is back on the GPU
-  }
-  counters_.swapped_out_blocks += static_cast<int64_t>(mapping.size());
-  return mapping;
+  return move_blocks(seq_ids, /*to_cpu=*/true);
 }
 
 AllocStatus BlockManager::can_swap_in(const std::vector<int64_t>& seq_ids) const {
-  std::unordered_set<int32_t> blocks;
-  for (const Sequence* seq : resolve(seq_ids.data(), seq_ids.size(), "swap_in", /*unique=*/true, Where::kSwapped))
-    blocks.insert(seq->block_table.begin(), seq->block_table.end());
-  const int32_t needed = static_cast<int32_t>(blocks.size());
+  const int32_t needed = distinct_blocks(seq_ids, "swap_in", Where::kSwapped);
   if (needed > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
   return gpu_free_.size() - needed >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
 }
 
 std::vector<BlockPair> BlockManager::swap_in(const std::vector<int64_t>& seq_ids) {
-  if (can_swap_in(seq_ids) == AllocStatus::kNever)
-    throw OutOfBlocks("swap_in: these sequences need more blocks than the pool can ever offer");
-  std::unordered_set<int32_t> distinct;
-  for (int64_t id : seq_ids) distinct.insert(get(id).block_table.begin(), get(id).block_table.end());
-  if (static_cast<int32_t>(distinct.size()) > gpu_free_.size())
-    throw OutOfBlocks(cat("swap_in: needs ", distinct.size(), " free blocks but only ", gpu_free_.size(),
+  const int32_t needed = distinct_blocks(seq_ids, "swap_in", Where::kSwapped);
+  if (needed > gpu_free_.size())
+    throw OutOfBlocks(cat("swap_in: needs ", needed, " free blocks but only ", gpu_free_.size(),
                           " are free (check can_swap_in first)"));
-  std::vector<BlockPair> mapping;
-  std::unordered_map<int32_t, int32_t> cpu_to_gpu;
-  for (int64_t id : seq_ids) {
-    Sequence& seq = get(id);
-    std::vector<int32_t> gpu_table(seq.block_table.size());
-    for (size_t i = 0; i < seq.block_table.size(); ++i) {
-      const int32_t cpu = seq.block_table[i];
-      auto [it, inserted] = cpu_to_gpu.emplace(cpu, 0);
-      if (inserted) {
-        it->second = take_free_block();
-        mapping.emplace_back(cpu, it->second);
-      } else {
-        ++gpu_ref_[it->second];
-      }
-      gpu_table[i] = it->second;
-    }
-    for (auto b = seq.block_table.rbegin(); b != seq.block_table.rend(); ++b) release_cpu_block(*b);
-    seq.block_table = std::move(gpu_table);
-    seq.swapped = false;
-  }
-  counters_.swapped_in_blocks += static_cast<int64_t>(mapping.size());
-  return mapping;
+  return move_blocks(seq_ids, /*to_cpu=*/false);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -116,6 +116,8 @@ class BlockManager {
   const std::vector<int32_t>& match_prefix_memo(const int64_t* tokens, size_t num_tokens, std::string_view salt,
                                                 const std::vector<uint64_t>** hashes) const;
   int32_t blocks_needed_to_append(const std::vector<Sequence*>& seqs) const;
+  int32_t distinct_blocks(const std::vector<int64_t>& seq_ids, const char* what, Where where) const;
+  std::vector<BlockPair> move_blocks(const std::vector<int64_t>& seq_ids, bool to_cpu);  // swap out / in
   uint64_t block_hash(Sequence& seq, int32_t index) const;
   void register_computed_blocks(Sequence& seq);
 
