@@ -171,6 +171,19 @@ def test_paged_attention_empty_and_zero_query_sequences(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_noncontiguous_metadata(device):
+    batch = PagedBatch([30, 3, 70], [1, 6, 2], block_size=8, num_kv_heads=2, group=2, head_dim=64, dtype=F32,
+                       device=device)
+    q, kc, vc, bt, sl, qsl, scale = batch.args()
+    wide_tables = torch.stack([bt, torch.full_like(bt, -7)], dim=2)[..., 0]  # column stride 2
+    strided_lens = torch.stack([sl, sl], dim=1)[:, 0]
+    strided_qsl = torch.stack([qsl, qsl], dim=1)[:, 1]
+    assert not (wide_tables.is_contiguous() or strided_lens.is_contiguous() or strided_qsl.is_contiguous())
+    out = ops.paged_attention(q, kc, vc, wide_tables, strided_lens, strided_qsl, scale)
+    assert_close(out, batch.reference()[0], F32, "out")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 def test_paged_attention_max_seq_len_hint(device, dtype):
     # max_seq_len only sizes the CUDA launch; any value (even a too-small one) gives the same result.
