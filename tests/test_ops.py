@@ -6,6 +6,8 @@ import math
 import os
 import sys
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 import torch
 
@@ -192,6 +194,37 @@ def test_paged_attention_max_seq_len_hint(device, dtype):
     expected, _ = batch.reference()
     for hint in (-1, 901, 64):
         assert_close(ops.paged_attention(*batch.args(), max_seq_len=hint), expected, dtype, f"max_seq_len={hint}")
+
+
+@hypothesis.settings(max_examples=30, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(
+    data=st.data(),
+    block_size=st.sampled_from([1, 2, 5, 16, 64]),
+    num_kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3, 8]),
+    head_dim=st.sampled_from([8, 12, 64, 80]),
+    dtype=st.sampled_from([F32, BF16]),
+    sliding_window=st.sampled_from([-1, -1, 1, 5, 300]),
+    num_threads=st.sampled_from([1, 2, 8]),  # more threads -> more split-K partitions on CPU
+)
+def test_paged_attention_random_batches_cpu(data, block_size, num_kv_heads, group, head_dim, dtype, sliding_window,
+                                            num_threads):
+    num_seqs = data.draw(st.integers(1, 4), label="num_seqs")
+    q_lens = data.draw(st.lists(st.integers(0, 40), min_size=num_seqs, max_size=num_seqs), label="q_lens")
+    prefixes = data.draw(st.lists(st.sampled_from([0, 1, 7, 33, 600, 1500]), min_size=num_seqs, max_size=num_seqs),
+                         label="prefixes")
+    hypothesis.assume(sum(q_lens) > 0)
+    batch = PagedBatch(prefixes, q_lens, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
+                       head_dim=head_dim, dtype=dtype, device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out, lse = ops.paged_attention_with_lse(*batch.args(), sliding_window=sliding_window)
+    finally:
+        torch.set_num_threads(threads)
+    expected, expected_lse = batch.reference(sliding_window=sliding_window)
+    assert_close(out, expected, dtype, "out")
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
 
 
 # --------------------------------------------------------------------------------------------------
