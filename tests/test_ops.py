@@ -6,6 +6,8 @@ import math
 import os
 import sys
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 import torch
 
@@ -171,6 +173,19 @@ def test_paged_attention_empty_and_zero_query_sequences(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_noncontiguous_metadata(device):
+    batch = PagedBatch([30, 3, 70], [1, 6, 2], block_size=8, num_kv_heads=2, group=2, head_dim=64, dtype=F32,
+                       device=device)
+    q, kc, vc, bt, sl, qsl, scale = batch.args()
+    wide_tables = torch.stack([bt, torch.full_like(bt, -7)], dim=2)[..., 0]  # column stride 2
+    strided_lens = torch.stack([sl, sl], dim=1)[:, 0]
+    strided_qsl = torch.stack([qsl, qsl], dim=1)[:, 1]
+    assert not (wide_tables.is_contiguous() or strided_lens.is_contiguous() or strided_qsl.is_contiguous())
+    out = ops.paged_attention(q, kc, vc, wide_tables, strided_lens, strided_qsl, scale)
+    assert_close(out, batch.reference()[0], F32, "out")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 def test_paged_attention_max_seq_len_hint(device, dtype):
     # max_seq_len only sizes the CUDA launch; any value (even a too-small one) gives the same result.
@@ -179,6 +194,37 @@ def test_paged_attention_max_seq_len_hint(device, dtype):
     expected, _ = batch.reference()
     for hint in (-1, 901, 64):
         assert_close(ops.paged_attention(*batch.args(), max_seq_len=hint), expected, dtype, f"max_seq_len={hint}")
+
+
+@hypothesis.settings(max_examples=30, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(
+    data=st.data(),
+    block_size=st.sampled_from([1, 2, 5, 16, 64]),
+    num_kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3, 8]),
+    head_dim=st.sampled_from([8, 12, 64, 80]),
+    dtype=st.sampled_from([F32, BF16]),
+    sliding_window=st.sampled_from([-1, -1, 1, 5, 300]),
+    num_threads=st.sampled_from([1, 2, 8]),  # more threads -> more split-K partitions on CPU
+)
+def test_paged_attention_random_batches_cpu(data, block_size, num_kv_heads, group, head_dim, dtype, sliding_window,
+                                            num_threads):
+    num_seqs = data.draw(st.integers(1, 4), label="num_seqs")
+    q_lens = data.draw(st.lists(st.integers(0, 40), min_size=num_seqs, max_size=num_seqs), label="q_lens")
+    prefixes = data.draw(st.lists(st.sampled_from([0, 1, 7, 33, 600, 1500]), min_size=num_seqs, max_size=num_seqs),
+                         label="prefixes")
+    hypothesis.assume(sum(q_lens) > 0)
+    batch = PagedBatch(prefixes, q_lens, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
+                       head_dim=head_dim, dtype=dtype, device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out, lse = ops.paged_attention_with_lse(*batch.args(), sliding_window=sliding_window)
+    finally:
+        torch.set_num_threads(threads)
+    expected, expected_lse = batch.reference(sliding_window=sliding_window)
+    assert_close(out, expected, dtype, "out")
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
 
 
 # --------------------------------------------------------------------------------------------------
