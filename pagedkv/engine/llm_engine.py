@@ -82,8 +82,8 @@ class LLM:
         self.history.append(dict(step=len(self.history), used_blocks=stats["used_blocks"],
                                  cached_blocks=stats["cached_blocks"], running=len(self.scheduler.running),
                                  tokens=batch.num_tokens))
-        requests = {s.request.request_id: s.request for s in finished if s.request.finished}
-        return batch.failed + list(requests.values())
+        requests = {s.request.request_id: s.request for s in finished + batch.failed if s.request.finished}
+        return list(requests.values())
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

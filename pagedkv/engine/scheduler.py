@@ -21,7 +21,7 @@ class ScheduledBatch:
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, gpu block)
     copies: list[tuple[int, int]] = field(default_factory=list)     # copy-on-write (src, dst)
-    failed: list[Request] = field(default_factory=list)             # requests failed while scheduling
+    failed: list[Sequence] = field(default_factory=list)            # sequences failed while scheduling
 
     @property
     def empty(self) -> bool:
@@ -105,16 +105,20 @@ class Scheduler:
             self.stats["swapped_in"] += len(group)
 
     def _make_room_for_decodes(self, batch: ScheduledBatch) -> bool:
+        """Preempts the newest request's sequences until every running sequence can append a token."""
         preempted = False
         while self.running and not self.bm.can_append([s.seq_id for s in self.running]):
             newest = self.running[-1].arrival
             group = [s for s in self.running if s.arrival == newest]
-            self.running = [s for s in self.running if s.arrival != newest]
-            if not self.running:    # alone and still no room: it has outgrown the whole pool
+            if len(group) < len(self.running):
+                self.running = self.running[:-len(group)]
+                self._preempt(group, batch)
+            elif len(group) > 1:          # one request left: shed its samples one at a time
+                self._recompute([self.running.pop()])
+            else:                         # alone and still no room: it has outgrown the whole pool
+                self.running = []
                 self._fail(group, batch, f"sequence outgrew the KV cache ({self.bm.num_blocks} blocks of "
                                          f"{self.config.block_size} tokens) at {len(group[0])} tokens")
-                return True
-            self._preempt(group, batch)
             preempted = True
         return preempted
 
@@ -126,12 +130,16 @@ class Scheduler:
                 s.status = SequenceStatus.SWAPPED
             self.swapped.append(group)
             self.stats["preempted_swap"] += len(group)
-            return
-        for s in reversed(group):   # recompute: drop the KV, prefill prompt + outputs again later
+        else:
+            self._recompute(group)
+
+    def _recompute(self, seqs: list[Sequence]) -> None:
+        """Drops the sequences' KV; they wait to prefill prompt + outputs again, ahead of new requests."""
+        for s in reversed(seqs):
             self.bm.free(s.seq_id)
             s.status = SequenceStatus.WAITING
             self.waiting.appendleft(s)
-        self.stats["preempted_recompute"] += len(group)
+        self.stats["preempted_recompute"] += len(seqs)
 
     def _admit_waiting(self, batch: ScheduledBatch) -> None:
         num_seqs = len(self.running)
@@ -197,8 +205,7 @@ class Scheduler:
             s.status = SequenceStatus.FINISHED
             s.finish_reason = "error"
         self.running = [s for s in self.running if s.status != SequenceStatus.FINISHED]
-        if request.finished:
-            batch.failed.append(request)
+        batch.failed += seqs
 
     # ---- after the forward pass -------------------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
