@@ -1,6 +1,8 @@
 """End-to-end tests of pagedkv.engine: greedy output equals Hugging Face transformers token for token,
 through prefix caching, preemption (swap and recompute) and n > 1 samples sharing blocks."""
 
+import random
+
 import pytest
 import torch
 
@@ -101,6 +103,34 @@ def test_mixed_workload_in_a_tight_pool(tiny, num_cpu_blocks):
     assert stats["preempted_swap"] + stats["preempted_recompute"] > 0 and stats["cow_copies"] > 0
     assert stats["used_blocks"] == 0 and stats["free_cpu_blocks"] == num_cpu_blocks
     llm.bm.check_invariants()
+
+
+def test_random_configurations_match_reference(tiny):
+    """Random block sizes, pool sizes (some too small), swap space, caching, n, max_tokens and budgets:
+    every output is the reference's prefix (or fails with a clear error), and nothing leaks."""
+    path, _, prompts, expected = tiny
+    rng = random.Random(0)
+    errors = 0
+    for _ in range(30):
+        bs = rng.choice([1, 2, 4, 8, 16])
+        need = max(-(-(len(p) + MAX_TOKENS) // bs) for p in prompts)
+        num_blocks = rng.randint(max(1, need // 2), need * 2)
+        llm = LLM(path, block_size=bs, num_blocks=num_blocks, num_cpu_blocks=rng.choice([0, num_blocks]),
+                  enable_prefix_caching=rng.random() < 0.7, max_num_seqs=rng.randint(3, 16),
+                  max_num_batched_tokens=rng.choice([64, 4096]))
+        idx = [rng.randrange(len(prompts)) for _ in range(rng.randint(1, 10))]
+        params = [SamplingParams(max_tokens=rng.randint(1, MAX_TOKENS), n=rng.choice([1, 1, 2, 3]), ignore_eos=True)
+                  for _ in idx]
+        for out, i, sp in zip(llm.generate([prompts[i] for i in idx], params), idx, params):
+            if out.error:
+                errors += 1
+                assert any(m in out.error for m in ("never fit", "outgrew", "max_num_seqs")), out.error
+                assert all(c.token_ids == expected[i][:len(c.token_ids)] for c in out.outputs)
+            else:
+                assert [c.token_ids for c in out.outputs] == [expected[i][:sp.max_tokens]] * sp.n
+        assert llm.stats()["used_blocks"] == 0 and llm.stats()["num_seqs"] == 0
+        llm.bm.check_invariants()
+    assert errors > 0     # some pools were too small, and that was reported per request
 
 
 def test_random_sampling_is_seeded(tiny):
