@@ -19,7 +19,7 @@ if [ -z "${CUDA_HOME:-}" ]; then  # the toolkit root, not a bin/ symlink farm su
 fi
 export CUDA_HOME
 echo "CUDA_HOME=${CUDA_HOME:-unset}"
-SANITIZER=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
+SANITIZER=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
 declare -a NAMES STATUS SECONDS_TAKEN
 
 step() {  # step NAME TIMEOUT_S CMD...: runs CMD with a timeout, logs to $LOGS/NAME.log, records the result
