@@ -6,6 +6,8 @@ import math
 import os
 import sys
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 import torch
 
@@ -139,15 +141,26 @@ def test_paged_attention_window_softcap_lse(device, dtype, sliding_window, softc
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_lse_merges_disjoint_key_sets(device):
-    # Splitting a sequence's keys in two (an even prefix, queried as "decode at length 32", and the
-    # full set) must be recoverable through lse: the property cascade attention relies on.
-    batch = PagedBatch([63], [1], block_size=16, num_kv_heads=1, group=1, head_dim=64, dtype=F32, device=device)
-    out, lse = ops.paged_attention_with_lse(*batch.args())
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_lse_merges_disjoint_key_sets(device, dtype):
+    # Cascade property: attention over keys [0, L) equals the lse-weighted merge of attention over
+    # [0, L - w) (a decode at length L - w) and over [L - w, L) (sliding window w at length L).
+    seq_len, window = 300 + int(torch.randint(0, 50, ())), 64
+    batch = PagedBatch([seq_len - 1], [1], block_size=16, num_kv_heads=2, group=4, head_dim=64, dtype=dtype,
+                       device=device)
+    q, kc, vc, bt, sl, qsl, scale = batch.args()
+    full, full_lse = ops.paged_attention_with_lse(q, kc, vc, bt, sl, qsl, scale)
+    head, head_lse = ops.paged_attention_with_lse(q, kc, vc, bt, sl - window, qsl, scale)
+    tail, tail_lse = ops.paged_attention_with_lse(q, kc, vc, bt, sl, qsl, scale, sliding_window=window)
+    top = torch.maximum(head_lse, tail_lse)
+    w_head, w_tail = torch.exp(head_lse - top), torch.exp(tail_lse - top)
+    merged = (w_head[..., None] * head.float() + w_tail[..., None] * tail.float()) / (w_head + w_tail)[..., None]
+    merged_lse = top + torch.log(w_head + w_tail)
     expected, expected_lse = batch.reference()
-    assert_close(out, expected, F32, "out")
-    assert torch.isfinite(lse).all()
-    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-5, rtol=1e-5)
+    assert_close(full, expected, dtype, "full")
+    assert_close(merged, expected, dtype, "merged")
+    torch.testing.assert_close(merged_lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(full_lse, merged_lse, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -160,6 +173,19 @@ def test_paged_attention_empty_and_zero_query_sequences(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_noncontiguous_metadata(device):
+    batch = PagedBatch([30, 3, 70], [1, 6, 2], block_size=8, num_kv_heads=2, group=2, head_dim=64, dtype=F32,
+                       device=device)
+    q, kc, vc, bt, sl, qsl, scale = batch.args()
+    wide_tables = torch.stack([bt, torch.full_like(bt, -7)], dim=2)[..., 0]  # column stride 2
+    strided_lens = torch.stack([sl, sl], dim=1)[:, 0]
+    strided_qsl = torch.stack([qsl, qsl], dim=1)[:, 1]
+    assert not (wide_tables.is_contiguous() or strided_lens.is_contiguous() or strided_qsl.is_contiguous())
+    out = ops.paged_attention(q, kc, vc, wide_tables, strided_lens, strided_qsl, scale)
+    assert_close(out, batch.reference()[0], F32, "out")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 def test_paged_attention_max_seq_len_hint(device, dtype):
     # max_seq_len only sizes the CUDA launch; any value (even a too-small one) gives the same result.
@@ -168,6 +194,58 @@ def test_paged_attention_max_seq_len_hint(device, dtype):
     expected, _ = batch.reference()
     for hint in (-1, 901, 64):
         assert_close(ops.paged_attention(*batch.args(), max_seq_len=hint), expected, dtype, f"max_seq_len={hint}")
+
+
+@hypothesis.settings(max_examples=30, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(
+    data=st.data(),
+    block_size=st.sampled_from([1, 2, 5, 16, 64]),
+    num_kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3, 8]),
+    head_dim=st.sampled_from([8, 12, 64, 80]),
+    dtype=st.sampled_from([F32, BF16]),
+    sliding_window=st.sampled_from([-1, -1, 1, 5, 300]),
+    num_threads=st.sampled_from([1, 2, 8]),  # more threads -> more split-K partitions on CPU
+)
+def test_paged_attention_random_batches_cpu(data, block_size, num_kv_heads, group, head_dim, dtype, sliding_window,
+                                            num_threads):
+    num_seqs = data.draw(st.integers(1, 4), label="num_seqs")
+    q_lens = data.draw(st.lists(st.integers(0, 40), min_size=num_seqs, max_size=num_seqs), label="q_lens")
+    prefixes = data.draw(st.lists(st.sampled_from([0, 1, 7, 33, 600, 1500]), min_size=num_seqs, max_size=num_seqs),
+                         label="prefixes")
+    hypothesis.assume(sum(q_lens) > 0)
+    batch = PagedBatch(prefixes, q_lens, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
+                       head_dim=head_dim, dtype=dtype, device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out, lse = ops.paged_attention_with_lse(*batch.args(), sliding_window=sliding_window)
+    finally:
+        torch.set_num_threads(threads)
+    expected, expected_lse = batch.reference(sliding_window=sliding_window)
+    assert_close(out, expected, dtype, "out")
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
+BASELINE_CHECK = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import test_ops as t
+for dtype in (t.F32, t.F16, t.BF16):
+    batch = t.PagedBatch([40, 0, 700], [1, 9, 3], block_size=16, num_kv_heads=2, group=4, head_dim=80,
+                         dtype=dtype, device="cpu")
+    t.assert_close(t.ops.paged_attention(*batch.args(), softcap=5.0), batch.reference(softcap=5.0)[0], dtype, str(dtype))
+print("baseline ok")
+"""
+
+
+def test_paged_attention_cpu_baseline_isa():
+    # The portable (non-AVX2) copy of the CPU kernel, forced by PAGEDKV_CPU_BASELINE in a fresh process.
+    import subprocess
+    env = dict(os.environ, PAGEDKV_CPU_BASELINE="1")
+    result = subprocess.run([sys.executable, "-c", BASELINE_CHECK.format(tests=os.path.dirname(__file__))],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "baseline ok" in result.stdout, result.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -318,6 +396,38 @@ def test_decode_step_under_torch_compile(device):
     got = compiled(batch.query, key, value, batch.key_cache, batch.value_cache, *rest)
     torch.testing.assert_close(got, eager, atol=0, rtol=0)
     assert torch.equal(batch.key_cache, eager_caches[0]) and torch.equal(batch.value_cache, eager_caches[1])
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seq_len", [40, 3000])  # one partition / split-K with the merge kernel
+def test_cuda_decode_step_graph_capture(seq_len):
+    # A decode step must capture into a CUDA graph (no host syncs) and replay on new inputs.
+    batch = PagedBatch([seq_len - 1, 10], [1, 1], block_size=16, num_kv_heads=2, group=4, head_dim=128,
+                       dtype=BF16, device="cuda")
+    key = torch.randn(2, 2, 128, dtype=BF16, device="cuda")
+    value = torch.randn_like(key)
+    tables = batch.block_tables.long().cpu()
+    slots = torch.tensor([int(tables[0, (seq_len - 1) // 16]) * 16 + (seq_len - 1) % 16,
+                          int(tables[1, 0]) * 16 + 10], device="cuda")
+
+    def step():
+        ops.reshape_and_cache(key, value, batch.key_cache, batch.value_cache, slots)
+        return ops.paged_attention(*batch.args(), max_seq_len=seq_len)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(2):
+        batch.query.copy_(torch.randn_like(batch.query))
+        key.copy_(torch.randn_like(key))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, batch.reference()[0], BF16, "graph replay")
 
 
 # --------------------------------------------------------------------------------------------------

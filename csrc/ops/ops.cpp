@@ -32,6 +32,8 @@ void check_cache(const at::Tensor& cache, const std::string& name) {
               cache.sizes());
   check_float_dtype(cache, name);
   TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(cache.size(1) > 0 && cache.size(3) > 0, name, " must have positive block_size and head_dim, got shape ",
+              cache.sizes());
 }
 
 void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
@@ -161,7 +163,8 @@ void check_attention_metadata_values(const AttentionShape& shape, const at::Tens
                                      int64_t sliding_window) {
   const at::Tensor tables = block_tables.contiguous();
   const int32_t* bt = tables.data_ptr<int32_t>();
-  const int32_t* sl = seq_lens.contiguous().data_ptr<int32_t>();
+  const at::Tensor lens = seq_lens.contiguous();
+  const int32_t* sl = lens.data_ptr<int32_t>();
   const at::Tensor qsl_t = query_start_loc.contiguous();
   const int32_t* qsl = qsl_t.data_ptr<int32_t>();
   TORCH_CHECK(qsl[0] == 0, "query_start_loc[0] must be 0, got ", qsl[0]);

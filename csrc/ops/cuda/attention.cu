@@ -333,9 +333,10 @@ void launch_paged_attention(AttentionParams p, const AttentionShape& shape, int6
 
   // Tiles: an upper bound from shapes (every sequence wastes at most one partial tile).
   const int64_t num_tiles = ceil_div(p.num_tokens, p.queries_per_cta) + p.num_seqs;
-  // Split-K when the (sequence x head-chunk) CTAs of a decode batch would not fill the GPU.
+  // Split-K when the CTAs (query tiles x KV heads x head chunks) would not fill the GPU twice over,
+  // e.g. decode at small batch and long context; partials cost parts x T x Hq x D floats.
   const int64_t max_len = max_seq_len > 0 ? max_seq_len : shape.max_blocks * shape.block_size;
-  const int64_t ctas = std::max<int64_t>(1, int64_t(p.num_seqs) * p.num_kv_heads * p.head_chunks);
+  const int64_t ctas = std::max<int64_t>(1, num_tiles * p.num_kv_heads * p.head_chunks);
   int64_t parts = std::min<int64_t>(ceil_div(max_len, kMinPartitionKeys),
                                     ceil_div(2 * int64_t(multiprocessor_count(device)), ctas));
   parts = std::clamp<int64_t>(parts, 1, kMaxPartitions);
