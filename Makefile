@@ -1,12 +1,12 @@
 # The two set-up commands: `make demo` (the main job) and `make test` (every test). Both work from a
 # clean clone on a fresh machine: they install what they need first (scripts/setup_env.sh).
 PY := .venv/bin/python
-export PYTHONPATH := $(CURDIR)
+RUN := PYTHONPATH=$(CURDIR) $(PY)
 
 .PHONY: demo test env build test-cpp test-py bench wheel-check clean
 
 demo: build
-	$(PY) -m pagedkv.simulate
+	$(RUN) -m pagedkv.simulate
 
 test: build test-cpp test-py
 
@@ -23,10 +23,10 @@ test-cpp: env
 	ctest --test-dir build/cpp-asan --output-on-failure
 
 test-py: build
-	$(PY) -m pytest tests
+	$(RUN) -m pytest tests
 
 bench: build
-	$(PY) benchmarks/bench_block_manager.py
+	$(RUN) benchmarks/bench_block_manager.py
 
 # The wheel installs into a fresh venv that has torch, and imports.
 wheel-check: build
@@ -34,7 +34,7 @@ wheel-check: build
 	$(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
 	$(PY) -m venv /tmp/pagedkv-wheel-venv
 	/tmp/pagedkv-wheel-venv/bin/pip install -q --disable-pip-version-check torch==2.14.1 numpy tqdm dist/pagedkv-*.whl
-	cd /tmp && /tmp/pagedkv-wheel-venv/bin/python -c "import pagedkv; bm = pagedkv.BlockManager(8, 4); print('wheel OK:', pagedkv.__file__, bm)"
+	cd /tmp && /tmp/pagedkv-wheel-venv/bin/python -c "import pagedkv, torch; assert \"site-packages\" in pagedkv.__file__; bm = pagedkv.BlockManager(8, 4); print(\"wheel OK:\", pagedkv.__file__, bm, torch.ops.pagedkv.paged_attention)"
 
 clean:
 	rm -rf build dist pagedkv/*.so

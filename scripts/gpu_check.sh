@@ -9,8 +9,17 @@ PY=${PYTHON:-python3}
 LOGS=${OUT:-/tmp/pagedkv_gpu_check}
 mkdir -p "$LOGS"
 export TORCH_CUDA_ARCH_LIST=9.0 PAGEDKV_CUDA=1 MAX_JOBS=${MAX_JOBS:-16}
-export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")}
-SANITIZER=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
+if [ -z "${CUDA_HOME:-}" ]; then  # the toolkit root, not a bin/ symlink farm such as /usr/local/bin
+  if [ -x /usr/local/cuda/bin/nvcc ]; then
+    CUDA_HOME=/usr/local/cuda
+  elif command -v nvcc >/dev/null; then
+    root=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+    [ -f "$root/include/cuda_runtime.h" ] && CUDA_HOME=$root  # else let torch find the toolkit
+  fi
+fi
+export CUDA_HOME
+echo "CUDA_HOME=${CUDA_HOME:-unset}"
+SANITIZER=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
 declare -a NAMES STATUS SECONDS_TAKEN
 
 step() {  # step NAME TIMEOUT_S CMD...: runs CMD with a timeout, logs to $LOGS/NAME.log, records the result
@@ -28,7 +37,7 @@ step() {  # step NAME TIMEOUT_S CMD...: runs CMD with a timeout, logs to $LOGS/N
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || true
 
 if step build 420 $PY setup.py build_ext --inplace; then
   step pytest_cuda 300 $PY -m pytest tests/test_ops.py -k cuda -q

@@ -227,6 +227,27 @@ def test_paged_attention_random_batches_cpu(data, block_size, num_kv_heads, grou
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
 
 
+BASELINE_CHECK = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import test_ops as t
+for dtype in (t.F32, t.F16, t.BF16):
+    batch = t.PagedBatch([40, 0, 700], [1, 9, 3], block_size=16, num_kv_heads=2, group=4, head_dim=80,
+                         dtype=dtype, device="cpu")
+    t.assert_close(t.ops.paged_attention(*batch.args(), softcap=5.0), batch.reference(softcap=5.0)[0], dtype, str(dtype))
+print("baseline ok")
+"""
+
+
+def test_paged_attention_cpu_baseline_isa():
+    # The portable (non-AVX2) copy of the CPU kernel, forced by PAGEDKV_CPU_BASELINE in a fresh process.
+    import subprocess
+    env = dict(os.environ, PAGEDKV_CPU_BASELINE="1")
+    result = subprocess.run([sys.executable, "-c", BASELINE_CHECK.format(tests=os.path.dirname(__file__))],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "baseline ok" in result.stdout, result.stderr[-3000:]
+
+
 # --------------------------------------------------------------------------------------------------
 # reshape_and_cache
 

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -94,10 +95,11 @@ namespace baseline {
 #undef PAGEDKV_CPU_AVX2
 }  // namespace baseline
 
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return has;
+// AVX2 + FMA + F16C when the CPU has them, unless PAGEDKV_CPU_BASELINE=1 (tests the portable copy).
+bool use_avx2_kernel() {
+  static const bool use = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c") && std::getenv("PAGEDKV_CPU_BASELINE") == nullptr;
+  return use;
 }
 
 // Work items: one per (sequence, KV head, chunk of queries); when there are fewer items than a few
@@ -230,7 +232,7 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
 
   // Dynamic scheduling: each thread pulls items from a shared counter (items differ in cost).
   std::atomic<int64_t> next{0};
-  const bool use_avx2 = cpu_has_avx2();
+  const bool use_avx2 = use_avx2_kernel();
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     CpuScratch scratch;
     if (use_avx2) {
