@@ -3,9 +3,14 @@
 PY := .venv/bin/python
 RUN := PYTHONPATH=$(CURDIR) $(PY)
 
-.PHONY: demo test env build test-cpp test-py bench wheel-check clean
+.PHONY: demo simulate test env build test-cpp test-py bench wheel-check clean
 
+# The main job: generation with the reference engine (built-in tiny random Llama; CUDA when available).
 demo: build
+	$(RUN) -m pagedkv.demo
+
+# Block-manager-only serving simulation (no model).
+simulate: build
 	$(RUN) -m pagedkv.simulate
 
 test: build test-cpp test-py
@@ -27,6 +32,9 @@ test-py: build
 
 bench: build
 	$(RUN) benchmarks/bench_block_manager.py
+	$(RUN) benchmarks/bench_attention.py
+	$(RUN) benchmarks/bench_cache_ops.py
+	$(RUN) benchmarks/bench_engine.py
 
 # The wheel installs into a fresh venv that has torch, and imports.
 wheel-check: build
