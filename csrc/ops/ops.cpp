@@ -128,6 +128,8 @@ void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vec
                 "value_caches[", i, "] must match key_caches[", i, "] in shape and dtype");
     check_same_device(key_caches[i], key_name, key_caches[0], "key_caches[0]");
     check_same_device(value_caches[i], value_name, key_caches[0], "key_caches[0]");
+    TORCH_CHECK(key_caches[i].size(0) == key_caches[0].size(0), key_name, " has ", key_caches[i].size(0),
+                " blocks but key_caches[0] has ", key_caches[0].size(0), ": all layers must have the same num_blocks");
   }
   if (!key_caches.empty() && !block_mapping.is_cpu()) {
     check_same_device(block_mapping, "block_mapping", key_caches[0], "key_caches[0]");
@@ -251,9 +253,6 @@ void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, con
   check_copy_blocks(keys, values, block_mapping);
   if (keys.empty() || block_mapping.size(0) == 0) return;
   const int64_t num_blocks = keys[0].size(0);
-  for (const auto& c : keys) {
-    TORCH_CHECK(c.size(0) == num_blocks, "all key_caches must have the same num_blocks");
-  }
   check_block_mapping_values(block_mapping, num_blocks, num_blocks);
   const at::Tensor mapping = block_mapping.contiguous();
   const int64_t* m = mapping.data_ptr<int64_t>();

@@ -116,9 +116,6 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
   check_copy_blocks(keys, values, block_mapping);
   if (keys.empty() || block_mapping.size(0) == 0) return;
   const int64_t num_blocks = keys[0].size(0);
-  for (const auto& c : keys) {
-    TORCH_CHECK(c.size(0) == num_blocks, "all key_caches must have the same num_blocks");
-  }
   TORCH_CHECK(keys[0].is_cuda(), "key_caches must be CUDA tensors for the CUDA copy_blocks");
   const c10::cuda::CUDAGuard guard(keys[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
