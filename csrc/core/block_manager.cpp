@@ -31,7 +31,8 @@ BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_c
       prefix_caching_(enable_prefix_caching),
       hash_algo_(hash_algo),
       gpu_free_(std::max(num_blocks, 0)),
-      cpu_free_(std::max(num_cpu_blocks, 0)) {
+      cpu_free_(std::max(num_cpu_blocks, 0)),
+      cache_(std::max(block_size, 1), std::max(num_blocks, 0)) {
   if (num_blocks <= 0) throw ValueError(cat("num_blocks must be positive, got ", num_blocks));
   if (block_size <= 0) throw ValueError(cat("block_size must be positive, got ", block_size));
   if (num_cpu_blocks < 0) throw ValueError(cat("num_cpu_blocks must be >= 0, got ", num_cpu_blocks));
@@ -108,8 +109,7 @@ std::vector<int32_t> BlockManager::match_prefix(const int64_t* tokens, size_t nu
     const int64_t* block_tokens = tokens + int64_t(i) * block_size_;
     const uint64_t h = hash_block_tokens(block_tokens, block_size_, parent_hash, hash_algo_,
                                          i == 0 ? salt : std::string_view());
-    const PrefixCache::NodeId node = cache_.find(h, parent, block_tokens, block_size_,
-                                                 i == 0 ? salt : std::string_view());
+    const PrefixCache::NodeId node = cache_.find(h, parent, block_tokens, i == 0 ? salt : std::string_view());
     if (node == PrefixCache::kNone || cache_.node(node).block == PrefixCache::kNone) break;
     hit_blocks.push_back(cache_.node(node).block);
     if (hashes) hashes->push_back(h);
@@ -231,7 +231,7 @@ void BlockManager::register_computed_blocks(Sequence& seq) {
     const uint64_t h = block_hash(seq, i);
     const int32_t block = seq.block_table[i];
     const PrefixCache::NodeId node = cache_.find_or_create(h, parent, seq.tokens.data() + int64_t(i) * block_size_,
-                                                           block_size_, i == 0 ? seq.salt : std::string());
+                                                           i == 0 ? seq.salt : std::string());
     if (block_node_[block] != node) {
       untag_block(block);
       block_node_[block] = node;
@@ -491,8 +491,9 @@ void BlockManager::check_invariants() const {
       const PrefixCache::NodeId node = block_node_[seq.block_table[i]];
       if (node == PrefixCache::kNone) fail(cat(seq_str(id), " block ", i, " is registered but has no content tag"));
       const auto& n = cache_.node(node);
-      if (n.parent != parent || !std::equal(n.tokens.begin(), n.tokens.end(), seq.tokens.begin() + int64_t(i) * block_size_) ||
-          int32_t(n.tokens.size()) != block_size_ || (i == 0 && n.salt != seq.salt))
+      const int64_t* block_tokens = seq.tokens.data() + int64_t(i) * block_size_;
+      if (n.parent != parent || !std::equal(block_tokens, block_tokens + block_size_, cache_.tokens(node)) ||
+          (i == 0 && n.salt != seq.salt))
         fail(cat(seq_str(id), " block ", i, " is tagged with content that differs from its tokens or prefix"));
       parent = node;
     }
@@ -528,7 +529,6 @@ void BlockManager::check_invariants() const {
       ++registered;
       if (block_node_[n.block] != id) fail(cat("prefix-cache node ", id, " names block ", n.block, " which holds other content"));
     }
-    if (prefix_caching_ && n.tokens.size() != size_t(block_size_)) fail(cat("prefix-cache node ", id, " is not a full block"));
   }
   for (PrefixCache::NodeId id : live)
     if (cache_.node(id).refs != refs[id])

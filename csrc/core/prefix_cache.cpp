@@ -5,23 +5,26 @@
 
 namespace pagedkv {
 
-bool PrefixCache::matches(const Node& n, NodeId parent, const int64_t* tokens, size_t num_tokens,
-                          std::string_view salt) const {
-  return n.parent == parent && n.tokens.size() == num_tokens &&
-         std::equal(n.tokens.begin(), n.tokens.end(), tokens) && n.salt == salt;
+PrefixCache::PrefixCache(int32_t block_size, int32_t capacity) : block_size_(block_size) {
+  index_.reserve(static_cast<size_t>(capacity));
 }
 
-PrefixCache::NodeId PrefixCache::find(uint64_t hash, NodeId parent, const int64_t* tokens,
-                                      size_t num_tokens, std::string_view salt) const {
+bool PrefixCache::matches(NodeId id, NodeId parent, const int64_t* block_tokens, std::string_view salt) const {
+  const Node& n = nodes_[id];
+  return n.parent == parent && std::equal(block_tokens, block_tokens + block_size_, tokens(id)) && n.salt == salt;
+}
+
+PrefixCache::NodeId PrefixCache::find(uint64_t hash, NodeId parent, const int64_t* block_tokens,
+                                      std::string_view salt) const {
   auto [lo, hi] = index_.equal_range(hash);
   for (auto it = lo; it != hi; ++it)
-    if (matches(nodes_[it->second], parent, tokens, num_tokens, salt)) return it->second;
+    if (matches(it->second, parent, block_tokens, salt)) return it->second;
   return kNone;
 }
 
-PrefixCache::NodeId PrefixCache::find_or_create(uint64_t hash, NodeId parent, const int64_t* tokens,
-                                                size_t num_tokens, std::string_view salt) {
-  NodeId id = find(hash, parent, tokens, num_tokens, salt);
+PrefixCache::NodeId PrefixCache::find_or_create(uint64_t hash, NodeId parent, const int64_t* block_tokens,
+                                                std::string_view salt) {
+  NodeId id = find(hash, parent, block_tokens, salt);
   if (id != kNone) return id;
   if (!free_ids_.empty()) {
     id = free_ids_.back();
@@ -30,11 +33,12 @@ PrefixCache::NodeId PrefixCache::find_or_create(uint64_t hash, NodeId parent, co
     id = static_cast<NodeId>(nodes_.size());
     nodes_.emplace_back();
     live_.push_back(false);
+    token_pool_.resize(token_pool_.size() + block_size_);
   }
   Node& n = nodes_[id];
   n.hash = hash;
   n.parent = parent;
-  n.tokens.assign(tokens, tokens + num_tokens);
+  std::copy(block_tokens, block_tokens + block_size_, token_pool_.begin() + int64_t(id) * block_size_);
   n.salt.assign(salt);
   n.block = kNone;
   n.refs = 0;
@@ -62,7 +66,6 @@ void PrefixCache::release(NodeId id) {
       }
     set_block(id, kNone);
     const NodeId parent = n.parent;
-    n.tokens = {};
     n.salt.clear();
     live_[id] = false;
     free_ids_.push_back(id);
@@ -73,6 +76,7 @@ void PrefixCache::release(NodeId id) {
 
 void PrefixCache::clear() {
   nodes_.clear();
+  token_pool_.clear();
   free_ids_.clear();
   live_.clear();
   index_.clear();

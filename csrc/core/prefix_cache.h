@@ -21,17 +21,18 @@ class PrefixCache {
   struct Node {
     uint64_t hash = 0;
     NodeId parent = kRoot;
-    std::vector<int64_t> tokens;
     std::string salt;        // block 0 only
     int32_t block = kNone;   // physical block registered for this content, or kNone
     int32_t refs = 0;        // blocks tagged with this node + child nodes; freed at 0
   };
 
-  // The node with exactly this content, or kNone.
-  NodeId find(uint64_t hash, NodeId parent, const int64_t* tokens, size_t num_tokens,
-              std::string_view salt) const;
-  NodeId find_or_create(uint64_t hash, NodeId parent, const int64_t* tokens, size_t num_tokens,
-                        std::string_view salt);
+  // Every node holds one full block of `block_size` tokens; `capacity` sizes the hash index.
+  PrefixCache(int32_t block_size, int32_t capacity);
+
+  // The node with exactly this content (one full block of tokens), or kNone.
+  NodeId find(uint64_t hash, NodeId parent, const int64_t* tokens, std::string_view salt) const;
+  NodeId find_or_create(uint64_t hash, NodeId parent, const int64_t* tokens, std::string_view salt);
+  const int64_t* tokens(NodeId id) const { return token_pool_.data() + int64_t(id) * block_size_; }
 
   const Node& node(NodeId id) const { return nodes_[id]; }
   void set_block(NodeId id, int32_t block);
@@ -48,10 +49,11 @@ class PrefixCache {
   bool indexed(NodeId id) const;  // the hash index points at this node
 
  private:
-  bool matches(const Node& n, NodeId parent, const int64_t* tokens, size_t num_tokens,
-               std::string_view salt) const;
+  bool matches(NodeId id, NodeId parent, const int64_t* tokens, std::string_view salt) const;
 
+  int32_t block_size_;
   std::vector<Node> nodes_;
+  std::vector<int64_t> token_pool_;  // node id * block_size: the node's tokens (no allocation per node)
   std::vector<NodeId> free_ids_;
   std::vector<bool> live_;
   std::unordered_multimap<uint64_t, NodeId> index_;
