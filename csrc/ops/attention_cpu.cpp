@@ -37,7 +37,7 @@ constexpr int64_t kMinKeysPerPartition = 256;
 // Prefill path: sequences with at least kGemmMinQueries queries run their items through register-
 // tiled micro-GEMMs (Q K^T and P V over fp32 tiles of kGemmKeyTile keys) instead of per-row dots.
 constexpr int64_t kGemmMinQueries = 16;
-constexpr int64_t kGemmKeyTile = 64;
+constexpr int64_t kGemmKeyTile = 128;
 constexpr int64_t kGemmRowsPerItem = 64;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
