@@ -140,19 +140,20 @@ def test_paged_attention_window_softcap_lse(device, dtype, sliding_window, softc
     torch.testing.assert_close(plain, out, atol=0, rtol=0)
 
 
-CPU_GEMM_MIN_QUERIES = 16  # kGemmMinQueries in csrc/ops/attention_cpu.cpp: prefill items use the micro-GEMM path
+CPU_GEMM_MIN_ROWS = 16  # kGemmMinRows in csrc/ops/attention_cpu.cpp: q_len >= 2 and q_len * group >= it -> micro-GEMM path
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 @pytest.mark.parametrize("sliding_window,softcap", [(-1, 0.0), (9, 0.0), (100, 5.0)])
+@pytest.mark.parametrize("group", [3, 8])
 @pytest.mark.parametrize("num_threads", [1, 8])
-def test_paged_attention_prefill_gemm_threshold(device, dtype, sliding_window, softcap, num_threads):
+def test_paged_attention_prefill_gemm_threshold(device, dtype, sliding_window, softcap, group, num_threads):
     # Sequences just below, at and above the CPU GEMM-path threshold, plus a long one that spans
     # several query items and key tiles (head_dim 72: padded to 80 inside the GEMM path; group 3:
     # rows padded to a multiple of 16), in one batch with a decode.
-    t = CPU_GEMM_MIN_QUERIES
-    batch = PagedBatch([0, 37, 200, 5, 130], [t - 1, t, t + 1, 1, 70], block_size=16, num_kv_heads=2, group=3,
+    t = max(2, -(-CPU_GEMM_MIN_ROWS // group))
+    batch = PagedBatch([0, 37, 200, 5, 130], [t - 1, t, t + 1, 1, 70], block_size=16, num_kv_heads=2, group=group,
                        head_dim=72, dtype=dtype, device=device, query_layout="strided_tokens")
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)

@@ -34,13 +34,15 @@ typedef uint16_t v8u16_u __attribute__((vector_size(16), aligned(2), may_alias))
 constexpr int64_t kKeyTile = 32;     // keys gathered (and converted to fp32) per step
 constexpr int64_t kRowsPerItem = 32;  // query rows (query x GQA head) per work item, at least one GQA group
 constexpr int64_t kMinKeysPerPartition = 256;
-// Prefill path: sequences with at least kGemmMinQueries queries run their items through register-
-// tiled micro-GEMMs (Q K^T and P V over fp32 tiles of kGemmKeyTile keys) instead of per-row dots.
-constexpr int64_t kGemmMinQueries = 16;
+// Prefill path: sequences with more than one query and at least kGemmMinRows rows (queries x GQA
+// group) run their items through register-tiled micro-GEMMs (Q K^T and P V over fp32 tiles of
+// kGemmKeyTile keys) instead of per-row dots. Decode (one query) always takes the per-row kernel.
+constexpr int64_t kGemmMinRows = 16;
 constexpr int64_t kGemmKeyTile = 128;
 constexpr int64_t kGemmRowsPerItem = 64;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline bool use_gemm_path(int64_t q_len, int64_t group) { return q_len >= 2 && q_len * group >= kGemmMinRows; }
 
 struct CpuAttentionArgs {
   at::ScalarType dtype;
@@ -139,7 +141,7 @@ std::vector<CpuWorkItem> plan_work(const AttentionShape& shape, const int32_t* s
   std::vector<CpuWorkItem> items;
   for (int64_t b = 0; b < shape.num_seqs; ++b) {
     const int64_t q_len = qsl[b + 1] - qsl[b];
-    const int64_t q_chunk = std::max<int64_t>(1, (q_len >= kGemmMinQueries ? kGemmRowsPerItem : kRowsPerItem) / G);
+    const int64_t q_chunk = std::max<int64_t>(1, (use_gemm_path(q_len, G) ? kGemmRowsPerItem : kRowsPerItem) / G);
     for (int64_t q0 = 0; q0 < q_len; q0 += q_chunk) {
       const int64_t q_count = std::min(q_chunk, q_len - q0);
       const KeyRange keys{visible_keys(query_position(seq_lens[b], q_len, q0), sliding_window).begin,
