@@ -140,6 +140,32 @@ def test_paged_attention_window_softcap_lse(device, dtype, sliding_window, softc
     torch.testing.assert_close(plain, out, atol=0, rtol=0)
 
 
+CPU_GEMM_MIN_ROWS = 16  # kGemmMinRows in csrc/ops/attention_cpu.cpp: q_len >= 2 and q_len * group >= it -> micro-GEMM path
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("sliding_window,softcap", [(-1, 0.0), (9, 0.0), (100, 5.0)])
+@pytest.mark.parametrize("group", [3, 8])
+@pytest.mark.parametrize("num_threads", [1, 8])
+def test_paged_attention_prefill_gemm_threshold(device, dtype, sliding_window, softcap, group, num_threads):
+    # Sequences just below, at and above the CPU GEMM-path threshold, plus a long one that spans
+    # several query items and key tiles (head_dim 72: padded to 80 inside the GEMM path; group 3:
+    # rows padded to a multiple of 16), in one batch with a decode.
+    t = max(2, -(-CPU_GEMM_MIN_ROWS // group))
+    batch = PagedBatch([0, 37, 200, 5, 130], [t - 1, t, t + 1, 1, 70], block_size=16, num_kv_heads=2, group=group,
+                       head_dim=72, dtype=dtype, device=device, query_layout="strided_tokens")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out, lse = ops.paged_attention_with_lse(*batch.args(), sliding_window=sliding_window, softcap=softcap)
+    finally:
+        torch.set_num_threads(threads)
+    expected, expected_lse = batch.reference(sliding_window=sliding_window, softcap=softcap)
+    assert_close(out, expected, dtype, "out")
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_lse_merges_disjoint_key_sets(device, dtype):
@@ -232,7 +258,7 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 import test_ops as t
 for dtype in (t.F32, t.F16, t.BF16):
-    batch = t.PagedBatch([40, 0, 700], [1, 9, 3], block_size=16, num_kv_heads=2, group=4, head_dim=80,
+    batch = t.PagedBatch([40, 0, 700, 90], [1, 9, 3, 20], block_size=16, num_kv_heads=2, group=4, head_dim=80,
                          dtype=dtype, device="cpu")
     t.assert_close(t.ops.paged_attention(*batch.args(), softcap=5.0), batch.reference(softcap=5.0)[0], dtype, str(dtype))
 print("baseline ok")

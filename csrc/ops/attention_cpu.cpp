@@ -27,12 +27,22 @@ namespace {
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8f_u __attribute__((vector_size(32), aligned(4), may_alias));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int32_t v8i_u __attribute__((vector_size(32), aligned(4), may_alias));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint16_t v8u16_u __attribute__((vector_size(16), aligned(2), may_alias));
 
 constexpr int64_t kKeyTile = 32;     // keys gathered (and converted to fp32) per step
 constexpr int64_t kRowsPerItem = 32;  // query rows (query x GQA head) per work item, at least one GQA group
 constexpr int64_t kMinKeysPerPartition = 256;
+// Prefill path: sequences with more than one query and at least kGemmMinRows rows (queries x GQA
+// group) run their items through register-tiled micro-GEMMs (Q K^T and P V over fp32 tiles of
+// kGemmKeyTile keys) instead of per-row dots. Decode (one query) always takes the per-row kernel.
+constexpr int64_t kGemmMinRows = 16;
+constexpr int64_t kGemmKeyTile = 128;
+constexpr int64_t kGemmRowsPerItem = 64;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline bool use_gemm_path(int64_t q_len, int64_t group) { return q_len >= 2 && q_len * group >= kGemmMinRows; }
 
 struct CpuAttentionArgs {
   at::ScalarType dtype;
@@ -64,6 +74,27 @@ struct CpuScratch {
   std::vector<KeyRange> row_keys;
   const float* k_rows[kKeyTile];
   const float* v_rows[kKeyTile];
+  // GEMM path: Qt [Dp][R] (scaled, transposed, zero-padded), K/V tiles [kGemmKeyTile][Dp], scores
+  // St [kGemmKeyTile][R], accumulator [R][Dp], per-row visible key range and softmax state.
+  std::vector<float> g_qt, g_k, g_v, g_st, g_acc, g_m, g_l, g_alpha;
+  std::vector<int32_t> g_begin, g_end;
+
+  void reserve_gemm(int64_t R, int64_t Dp) {
+    if (static_cast<int64_t>(g_qt.size()) < R * Dp) {
+      g_qt.resize(R * Dp);
+      g_acc.resize(R * Dp);
+      g_m.resize(R);
+      g_l.resize(R);
+      g_alpha.resize(R);
+      g_begin.resize(R);
+      g_end.resize(R);
+      g_st.resize(kGemmKeyTile * R);
+    }
+    if (static_cast<int64_t>(g_k.size()) < kGemmKeyTile * Dp) {
+      g_k.assign(kGemmKeyTile * Dp, 0.f);  // padding columns D..Dp stay zero
+      g_v.assign(kGemmKeyTile * Dp, 0.f);
+    }
+  }
 
   void reserve(int64_t rows, int64_t head_dim) {
     if (static_cast<int64_t>(q.size()) < rows * head_dim) {
@@ -107,10 +138,10 @@ bool use_avx2_kernel() {
 std::vector<CpuWorkItem> plan_work(const AttentionShape& shape, const int32_t* seq_lens, const int32_t* qsl,
                                    int64_t sliding_window, int64_t* num_partial_rows) {
   const int64_t G = shape.num_q_heads / shape.num_kv_heads;
-  const int64_t q_chunk = std::max<int64_t>(1, kRowsPerItem / G);
   std::vector<CpuWorkItem> items;
   for (int64_t b = 0; b < shape.num_seqs; ++b) {
     const int64_t q_len = qsl[b + 1] - qsl[b];
+    const int64_t q_chunk = std::max<int64_t>(1, (use_gemm_path(q_len, G) ? kGemmRowsPerItem : kRowsPerItem) / G);
     for (int64_t q0 = 0; q0 < q_len; q0 += q_chunk) {
       const int64_t q_count = std::min(q_chunk, q_len - q0);
       const KeyRange keys{visible_keys(query_position(seq_lens[b], q_len, q0), sliding_window).begin,
