@@ -48,7 +48,9 @@ def _have_header(name):
 
 def _extension():
     sources = _rel("csrc/core/*.cpp") + _rel("csrc/ops/*.cpp") + ["csrc/bindings.cpp"]
-    cxx = ["-O3", "-fvisibility=hidden"]  # torch picks the C++ standard it needs
+    # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into our code;
+    # without it every CPU kernel silently runs on one thread (torch's own libgomp is reused at run time).
+    cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]  # torch picks the C++ standard it needs
     define_macros = []
     libraries = []
     if _have_header("openssl/sha.h"):
@@ -58,6 +60,7 @@ def _extension():
         raise RuntimeError("xxhash.h not found: apt-get install libxxhash-dev (or copy it to build_deps/include)")
     kwargs = dict(
         name="pagedkv._C",
+        extra_link_args=["-fopenmp"],
         include_dirs=_include_dirs(),
         define_macros=define_macros,
         libraries=libraries,
