@@ -44,6 +44,7 @@ BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_c
   for (int32_t b = 0; b < num_blocks; ++b) gpu_free_.push_back(b);
   cpu_ref_.assign(num_cpu_blocks, 0);
   for (int32_t b = 0; b < num_cpu_blocks; ++b) cpu_free_.push_back(b);
+  seqs_.reserve(static_cast<size_t>(std::min(num_blocks, 1 << 16)));
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -6,7 +6,11 @@
 namespace pagedkv {
 
 PrefixCache::PrefixCache(int32_t block_size, int32_t capacity) : block_size_(block_size) {
+  // Live nodes rarely exceed the number of blocks: reserve so registration does not reallocate.
   index_.reserve(static_cast<size_t>(capacity));
+  nodes_.reserve(static_cast<size_t>(capacity));
+  live_.reserve(static_cast<size_t>(capacity));
+  token_pool_.reserve(static_cast<size_t>(capacity) * block_size);
 }
 
 bool PrefixCache::matches(NodeId id, NodeId parent, const int64_t* block_tokens, std::string_view salt) const {
