@@ -9,9 +9,6 @@ device-to-device copy.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
 import os
 import sys
 
@@ -21,28 +18,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 import pagedkv.ops as ops  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def time_ms(fn, device, warmup, repeats):
-    for _ in range(warmup):
-        fn()
-    samples = []
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import DTYPES, time_ms  # noqa: E402
 
 
 def copy_bandwidth_gbs(device, warmup, repeats):

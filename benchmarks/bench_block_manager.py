@@ -124,8 +124,8 @@ def main():
 
     print(f"block_size={BLOCK_SIZE}, batch={BATCH}, median of {args.repeats} repeats, torch threads=1")
     print(f"cached prompt tokens: seeds {hits[0]}, pagedkv {hits[1]} of {hits[2]} (pagedkv admits {args.wave} per step)")
-    print(f"| phase | seeds (pure Python) | pagedkv (C++) | speed-up |")
-    print(f"|---|---|---|---|")
+    print("| phase | seeds (pure Python) | pagedkv (C++) | speed-up |")
+    print("|---|---|---|---|")
     labels = {"admit": "admit 256 prompts (total)", "decode": f"decode step, batch {BATCH}"}
     for key, (py, cpp) in rows.items():
         a, b = statistics.median(py), statistics.median(cpp)

@@ -7,9 +7,6 @@ swap_blocks vs gather + ``.to(device)`` + ``index_copy_``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
 import os
 import sys
 
@@ -18,22 +15,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 import pagedkv.ops as ops  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def time_ms(fn, device, warmup, repeats):
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import DTYPES, time_ms  # noqa: E402
 
 
 def row(name, nbytes, ours_ms, torch_ms):

@@ -2,7 +2,6 @@
 plus opcheck, torch.compile and bad-input checks. CUDA variants are skipped without a GPU."""
 from __future__ import annotations
 
-import math
 import os
 import sys
 

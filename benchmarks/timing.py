@@ -1,0 +1,28 @@
+"""Shared benchmark timing: warm up, then the median of repeats (CUDA events on GPU, wall clock on CPU)."""
+import statistics
+import time
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def time_ms(fn, device, warmup, repeats):
+    for _ in range(warmup):
+        fn()
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
