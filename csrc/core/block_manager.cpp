@@ -226,13 +226,16 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
 void BlockManager::register_computed_blocks(Sequence& seq) {
   if (!prefix_caching_) return;
   const int32_t full = static_cast<int32_t>(seq.num_computed / block_size_);
+  bool parent_is_new = false;  // a node created in this loop has no children yet: skip the lookup
   for (int32_t i = seq.num_registered; i < full; ++i) {
     const PrefixCache::NodeId parent = i == 0 ? PrefixCache::kRoot : block_node_[seq.block_table[i - 1]];
     if (i > 0 && parent == PrefixCache::kNone) break;  // the prefix lost its content tag (cache reset)
     const uint64_t h = block_hash(seq, i);
     const int32_t block = seq.block_table[i];
-    const PrefixCache::NodeId node = cache_.find_or_create(h, parent, seq.tokens.data() + int64_t(i) * block_size_,
-                                                           i == 0 ? seq.salt : std::string());
+    const int64_t* block_tokens = seq.tokens.data() + int64_t(i) * block_size_;
+    const std::string_view salt = i == 0 ? std::string_view(seq.salt) : std::string_view();
+    const PrefixCache::NodeId node = parent_is_new ? cache_.create(h, parent, block_tokens, salt)
+                                                   : cache_.find_or_create(h, parent, block_tokens, salt, &parent_is_new);
     if (block_node_[block] != node) {
       untag_block(block);
       block_node_[block] = node;

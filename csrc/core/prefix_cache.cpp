@@ -27,9 +27,15 @@ PrefixCache::NodeId PrefixCache::find(uint64_t hash, NodeId parent, const int64_
 }
 
 PrefixCache::NodeId PrefixCache::find_or_create(uint64_t hash, NodeId parent, const int64_t* block_tokens,
-                                                std::string_view salt) {
-  NodeId id = find(hash, parent, block_tokens, salt);
-  if (id != kNone) return id;
+                                                std::string_view salt, bool* created) {
+  const NodeId id = find(hash, parent, block_tokens, salt);
+  if (created) *created = id == kNone;
+  return id != kNone ? id : create(hash, parent, block_tokens, salt);
+}
+
+PrefixCache::NodeId PrefixCache::create(uint64_t hash, NodeId parent, const int64_t* block_tokens,
+                                        std::string_view salt) {
+  NodeId id;
   if (!free_ids_.empty()) {
     id = free_ids_.back();
     free_ids_.pop_back();

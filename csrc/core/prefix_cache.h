@@ -31,7 +31,11 @@ class PrefixCache {
 
   // The node with exactly this content (one full block of tokens), or kNone.
   NodeId find(uint64_t hash, NodeId parent, const int64_t* tokens, std::string_view salt) const;
-  NodeId find_or_create(uint64_t hash, NodeId parent, const int64_t* tokens, std::string_view salt);
+  NodeId find_or_create(uint64_t hash, NodeId parent, const int64_t* tokens, std::string_view salt,
+                        bool* created = nullptr);
+  // A new node, without looking for an existing one: only for a parent known to have no such child
+  // (e.g. a parent created a moment ago).
+  NodeId create(uint64_t hash, NodeId parent, const int64_t* tokens, std::string_view salt);
   const int64_t* tokens(NodeId id) const { return token_pool_.data() + int64_t(id) * block_size_; }
 
   const Node& node(NodeId id) const { return nodes_[id]; }
