@@ -6,11 +6,12 @@
 namespace pagedkv {
 
 PrefixCache::PrefixCache(int32_t block_size, int32_t capacity) : block_size_(block_size) {
-  // Live nodes rarely exceed the number of blocks: reserve so registration does not reallocate.
+  // Live nodes rarely exceed the number of blocks: size the storage now (and touch its pages here, not
+  // on the serving path); it grows only past that.
   index_.reserve(static_cast<size_t>(capacity));
-  nodes_.reserve(static_cast<size_t>(capacity));
-  live_.reserve(static_cast<size_t>(capacity));
-  token_pool_.reserve(static_cast<size_t>(capacity) * block_size);
+  nodes_.resize(static_cast<size_t>(capacity));
+  live_.resize(static_cast<size_t>(capacity), false);
+  token_pool_.resize(static_cast<size_t>(capacity) * block_size);
 }
 
 bool PrefixCache::matches(NodeId id, NodeId parent, const int64_t* block_tokens, std::string_view salt) const {
@@ -40,10 +41,12 @@ PrefixCache::NodeId PrefixCache::create(uint64_t hash, NodeId parent, const int6
     id = free_ids_.back();
     free_ids_.pop_back();
   } else {
-    id = static_cast<NodeId>(nodes_.size());
-    nodes_.emplace_back();
-    live_.push_back(false);
-    token_pool_.resize(token_pool_.size() + block_size_);
+    id = num_created_++;
+    if (static_cast<size_t>(id) == nodes_.size()) {
+      nodes_.emplace_back();
+      live_.push_back(false);
+      token_pool_.resize(token_pool_.size() + block_size_);
+    }
   }
   Node& n = nodes_[id];
   n.hash = hash;
@@ -85,10 +88,9 @@ void PrefixCache::release(NodeId id) {
 }
 
 void PrefixCache::clear() {
-  nodes_.clear();
-  token_pool_.clear();
+  num_created_ = 0;  // storage is kept for reuse
   free_ids_.clear();
-  live_.clear();
+  std::fill(live_.begin(), live_.end(), false);
   index_.clear();
   num_registered_ = 0;
   ++version_;
@@ -96,7 +98,7 @@ void PrefixCache::clear() {
 
 std::vector<PrefixCache::NodeId> PrefixCache::live_nodes() const {
   std::vector<NodeId> ids;
-  for (NodeId i = 0; i < static_cast<NodeId>(nodes_.size()); ++i)
+  for (NodeId i = 0; i < num_created_; ++i)
     if (live_[i]) ids.push_back(i);
   return ids;
 }

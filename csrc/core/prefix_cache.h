@@ -43,7 +43,7 @@ class PrefixCache {
   void add_ref(NodeId id) { ++nodes_[id].refs; }
   void release(NodeId id);  // drops one reference; frees the node (and releases its parent) at 0
 
-  int32_t num_nodes() const { return static_cast<int32_t>(nodes_.size() - free_ids_.size()); }
+  int32_t num_nodes() const { return num_created_ - static_cast<int32_t>(free_ids_.size()); }
   int32_t num_registered() const { return num_registered_; }
   uint64_t version() const { return version_; }  // changes whenever a lookup could answer differently
   void clear();
@@ -60,6 +60,7 @@ class PrefixCache {
   std::vector<int64_t> token_pool_;  // node id * block_size: the node's tokens (no allocation per node)
   std::vector<NodeId> free_ids_;
   std::vector<bool> live_;
+  NodeId num_created_ = 0;           // ids [0, num_created_) have been handed out
   std::unordered_multimap<uint64_t, NodeId> index_;
   int32_t num_registered_ = 0;
   uint64_t version_ = 0;
