@@ -87,27 +87,18 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   }
 }
 
-// One CTA per (src, dst) pair of one layer: copies the key block and the value block in 16-byte
-// chunks. Out-of-range ids (only possible with a device-side mapping) are skipped.
+// One CTA per (src, dst) pair of one layer: copies the key block and the value block in chunks of
+// Chunk (uint4 = 16 bytes when the blocks are aligned, else bytes). Out-of-range ids (only possible with
+// a device-side mapping) are skipped.
+template <typename Chunk>
 __global__ void __launch_bounds__(kThreads)
-    copy_blocks_kernel(uint4* __restrict__ key_cache, uint4* __restrict__ value_cache,
-                       const int64_t* __restrict__ block_mapping, int64_t vecs_per_block, int64_t num_blocks) {
+    copy_blocks_kernel(Chunk* __restrict__ key_cache, Chunk* __restrict__ value_cache,
+                       const int64_t* __restrict__ block_mapping, int64_t chunks_per_block, int64_t num_blocks) {
   const int64_t src = block_mapping[2 * blockIdx.x], dst = block_mapping[2 * blockIdx.x + 1];
   if (src < 0 || src >= num_blocks || dst < 0 || dst >= num_blocks) return;
-  for (int64_t i = threadIdx.x; i < vecs_per_block; i += blockDim.x) {
-    key_cache[dst * vecs_per_block + i] = key_cache[src * vecs_per_block + i];
-    value_cache[dst * vecs_per_block + i] = value_cache[src * vecs_per_block + i];
-  }
-}
-
-__global__ void __launch_bounds__(kThreads)
-    copy_blocks_bytes_kernel(uint8_t* __restrict__ key_cache, uint8_t* __restrict__ value_cache,
-                             const int64_t* __restrict__ block_mapping, int64_t bytes_per_block, int64_t num_blocks) {
-  const int64_t src = block_mapping[2 * blockIdx.x], dst = block_mapping[2 * blockIdx.x + 1];
-  if (src < 0 || src >= num_blocks || dst < 0 || dst >= num_blocks) return;
-  for (int64_t i = threadIdx.x; i < bytes_per_block; i += blockDim.x) {
-    key_cache[dst * bytes_per_block + i] = key_cache[src * bytes_per_block + i];
-    value_cache[dst * bytes_per_block + i] = value_cache[src * bytes_per_block + i];
+  for (int64_t i = threadIdx.x; i < chunks_per_block; i += blockDim.x) {
+    key_cache[dst * chunks_per_block + i] = key_cache[src * chunks_per_block + i];
+    value_cache[dst * chunks_per_block + i] = value_cache[src * chunks_per_block + i];
   }
 }
 
@@ -130,10 +121,10 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
     void* k = keys[layer].data_ptr();
     void* v = values[layer].data_ptr();
     if (bytes % 16 == 0 && aligned16(k) && aligned16(v)) {
-      copy_blocks_kernel<<<num_pairs, kThreads, 0, stream>>>(static_cast<uint4*>(k), static_cast<uint4*>(v),
-                                                             mapping.data_ptr<int64_t>(), bytes / 16, num_blocks);
+      copy_blocks_kernel<uint4><<<num_pairs, kThreads, 0, stream>>>(
+          static_cast<uint4*>(k), static_cast<uint4*>(v), mapping.data_ptr<int64_t>(), bytes / 16, num_blocks);
     } else {
-      copy_blocks_bytes_kernel<<<num_pairs, kThreads, 0, stream>>>(
+      copy_blocks_kernel<uint8_t><<<num_pairs, kThreads, 0, stream>>>(
           static_cast<uint8_t*>(k), static_cast<uint8_t*>(v), mapping.data_ptr<int64_t>(), bytes, num_blocks);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
