@@ -86,6 +86,9 @@ ATTENTION_CONFIGS = [
     (BF16, 1, 2, 1, 256, "contiguous"),
     (F16, 16, 8, 1, 128, "transposed"),
     (F32, 256, 2, 4, 96, "strided_tokens"),
+    (F32, 16, 4, 2, 32, "contiguous"),       # the engine benchmark's shape
+    (BF16, 16, 2, 3, 40, "strided_tokens"),  # decode: 32 + 8 columns, odd group (a lone row in P V)
+    (F16, 8, 1, 2, 36, "contiguous"),        # head_dim % 8 != 0: the generic per-row kernel
 ]
 
 # (cached prefix, query tokens) per sequence: decodes, a fresh prefill, prefills over cached prefixes.

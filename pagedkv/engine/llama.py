@@ -52,7 +52,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Half-split (GPT-NeoX style) rotation, as in Hugging Face Llama; cos/sin precomputed per position."""
+    """Half-split (GPT-NeoX style) rotation, as in Hugging Face Llama. With x = [x1, x2] the rotated
+    vector is x * [cos, cos] + [x2, x1] * [-sin, sin]; both factors are tabulated per position and
+    gathered once per step (`tables`), so each layer's rotation is three ops."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -60,15 +62,21 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):   # the same tables on every device
             inv_freq = rope_inv_freq(cfg)
             freqs = torch.arange(cfg.max_position_embeddings).float()[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", freqs.cos().to(device), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device), persistent=False)
+            cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos_cos", torch.cat((cos, cos), dim=-1).to(device), persistent=False)
+        self.register_buffer("neg_sin_sin", torch.cat((-sin, sin), dim=-1).to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D], rotated by each token's position."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)   # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two factors for these positions, [T, 1, D] each."""
+        return (self.cos_cos[positions].unsqueeze(1).to(dtype), self.neg_sin_sin[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, H, D], rotated by each token's position (a new tensor)."""
+        cos_cos, neg_sin_sin = tables
+        t, h, d = x.shape
+        swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)    # [x2, x1]
+        return torch.addcmul(x * cos_cos, swapped, neg_sin_sin)
 
 
 class Attention(nn.Module):
@@ -81,13 +89,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
 
-    def forward(self, positions, x, rope, kv_cache, meta: AttentionMetadata):
+    def forward(self, rope_tables, x, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        q, k = rope(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = RotaryEmbedding.apply(qk, rope_tables).split([self.num_heads, self.num_kv_heads], dim=1)
         key_cache, value_cache = kv_cache
         torch.ops.pagedkv.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = torch.ops.pagedkv.paged_attention(q.contiguous(), key_cache, value_cache, meta.block_tables,
+        out = torch.ops.pagedkv.paged_attention(q, key_cache, value_cache, meta.block_tables,
                                                 meta.seq_lens, meta.query_start_loc, self.scale,
                                                 max_seq_len=meta.max_seq_len)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -112,8 +120,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions, h, rope, kv_cache, meta):
-        h = h + self.self_attn(positions, self.input_layernorm(h), rope, kv_cache, meta)
+    def forward(self, rope_tables, h, kv_cache, meta):
+        h = h + self.self_attn(rope_tables, self.input_layernorm(h), kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -128,9 +136,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         """Final hidden states of the last token of every sequence: [B, hidden]."""
         h = self.embed_tokens(input_ids)
+        rope_tables = self.rotary_emb.tables(positions, h.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(positions, h, self.rotary_emb, kv_cache, meta)
-        return self.norm(h[meta.query_start_loc[1:].long() - 1])
+            h = layer(rope_tables, h, kv_cache, meta)
+        if h.shape[0] != meta.seq_lens.shape[0]:       # some sequence has several tokens: keep the last
+            h = h[meta.query_start_loc[1:].long() - 1]
+        return self.norm(h)
 
 
 class LlamaForCausalLM(nn.Module):

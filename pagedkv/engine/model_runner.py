@@ -90,6 +90,8 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> list[list[int]]:
         counts = batch.num_samples
         params = [s.request.params for s in batch.seqs]
+        if all(p.temperature == 0 for p in params):      # greedy: every sample of a row is its argmax
+            return [[token] * c for token, c in zip(logits.argmax(dim=-1).tolist(), counts)]
         repeats = torch.tensor(counts, device=logits.device)
         temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
         top_ps = torch.tensor([p.top_p for p in params], device=logits.device)

@@ -180,7 +180,7 @@ class Scheduler:
             self.stats["prefill_tokens"] += len(seq) - num_cached
             self.stats["cached_prompt_tokens"] += num_cached
             num_seqs += width
-            if first is not None:
+            if first is not None and num_cached == 0:   # its first block is computed in this step
                 first_blocks.add(first)
         self.waiting.extendleft(reversed(deferred))
 
