@@ -12,7 +12,8 @@ import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.pagedkv.*)
 
-__all__ = ["reshape_and_cache", "paged_attention", "paged_attention_with_lse", "copy_blocks", "swap_blocks"]
+__all__ = ["reshape_and_cache", "paged_attention", "paged_attention_with_lse", "copy_blocks", "swap_blocks",
+           "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]
 
 _ops = torch.ops.pagedkv
 
@@ -126,6 +127,54 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------------
+# Model-layer ops: the glue of a Llama-family decoder layer, one kernel each (fp32 math, rounded to
+# the tensor's dtype where Hugging Face's Llama rounds). They exist because at decode batch sizes a
+# chain of small ATen ops costs more than the matrix multiplies around it.
+
+def rms_norm(input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """``weight * input / sqrt(mean(input ** 2, -1) + epsilon)`` over the last dimension (a new tensor).
+
+    ``input`` ``[..., hidden]``, ``weight`` ``[hidden]`` of input's dtype.
+    """
+    return _ops.rms_norm(input, weight, epsilon)
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """In place: ``residual += input``, then ``input = rms_norm(residual, weight, epsilon)``.
+
+    The pre-norm residual stream of a decoder layer in one pass. ``input`` and ``residual`` are
+    contiguous, same shape and dtype, and distinct.
+
+    Example::
+
+        residual = h.clone()
+        for layer in layers:            # h: this layer's output, residual: the running sum
+            fused_add_rms_norm(h, residual, norm.weight, 1e-6)
+    """
+    _ops.fused_add_rms_norm(input, residual, weight, epsilon)
+
+
+def silu_and_mul(input: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: ``silu(input[..., :d]) * input[..., d:]`` for ``input`` ``[..., 2 * d]`` (gate then up)."""
+    return _ops.silu_and_mul(input)
+
+
+def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Rotates ``x`` in place by each token's position (half-split RoPE, as GPT-NeoX / HF Llama).
+
+    Args:
+        positions: ``[T]`` int64.
+        x: ``[T, num_heads, head_dim]`` with a contiguous ``head_dim`` (other strides free, so the
+            query and key parts of a fused QKV projection can be rotated in one call).
+        cos_sin_cache: ``[max_position, head_dim]``: ``cos`` of the ``head_dim / 2`` frequencies, then
+            their ``sin``; any float dtype, values used as stored. On CPU a position outside
+            ``[0, max_position)`` raises before anything is written; CUDA kernels cannot raise and
+            leave such tokens unrotated.
+    """
+    _ops.rotary_embedding(positions, x, cos_sin_cache)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Fake (meta) kernels: shapes only, for torch.compile and FakeTensor tracing.
 
 @torch.library.register_fake("pagedkv::reshape_and_cache")
@@ -152,4 +201,24 @@ def _copy_blocks_fake(key_caches, value_caches, block_mapping):
 
 @torch.library.register_fake("pagedkv::swap_blocks")
 def _swap_blocks_fake(src, dst, block_mapping):
+    return None
+
+
+@torch.library.register_fake("pagedkv::rms_norm")
+def _rms_norm_fake(input, weight, epsilon):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("pagedkv::fused_add_rms_norm")
+def _fused_add_rms_norm_fake(input, residual, weight, epsilon):
+    return None
+
+
+@torch.library.register_fake("pagedkv::silu_and_mul")
+def _silu_and_mul_fake(input):
+    return input.new_empty((*input.shape[:-1], input.shape[-1] // 2))
+
+
+@torch.library.register_fake("pagedkv::rotary_embedding")
+def _rotary_embedding_fake(positions, x, cos_sin_cache):
     return None

@@ -1,5 +1,6 @@
 """Runs every CUDA op once on small shapes (for compute-sanitizer memcheck / racecheck): each dtype,
-the 16-byte and the scalar paths, a mixed decode/prefill batch, split-K with its merge, copy/swap."""
+the 16-byte and the scalar paths, a mixed decode/prefill batch, split-K with its merge, copy/swap, and
+the model-layer ops."""
 import os
 import sys
 
@@ -45,6 +46,15 @@ def main():
     host = torch.empty(8, 16, 2, 64).pin_memory()
     ops.swap_blocks(kc, host, torch.tensor([[0, 1], [3, 2]]))
     ops.swap_blocks(host, kc, torch.tensor([[1, 9]]))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):            # model-layer ops
+        x = torch.randn(5, 300, dtype=dtype, device="cuda")
+        w = torch.randn(300, dtype=dtype, device="cuda")
+        ops.rms_norm(x, w, 1e-6)
+        ops.fused_add_rms_norm(x, x.clone(), w, 1e-6)
+        ops.silu_and_mul(torch.randn(5, 2, 130, dtype=dtype, device="cuda"))
+        qkv = torch.randn(5, 6, 64, dtype=dtype, device="cuda")
+        ops.rotary_embedding(torch.tensor([0, 3, 99, 4, 1000], device="cuda"), qkv[:, :4],
+                             torch.randn(100, 64, device="cuda"))                  # 1000: out of range, skipped
     torch.cuda.synchronize()
     print("cuda_ops_smoke: ok")
 

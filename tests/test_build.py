@@ -7,7 +7,8 @@ import torch
 
 import pagedkv
 
-OPS = ["reshape_and_cache", "paged_attention", "paged_attention_with_lse", "copy_blocks", "swap_blocks"]
+OPS = ["reshape_and_cache", "paged_attention", "paged_attention_with_lse", "copy_blocks", "swap_blocks",
+       "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]
 
 
 def toolkit_present():

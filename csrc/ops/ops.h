@@ -32,6 +32,13 @@ void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vec
                        const at::Tensor& block_mapping);
 void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
 
+// Model-layer ops (layer_ops.cpp): shape, dtype and device checks.
+void check_rms_norm(const at::Tensor& input, const at::Tensor& weight, double epsilon);
+void check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight,
+                              double epsilon);
+void check_silu_and_mul(const at::Tensor& input);
+void check_rotary_embedding(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos_sin_cache);
+
 // Checks that read tensor values; only for tensors that live on the CPU.
 void check_slot_values(const at::Tensor& slot_mapping, int64_t num_slots);
 void check_attention_metadata_values(const AttentionShape& shape, const at::Tensor& block_tables,

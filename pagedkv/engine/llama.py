@@ -4,8 +4,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pagedkv import ops
 
 from .config import ModelConfig
 
@@ -26,8 +27,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x); with a residual stream, in place: residual += x, then returns norm(residual)."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -52,9 +57,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Half-split (GPT-NeoX style) rotation, as in Hugging Face Llama. With x = [x1, x2] the rotated
-    vector is x * [cos, cos] + [x2, x1] * [-sin, sin]; both factors are tabulated per position and
-    gathered once per step (`tables`), so each layer's rotation is three ops."""
+    """Half-split (GPT-NeoX style) rotation, as in Hugging Face Llama: a [max_position, head_dim] table
+    of cos then sin per position, rounded to the model's dtype as HF rounds them, applied in place
+    by `pagedkv.ops.rotary_embedding`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -62,21 +67,12 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):   # the same tables on every device
             inv_freq = rope_inv_freq(cfg)
             freqs = torch.arange(cfg.max_position_embeddings).float()[:, None] * inv_freq[None, :]
-            cos, sin = freqs.cos(), freqs.sin()
-        self.register_buffer("cos_cos", torch.cat((cos, cos), dim=-1).to(device), persistent=False)
-        self.register_buffer("neg_sin_sin", torch.cat((-sin, sin), dim=-1).to(device), persistent=False)
+        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device),
+                             persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two factors for these positions, [T, 1, D] each."""
-        return (self.cos_cos[positions].unsqueeze(1).to(dtype), self.neg_sin_sin[positions].unsqueeze(1).to(dtype))
-
-    @staticmethod
-    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x: [T, H, D], rotated by each token's position (a new tensor)."""
-        cos_cos, neg_sin_sin = tables
-        t, h, d = x.shape
-        swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)    # [x2, x1]
-        return torch.addcmul(x * cos_cos, swapped, neg_sin_sin)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """Rotates x [T, H, D] (head_dim contiguous) in place by each token's position."""
+        ops.rotary_embedding(positions, x, self.cos_sin_cache)
 
 
 class Attention(nn.Module):
@@ -89,10 +85,11 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
 
-    def forward(self, rope_tables, x, kv_cache, meta: AttentionMetadata):
+    def forward(self, positions, x, rope, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        q, k = RotaryEmbedding.apply(qk, rope_tables).split([self.num_heads, self.num_kv_heads], dim=1)
+        rope(positions, qk)                          # in place: queries and keys in one call
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         key_cache, value_cache = kv_cache
         torch.ops.pagedkv.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.ops.pagedkv.paged_attention(q, key_cache, value_cache, meta.block_tables,
@@ -108,8 +105,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -120,9 +116,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, rope_tables, h, kv_cache, meta):
-        h = h + self.self_attn(rope_tables, self.input_layernorm(h), kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions, h, residual, rope, kv_cache, meta):
+        """h: the previous layer's output (the embeddings for the first layer); residual: the stream
+        before it (None for the first layer). Returns this layer's (h, residual) the same way."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, rope, kv_cache, meta)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -135,13 +138,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta):
         """Final hidden states of the last token of every sequence: [B, hidden]."""
-        h = self.embed_tokens(input_ids)
-        rope_tables = self.rotary_emb.tables(positions, h.dtype)
+        h, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(rope_tables, h, kv_cache, meta)
+            h, residual = layer(positions, h, residual, self.rotary_emb, kv_cache, meta)
         if h.shape[0] != meta.seq_lens.shape[0]:       # some sequence has several tokens: keep the last
-            h = h[meta.query_start_loc[1:].long() - 1]
-        return self.norm(h)
+            last = meta.query_start_loc[1:].long() - 1
+            h, residual = h[last], residual[last]
+        return self.norm(h, residual)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,37 @@
+// Per-element math of the model-layer ops (rms_norm, fused_add_rms_norm, silu_and_mul,
+// rotary_embedding) shared by the CPU (layer_ops.cpp) and CUDA (cuda/layer_ops.cu) kernels, so both
+// backends round the same way: everything is computed in fp32 and rounded to the tensor's dtype
+// where Hugging Face's Llama rounds.
+#pragma once
+
+#include <cmath>
+
+#ifdef __CUDACC__
+#define PAGEDKV_LAYER_HD __host__ __device__ __forceinline__
+#else
+#define PAGEDKV_LAYER_HD inline
+#endif
+
+namespace pagedkv {
+
+// 1 / sqrt(mean of squares + eps) from a row's sum of squares.
+PAGEDKV_LAYER_HD float rms_inv(float sum_squares, int64_t hidden, float eps) {
+  return 1.f / sqrtf(sum_squares / static_cast<float>(hidden) + eps);
+}
+
+// weight * (x * inv_rms), the normalised value rounded to the dtype first (as HF: weight * x.to(dtype)).
+template <typename scalar_t>
+PAGEDKV_LAYER_HD scalar_t rms_scale(scalar_t x, scalar_t weight, float inv_rms) {
+  const float normalised = static_cast<float>(static_cast<scalar_t>(static_cast<float>(x) * inv_rms));
+  return static_cast<scalar_t>(static_cast<float>(weight) * normalised);
+}
+
+PAGEDKV_LAYER_HD float silu(float x) { return x / (1.f + expf(-x)); }
+
+// Half-split (GPT-NeoX / HF Llama) rotation of the pair (x1, x2) = (x[i], x[i + D/2]).
+PAGEDKV_LAYER_HD void rotate_pair(float x1, float x2, float c, float s, float* y1, float* y2) {
+  *y1 = x1 * c - x2 * s;
+  *y2 = x2 * c + x1 * s;
+}
+
+}  // namespace pagedkv
