@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 from pagedkv import BlockManager
 
 from .config import EngineConfig
+from .cpu_linear import pack_wide_linears
 from .loader import load_model
 from .model_runner import ModelRunner, kv_cache_block_bytes
 from .sampling import SamplingParams
@@ -20,12 +21,14 @@ class LLM:
                  block_size: int = 16, num_blocks: int | None = None, num_cpu_blocks: int = 0,
                  enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, kv_cache_bytes: int = 256 << 20,
-                 gpu_memory_utilization: float = 0.5, seed: int = 0):
+                 gpu_memory_utilization: float = 0.5, seed: int = 0, pack_cpu_weights: bool = True):
         self.config = EngineConfig(device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                                    num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization)
         self.model = load_model(model_path, device, dtype)
+        if pack_cpu_weights and device == "cpu":
+            pack_wide_linears(self.model, batch_hint=min(max_num_seqs, 16))
         self.model_config = self.model.config
         self.max_model_len = self.model_config.max_position_embeddings
         self.num_blocks = num_blocks or self._num_blocks_from_budget()
