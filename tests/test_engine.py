@@ -106,8 +106,9 @@ def test_mixed_workload_in_a_tight_pool(tiny, num_cpu_blocks):
 
 
 def test_random_configurations_match_reference(tiny):
-    """Random block sizes, pool sizes (some too small), swap space, caching, n, max_tokens and budgets:
-    every output is the reference's prefix (or fails with a clear error), and nothing leaks."""
+    """Random block sizes, pool sizes (some too small), swap space, caching, n, max_tokens, budgets and
+    packed or plain CPU projections: every output is the reference's prefix (or fails with a clear
+    error), and nothing leaks."""
     path, _, prompts, expected = tiny
     rng = random.Random(0)
     errors = 0
@@ -117,7 +118,7 @@ def test_random_configurations_match_reference(tiny):
         num_blocks = rng.randint(max(1, need // 2), need * 2)
         llm = LLM(path, block_size=bs, num_blocks=num_blocks, num_cpu_blocks=rng.choice([0, num_blocks]),
                   enable_prefix_caching=rng.random() < 0.7, max_num_seqs=rng.randint(3, 16),
-                  max_num_batched_tokens=rng.choice([64, 4096]))
+                  max_num_batched_tokens=rng.choice([64, 4096]), pack_cpu_weights=rng.random() < 0.5)
         idx = [rng.randrange(len(prompts)) for _ in range(rng.randint(1, 10))]
         params = [SamplingParams(max_tokens=rng.randint(1, MAX_TOKENS), n=rng.choice([1, 1, 2, 3]), ignore_eos=True)
                   for _ in idx]
