@@ -143,6 +143,36 @@ def test_paged_attention_window_softcap_lse(device, dtype, sliding_window, softc
 
 
 CPU_GEMM_MIN_ROWS = 16  # kGemmMinRows in csrc/ops/attention_cpu.cpp: q_len >= 2 and q_len * group >= it -> micro-GEMM path
+CPU_GEMM_ROWS_PER_ITEM = 64  # kGemmRowsPerItem: query rows (queries x group) per micro-GEMM work item
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(4, 2, 32), (3, 3, 40), (2, 1, 64)])
+@pytest.mark.parametrize("num_threads", [1, 2, 8])
+def test_paged_attention_many_decodes(device, dtype, num_kv_heads, group, head_dim, num_threads):
+    # A decode batch large enough that the CPU folds each sequence's KV heads into one work item
+    # (at least 4 sequences per thread), mixed with a micro-GEMM prefill whose last query chunk
+    # (CPU_GEMM_ROWS_PER_ITEM // group queries per chunk) is a single query; odd lengths leave
+    # partial key tiles and blocks; sliding window and lse included.
+    prefixes = [5, 300, 17, 64, 1, 129, 40, 90, 3, 250, 33, 16, 77, 8, 200, 15, 0, 47]
+    q_lens = [1] * 17 + [CPU_GEMM_ROWS_PER_ITEM // group + 1]
+    batch = PagedBatch(prefixes, q_lens, block_size=16, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                       dtype=dtype, device=device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out, lse = ops.paged_attention_with_lse(*batch.args())
+        windowed = ops.paged_attention(*batch.args(), sliding_window=50)
+    finally:
+        torch.set_num_threads(threads)
+    expected, expected_lse = batch.reference()
+    assert_close(out, expected, dtype, "out")
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+    assert_close(windowed, batch.reference(sliding_window=50)[0], dtype, "windowed")
+
+
+
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -63,6 +63,8 @@ struct CpuAttentionArgs {
 
 struct CpuWorkItem {
   int32_t seq, kv_head, q_begin, q_count;
+  int32_t kv_head_count;  // consecutive KV heads from kv_head; > 1 only for unsplit single-query items,
+                          // which only the single-query kernel runs
   int32_t part, num_parts;
   int64_t partial_row;  // first partial row of partition 0 (split items only)
   KeyRange keys;        // keys this item attends to (one partition of the chunk's visible keys)
@@ -72,6 +74,7 @@ struct CpuScratch {
   std::vector<float> q, acc, k_tile, v_tile, scores;
   std::vector<OnlineSoftmax> state;
   std::vector<KeyRange> row_keys;
+  int64_t slot_rows[kKeyTile];  // element offset of each tile key's slot (head 0)
   const float* k_rows[kKeyTile];
   const float* v_rows[kKeyTile];
   // GEMM path: Qt [Dp][R] (scaled, transposed, zero-padded), K/V tiles [kGemmKeyTile][Dp], scores
@@ -133,6 +136,25 @@ bool use_avx2_kernel() {
   return use;
 }
 
+// Single-query items of one sequence fold into one item over all its KV heads when there are
+// enough sequences to keep the threads busy (at least target_items of them).
+std::vector<CpuWorkItem> merge_single_query_heads(std::vector<CpuWorkItem> items, const AttentionShape& shape,
+                                                  int64_t target_items) {
+  if (shape.num_kv_heads == 1 || shape.head_dim % 8 != 0 || shape.num_seqs < target_items) return items;
+  std::vector<CpuWorkItem> merged;
+  merged.reserve(items.size());
+  for (const CpuWorkItem& item : items) {
+    const bool fold = item.q_count == 1 && item.num_parts == 1;
+    if (fold && !merged.empty() && merged.back().seq == item.seq && merged.back().q_begin == item.q_begin &&
+        merged.back().q_count == 1 && merged.back().kv_head + merged.back().kv_head_count == item.kv_head) {
+      ++merged.back().kv_head_count;
+    } else {
+      merged.push_back(item);
+    }
+  }
+  return merged;
+}
+
 // Work items: one per (sequence, KV head, chunk of queries); when there are fewer items than a few
 // per thread, long key ranges are split into partitions that are merged afterwards.
 std::vector<CpuWorkItem> plan_work(const AttentionShape& shape, const int32_t* seq_lens, const int32_t* qsl,
@@ -147,13 +169,15 @@ std::vector<CpuWorkItem> plan_work(const AttentionShape& shape, const int32_t* s
       const KeyRange keys{visible_keys(query_position(seq_lens[b], q_len, q0), sliding_window).begin,
                           query_position(seq_lens[b], q_len, q0 + q_count - 1) + 1};
       for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
-        items.push_back(CpuWorkItem{int32_t(b), int32_t(h), int32_t(q0), int32_t(q_count), 0, 1, 0, keys});
+        items.push_back(CpuWorkItem{int32_t(b), int32_t(h), int32_t(q0), int32_t(q_count), 1, 0, 1, 0, keys});
       }
     }
   }
   *num_partial_rows = 0;
   const int64_t target_items = 4 * at::get_num_threads();
-  if (items.empty() || static_cast<int64_t>(items.size()) * 2 > target_items) return items;
+  if (items.empty() || static_cast<int64_t>(items.size()) * 2 > target_items) {
+    return merge_single_query_heads(std::move(items), shape, target_items);
+  }
   const int64_t want_parts = ceil_div(target_items, static_cast<int64_t>(items.size()));
   std::vector<CpuWorkItem> split;
   for (const CpuWorkItem& item : items) {
