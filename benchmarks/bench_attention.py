@@ -1,7 +1,8 @@
-"""paged_attention vs torch SDPA on the same KV stored contiguously: decode at several batch / context
-sizes and prefill over a cached prefix. Prints a table (median of repeats after warm-up; CUDA events
-on GPU) with speed ratios; on CUDA also the KV bandwidth achieved and its share of a measured
-device-to-device copy.
+"""paged_attention vs torch SDPA and FlexAttention (compiled) on the same KV stored contiguously: decode
+at several batch / context sizes and prefill over a cached prefix. Prints a table (median of repeats
+after warm-up; CUDA events on GPU) with speed ratios; on CUDA also the KV bandwidth achieved and its
+share of a measured device-to-device copy. FlexAttention is compiled once per shape (seconds on a CPU;
+`--no-flex` skips it) and its output is checked against SDPA before it is timed.
 
     python benchmarks/bench_attention.py                  # CPU (or CUDA when present), short run
     python benchmarks/bench_attention.py --device cpu --dtype float32 --repeats 20
@@ -58,6 +59,7 @@ class Case:
         # Bottom-right causal mask (queries are the last q_len positions); None for decode.
         pos_q = torch.arange(ctx - q_len, ctx, device=device).view(-1, 1)
         self.mask = None if q_len == 1 else (torch.arange(ctx, device=device).view(1, -1) <= pos_q)
+        self.block_mask = None   # set by use_flex
         self.kv_bytes = 2 * self.key_cache[0].numel() * self.key_cache.element_size() * num_blocks
 
     def paged(self):
@@ -72,9 +74,29 @@ class Case:
         return F.scaled_dot_product_attention(self.q, self.k_expanded, self.v_expanded, attn_mask=self.mask,
                                               scale=self.scale)
 
+    def flex(self, compiled_flex):
+        return compiled_flex(self.q, self.k, self.v, block_mask=self.block_mask, scale=self.scale, enable_gqa=True)
+
     def max_error(self):
         ref = self.sdpa_expanded().transpose(1, 2).reshape_as(self.query).float()
         return (self.paged().float() - ref).abs().max().item()
+
+
+def use_flex(case):
+    """Prepares the case for FlexAttention (a bottom-right causal block mask for prefill); returns the
+    compiled kernel, or None when this torch cannot compile it here."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        if case.q_len > 1:
+            offset = case.ctx - case.q_len
+            case.block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + offset >= kv_idx, None, None,
+                                                case.q_len, case.ctx, device=case.q.device)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        torch.testing.assert_close(case.flex(compiled), case.sdpa_expanded(), atol=2e-2, rtol=2e-2)
+        return compiled
+    except Exception as e:  # noqa: BLE001 (any compile failure only drops the column)
+        print(f"  (FlexAttention unavailable for this case: {type(e).__name__}: {str(e).splitlines()[0][:100]})")
+        return None
 
 
 def main():
@@ -87,6 +109,7 @@ def main():
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=None, help="default: 10 on CPU, 50 on CUDA")
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiled once per shape)")
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -102,7 +125,7 @@ def main():
           f"D={args.head_dim} block_size={args.block_size} threads={torch.get_num_threads()}"
           + (f" d2d_copy={copy_gbs:.0f} GB/s" if cuda else ""))
     header = f"{'kind':<8}{'B':>5}{'ctx':>7}{'q_len':>6}{'paged ms':>10}{'sdpa_gqa ms':>12}{'sdpa_exp ms':>12}" \
-             f"{'speed vs best sdpa':>20}{'max err':>10}"
+             f"{'flex ms':>9}{'speed vs best sdpa':>20}{'vs flex':>9}{'max err':>10}"
     if cuda:
         header += f"{'KV GB/s':>9}{'% copy':>8}"
     print(header)
@@ -112,9 +135,11 @@ def main():
         paged = time_ms(case.paged, device, args.warmup, repeats)
         gqa = time_ms(case.sdpa_gqa, device, args.warmup, repeats)
         expanded = time_ms(case.sdpa_expanded, device, args.warmup, repeats)
+        compiled = None if args.no_flex else use_flex(case)
+        flex = time_ms(lambda: case.flex(compiled), device, args.warmup, repeats) if compiled else float("nan")
         kind = "decode" if q_len == 1 else "prefill"
-        line = (f"{kind:<8}{batch:>5}{ctx:>7}{q_len:>6}{paged:>10.3f}{gqa:>12.3f}{expanded:>12.3f}"
-                f"{min(gqa, expanded) / paged:>19.2f}x{case.max_error():>10.1e}")
+        line = (f"{kind:<8}{batch:>5}{ctx:>7}{q_len:>6}{paged:>10.3f}{gqa:>12.3f}{expanded:>12.3f}{flex:>9.3f}"
+                f"{min(gqa, expanded) / paged:>19.2f}x{flex / paged:>8.2f}x{case.max_error():>10.1e}")
         if cuda:
             gbs = case.kv_bytes / paged / 1e6
             line += f"{gbs:>9.0f}{100 * gbs / copy_gbs:>7.0f}%"
