@@ -3,6 +3,7 @@
 // sequences of ints or as 1-D integer tensors; batched results come back as CPU tensors.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -263,28 +264,37 @@ PYBIND11_MODULE(_C, m) {
           "Slots (int64 tensor) of token positions [start, end) of one sequence.")
       .def(
           "slot_mappings",
-          [](const BlockManager& bm, const py::object& seq_ids, const py::object& starts) {
+          [](const BlockManager& bm, const py::object& seq_ids, const py::object& starts, const py::object& ends) {
             Int64Array ids(seq_ids, "seq_ids"), begin(starts, "starts");
             if (ids.size != begin.size) throw ValueError("slot_mappings: seq_ids and starts differ in length");
+            std::vector<int64_t> stop(ids.size);
+            if (ends.is_none()) {
+              for (size_t i = 0; i < ids.size; ++i) stop[i] = bm.num_tokens(ids.data[i]);
+            } else {
+              Int64Array e(ends, "ends");
+              if (e.size != ids.size) throw ValueError("slot_mappings: seq_ids and ends differ in length");
+              std::copy(e.data, e.data + e.size, stop.begin());
+            }
             int64_t total = 0;
             for (size_t i = 0; i < ids.size; ++i) {
               const int64_t len = bm.num_tokens(ids.data[i]);
-              if (begin.data[i] < 0 || begin.data[i] > len)
-                throw ValueError("slot_mappings: start " + std::to_string(begin.data[i]) + " outside [0, " +
-                                 std::to_string(len) + "] for sequence " + std::to_string(ids.data[i]));
-              total += len - begin.data[i];
+              if (begin.data[i] < 0 || begin.data[i] > stop[i] || stop[i] > len)
+                throw ValueError("slot_mappings: positions [" + std::to_string(begin.data[i]) + ", " +
+                                 std::to_string(stop[i]) + ") are not inside [0, " + std::to_string(len) +
+                                 "] for sequence " + std::to_string(ids.data[i]));
+              total += stop[i] - begin.data[i];
             }
             torch::Tensor out = torch::empty({total}, torch::kInt64);
             int64_t* p = out.data_ptr<int64_t>();
             for (size_t i = 0; i < ids.size; ++i) {
-              const int64_t len = bm.num_tokens(ids.data[i]);
-              bm.slot_mapping(ids.data[i], begin.data[i], len, p);
-              p += len - begin.data[i];
+              bm.slot_mapping(ids.data[i], begin.data[i], stop[i], p);
+              p += stop[i] - begin.data[i];
             }
             return out;
           },
-          py::arg("seq_ids"), py::arg("starts"),
-          "Concatenated slots of positions [starts[i], len) of each sequence (a prefill batch's slot mapping).")
+          py::arg("seq_ids"), py::arg("starts"), py::arg("ends") = py::none(),
+          "Concatenated slots of positions [starts[i], ends[i]) of each sequence (default end: its length); "
+          "a prefill batch's slot mapping, chunked or not.")
       .def(
           "seq_lens",
           [](const BlockManager& bm, const py::object& seq_ids) {

@@ -72,6 +72,22 @@ def test_all_blocks_usable_and_slot_mapping():
     bm.check_invariants()
 
 
+def test_slot_mappings_batched_with_and_without_ends():
+    bm = BlockManager(16, 4)
+    bm.allocate(1, toks(10))
+    bm.allocate(2, toks(7, start=100))
+    whole = torch.cat([bm.slot_mapping(1, 3), bm.slot_mapping(2, 0)])
+    assert bm.slot_mappings([1, 2], [3, 0]).tolist() == whole.tolist()
+    chunks = torch.cat([bm.slot_mapping(1, 3, 8), bm.slot_mapping(2, 2, 4)])   # chunked prefill
+    assert bm.slot_mappings([1, 2], [3, 2], [8, 4]).tolist() == chunks.tolist()
+    assert bm.slot_mappings([1, 2], [10, 7], [10, 7]).numel() == 0
+    for starts, ends in (([3, 5], [2, 7]), ([0, 0], [11, 7]), ([-1, 0], [4, 4])):
+        with pytest.raises(ValueError, match="not inside"):
+            bm.slot_mappings([1, 2], starts, ends)
+    with pytest.raises(ValueError, match="ends differ in length"):
+        bm.slot_mappings([1, 2], [0, 0], [4])
+
+
 def test_hits_need_mark_computed_and_last_block_is_computed():
     bm = BlockManager(32, 4)
     prompt = toks(12)

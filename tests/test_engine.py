@@ -105,8 +105,40 @@ def test_mixed_workload_in_a_tight_pool(tiny, num_cpu_blocks):
     llm.bm.check_invariants()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("budget", [5, 16, 41])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_chunked_prefill_matches_transformers(tiny, device, budget, prefix_caching):
+    """Prompts of 38-56 tokens under a token budget smaller than a prompt: each prompt is prefilled in
+    chunks over several steps, next to other sequences' decodes, and n > 1 forks only at its end."""
+    path, _, prompts, expected = tiny
+    llm = LLM(path, device=device, block_size=8, enable_prefix_caching=prefix_caching,
+              max_num_batched_tokens=budget)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, n=2))
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e, e] for e in expected]
+    steps = llm.history
+    assert all(h["tokens"] <= max(budget, h["decodes"]) for h in steps)   # decodes always run
+    assert any(h["tokens"] == budget and h["decodes"] < budget for h in steps)   # budget-sized chunks
+    assert sum(h["tokens"] for h in steps) == llm.stats()["prefill_tokens"] + llm.stats()["decode_tokens"]
+    assert llm.stats()["used_blocks"] == 0
+    llm.bm.check_invariants()
+
+
+@pytest.mark.parametrize("num_cpu_blocks", [64, 0], ids=["swap", "recompute"])
+def test_chunked_prefill_under_preemption(tiny, num_cpu_blocks):
+    path, _, prompts, expected = tiny
+    llm = LLM(path, block_size=8, num_blocks=24, num_cpu_blocks=num_cpu_blocks, max_num_batched_tokens=12)
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    stats = llm.stats()
+    assert stats["preempted_swap" if num_cpu_blocks else "preempted_recompute"] > 0
+    assert stats["used_blocks"] == 0
+    llm.bm.check_invariants()
+
+
 def test_random_configurations_match_reference(tiny):
-    """Random block sizes, pool sizes (some too small), swap space, caching, n, max_tokens, budgets and
+    """Random block sizes, pool sizes (some too small), swap space, caching, n, max_tokens, token budgets
+    (some below a prompt's length: chunked prefill) and
     packed or plain CPU projections: every output is the reference's prefix (or fails with a clear
     error), and nothing leaks."""
     path, _, prompts, expected = tiny
@@ -118,7 +150,7 @@ def test_random_configurations_match_reference(tiny):
         num_blocks = rng.randint(max(1, need // 2), need * 2)
         llm = LLM(path, block_size=bs, num_blocks=num_blocks, num_cpu_blocks=rng.choice([0, num_blocks]),
                   enable_prefix_caching=rng.random() < 0.7, max_num_seqs=rng.randint(3, 16),
-                  max_num_batched_tokens=rng.choice([64, 4096]), pack_cpu_weights=rng.random() < 0.5)
+                  max_num_batched_tokens=rng.choice([7, 24, 64, 4096]), pack_cpu_weights=rng.random() < 0.5)
         idx = [rng.randrange(len(prompts)) for _ in range(rng.randint(1, 10))]
         params = [SamplingParams(max_tokens=rng.randint(1, MAX_TOKENS), n=rng.choice([1, 1, 2, 3]), ignore_eos=True)
                   for _ in idx]

@@ -84,7 +84,7 @@ class LLM:
         stats = self.bm.stats()
         self.history.append(dict(step=len(self.history), used_blocks=stats["used_blocks"],
                                  cached_blocks=stats["cached_blocks"], running=len(self.scheduler.running),
-                                 tokens=batch.num_tokens))
+                                 tokens=batch.num_tokens, decodes=len(batch.decodes)))
         requests = {s.request.request_id: s.request for s in finished + batch.failed if s.request.finished}
         return list(requests.values())
 

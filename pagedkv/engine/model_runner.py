@@ -66,13 +66,13 @@ class ModelRunner:
         positions = [len(s) - 1 for s in batch.decodes]
         query_lens = [1] * len(batch.decodes)
         slots = [batch.decode_slots] if batch.decodes else []
-        for seq, start in zip(batch.prefills, batch.prefill_starts):
-            input_ids += seq.token_ids[start:]
-            positions += range(start, len(seq))
-            query_lens.append(len(seq) - start)
+        for seq, start, end in zip(batch.prefills, batch.prefill_starts, batch.prefill_ends):
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            query_lens.append(end - start)
         if batch.prefills:
-            slots.append(bm.slot_mappings([s.seq_id for s in batch.prefills], batch.prefill_starts))
-        seq_lens = [len(s) for s in batch.seqs]
+            slots.append(bm.slot_mappings([s.seq_id for s in batch.prefills], batch.prefill_starts, batch.prefill_ends))
+        seq_lens = [len(s) for s in batch.decodes] + batch.prefill_ends
         query_start_loc = [0]
         for q in query_lens:
             query_start_loc.append(query_start_loc[-1] + q)

@@ -15,12 +15,14 @@ from .sequence import Request, Sequence, SequenceStatus
 class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)
     decode_slots: torch.Tensor | None = None            # [len(decodes)] from bm.append_tokens
-    prefills: list[Sequence] = field(default_factory=list)
-    prefill_starts: list[int] = field(default_factory=list)   # first uncached position of each prefill
-    prefill_samples: list[int] = field(default_factory=list)  # n for a request's first prefill, else 1
+    prefills: list[Sequence] = field(default_factory=list)      # new prompts and continued chunks
+    prefill_starts: list[int] = field(default_factory=list)   # first position computed in this step
+    prefill_ends: list[int] = field(default_factory=list)     # one past the last (len(seq) when it completes)
+    prefill_samples: list[int] = field(default_factory=list)  # n for a request's first prefill, 0 mid-prompt
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, gpu block)
     copies: list[tuple[int, int]] = field(default_factory=list)     # copy-on-write (src, dst)
+    admitted: list[Sequence] = field(default_factory=list)          # waiting -> running in this step
     failed: list[Sequence] = field(default_factory=list)            # sequences failed while scheduling
 
     @property
@@ -37,7 +39,7 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(len(s) - p for s, p in zip(self.prefills, self.prefill_starts))
+        return len(self.decodes) + sum(e - b for b, e in zip(self.prefill_starts, self.prefill_ends))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -73,13 +75,19 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        """Decodes first, then the next chunks of prompts already running, then new prompts, all within
+        max_num_batched_tokens (a prompt that does not fit is prefilled over several steps)."""
         batch = ScheduledBatch()
         self._swap_in(batch)
         preempted = self._make_room_for_decodes(batch)
-        if self.running:
-            batch.decodes = list(self.running)
+        batch.decodes = [s for s in self.running if s.prefilled]
+        if batch.decodes:
             batch.decode_slots = self.bm.append_tokens([s.seq_id for s in batch.decodes],
                                                        [s.token_ids[-1] for s in batch.decodes])
+        for seq in self.running:
+            budget = self.config.max_num_batched_tokens - batch.num_tokens
+            if not seq.prefilled and budget > 0:
+                self._add_prefill_chunk(batch, seq, budget, samples=self._fork_width(seq))
         if not preempted and not self.swapped:
             self._admit_waiting(batch)
         batch.copies = list(self.bm.take_copies())
@@ -107,7 +115,7 @@ class Scheduler:
     def _make_room_for_decodes(self, batch: ScheduledBatch) -> bool:
         """Preempts the newest request's sequences until every running sequence can append a token."""
         preempted = False
-        while self.running and not self.bm.can_append([s.seq_id for s in self.running]):
+        while self.running and not self.bm.can_append([s.seq_id for s in self.running if s.prefilled]):
             newest = self.running[-1].arrival
             group = [s for s in self.running if s.arrival == newest]
             if len(group) < len(self.running):
@@ -137,7 +145,7 @@ class Scheduler:
         """Drops the sequences' KV; they wait to prefill prompt + outputs again, ahead of new requests."""
         for s in reversed(seqs):
             self.bm.free(s.seq_id)
-            s.status = SequenceStatus.WAITING
+            s.status, s.prefilled, s.num_computed = SequenceStatus.WAITING, False, 0
             self.waiting.appendleft(s)
         self.stats["preempted_recompute"] += len(seqs)
 
@@ -155,8 +163,8 @@ class Scheduler:
                 continue
             if num_seqs + width > self.config.max_num_seqs:
                 break
-            # The token budget bounds batches, not prompts: a longer prompt runs alone (no chunked prefill).
-            if batch.prefills and batch.num_tokens + len(seq) > self.config.max_num_batched_tokens:
+            budget = self.config.max_num_batched_tokens - batch.num_tokens
+            if budget <= 0:
                 break
             first = self._first_block(seq)
             if first is not None and first in first_blocks:
@@ -173,16 +181,24 @@ class Scheduler:
                                          f"{self.bm.num_blocks}")
                 continue
             num_cached = self.bm.allocate(seq.seq_id, seq.token_ids)
-            seq.status = SequenceStatus.RUNNING
-            batch.prefills.append(seq)
-            batch.prefill_starts.append(num_cached)
-            batch.prefill_samples.append(width)
-            self.stats["prefill_tokens"] += len(seq) - num_cached
+            seq.status, seq.num_computed = SequenceStatus.RUNNING, num_cached
+            batch.admitted.append(seq)
+            self._add_prefill_chunk(batch, seq, budget, samples=width)
             self.stats["cached_prompt_tokens"] += num_cached
             num_seqs += width
             if first is not None and num_cached == 0:   # its first block is computed in this step
                 first_blocks.add(first)
         self.waiting.extendleft(reversed(deferred))
+
+    def _add_prefill_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int, samples: int) -> None:
+        """The next min(budget, rest) uncached tokens of seq's prompt; it samples only when they are its last."""
+        start = seq.num_computed
+        end = min(len(seq), start + budget)
+        batch.prefills.append(seq)
+        batch.prefill_starts.append(start)
+        batch.prefill_ends.append(end)
+        batch.prefill_samples.append(samples if end == len(seq) else 0)
+        self.stats["prefill_tokens"] += end - start
 
     def _first_block(self, seq: Sequence) -> tuple[int, ...] | None:
         """The tokens of the sequence's first block when that block could be a prefix-cache hit."""
@@ -212,15 +228,21 @@ class Scheduler:
         """sampled[i]: the tokens drawn for batch.seqs[i] (n of them for a first prefill of n > 1).
         Returns the sequences that finished in this step."""
         seqs = batch.seqs
-        self.bm.mark_computed([s.seq_id for s in seqs])
+        computed = [len(s) for s in batch.decodes] + batch.prefill_ends
+        self.bm.mark_computed([s.seq_id for s in seqs], computed)
+        for seq, n in zip(seqs, computed):
+            seq.num_computed = n
+            seq.prefilled = n == len(seq)
         self.stats["decode_tokens"] += len(batch.decodes)
-        self.running += batch.prefills
+        self.running += batch.admitted
         finished = []
         for seq, tokens in zip(seqs, sampled):
+            if not tokens:                      # a prompt chunk that is not its last: nothing sampled
+                continue
             for token in tokens[1:]:            # n > 1: children share the prompt's blocks
                 child = self._new_seq(seq.request, seq.token_ids)
                 self.bm.fork(seq.seq_id, child.seq_id)
-                child.status = SequenceStatus.RUNNING
+                child.status, child.num_computed, child.prefilled = SequenceStatus.RUNNING, seq.num_computed, True
                 self.running.append(child)
                 finished += self._append(child, token)
             finished += self._append(seq, tokens[0])

@@ -7,7 +7,7 @@ from .sampling import SamplingParams
 
 class SequenceStatus(Enum):
     WAITING = auto()    # needs a prefill (new, or preempted by recompute)
-    RUNNING = auto()    # KV on the device; its last token is the next decode input
+    RUNNING = auto()    # KV on the device: prefilling (chunk by chunk), or decoding its last token
     SWAPPED = auto()    # KV in the CPU cache
     FINISHED = auto()
 
@@ -20,6 +20,8 @@ class Sequence:
         self.num_prompt_tokens = request.num_prompt_tokens
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
+        self.num_computed = 0      # tokens whose KV is written (prefix-cache hits included)
+        self.prefilled = False     # every token but the last sampled one has its KV: the next step decodes
 
     def __len__(self) -> int:
         return len(self.token_ids)
