@@ -113,7 +113,7 @@ class Scheduler:
             self.stats["swapped_in"] += len(group)
 
     def _make_room_for_decodes(self, batch: ScheduledBatch) -> bool:
-        """Preempts the newest request's sequences until every running sequence can append a token."""
+        """Preempts the newest request's sequences until every decoding sequence can append a token."""
         preempted = False
         while self.running and not self.bm.can_append([s.seq_id for s in self.running if s.prefilled]):
             newest = self.running[-1].arrival
