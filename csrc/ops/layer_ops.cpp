@@ -1,7 +1,7 @@
 // Model-layer ops for Llama-family decoders, fused so that a decode step costs one kernel each
 // instead of a chain of small ATen ops: rms_norm, fused_add_rms_norm (residual add + norm, in
-// place), silu_and_mul (SwiGLU) and rotary_embedding (half-split RoPE, in place). Schemas, argument
-// checks and the CPU kernels; the CUDA kernels are in cuda/layer_ops.cu.
+// place), silu_and_mul (SwiGLU) and rotary_embedding (half-split RoPE, in place). Argument checks and
+// the CPU kernels; schemas are in ops.cpp with the others, the CUDA kernels in cuda/layer_ops.cu.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -216,13 +216,6 @@ void check_rotary_embedding(const at::Tensor& positions, const at::Tensor& x, co
 }
 
 }  // namespace pagedkv
-
-TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
-  m.def("rms_norm(Tensor input, Tensor weight, float epsilon) -> Tensor");
-  m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()");
-  m.def("silu_and_mul(Tensor input) -> Tensor");
-  m.def("rotary_embedding(Tensor positions, Tensor(a!) x, Tensor cos_sin_cache) -> ()");
-}
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("rms_norm", &pagedkv::rms_norm_cpu);

@@ -1,5 +1,6 @@
-// Schemas of torch.ops.pagedkv.*, their argument checks, and the CPU kernels of the cache ops
-// (reshape_and_cache, copy_blocks, swap_blocks). CPU paged attention lives in attention_cpu.cpp.
+// Schemas of every torch.ops.pagedkv.* op, the argument checks of the cache and attention ops, and the
+// CPU kernels of the cache ops (reshape_and_cache, copy_blocks, swap_blocks). CPU paged attention lives
+// in attention_cpu.cpp, the model-layer ops in layer_ops.cpp.
 #include "ops/ops.h"
 
 #include <ATen/Parallel.h>
@@ -306,6 +307,11 @@ TORCH_LIBRARY(pagedkv, m) {
       "float softcap=0.0) -> (Tensor, Tensor)");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+  // Model-layer ops (layer_ops.cpp, cuda/layer_ops.cu).
+  m.def("rms_norm(Tensor input, Tensor weight, float epsilon) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()");
+  m.def("silu_and_mul(Tensor input) -> Tensor");
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) x, Tensor cos_sin_cache) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
