@@ -8,7 +8,9 @@ namespace pagedkv {
 PrefixCache::PrefixCache(int32_t block_size, int32_t capacity) : block_size_(block_size) {
   // Live nodes rarely exceed the number of blocks: size the storage now (and touch its pages here, not
   // on the serving path); it grows only past that.
-  index_.reserve(static_cast<size_t>(capacity));
+  size_t num_buckets = 16;
+  while (num_buckets < 2 * static_cast<size_t>(std::max(capacity, 0))) num_buckets *= 2;
+  rehash(num_buckets);
   nodes_.resize(static_cast<size_t>(capacity));
   live_.resize(static_cast<size_t>(capacity), false);
   token_pool_.resize(static_cast<size_t>(capacity) * block_size);
@@ -21,9 +23,8 @@ bool PrefixCache::matches(NodeId id, NodeId parent, const int64_t* block_tokens,
 
 PrefixCache::NodeId PrefixCache::find(uint64_t hash, NodeId parent, const int64_t* block_tokens,
                                       std::string_view salt) const {
-  auto [lo, hi] = index_.equal_range(hash);
-  for (auto it = lo; it != hi; ++it)
-    if (matches(it->second, parent, block_tokens, salt)) return it->second;
+  for (NodeId id = bucket(hash); id != kNone; id = nodes_[id].next)
+    if (nodes_[id].hash == hash && matches(id, parent, block_tokens, salt)) return id;
   return kNone;
 }
 
@@ -57,7 +58,10 @@ PrefixCache::NodeId PrefixCache::create(uint64_t hash, NodeId parent, const int6
   n.refs = 0;
   live_[id] = true;
   if (parent != kRoot) add_ref(parent);
-  index_.emplace(hash, id);
+  NodeId& head = bucket(hash);
+  n.next = head;
+  head = id;
+  if (2 * static_cast<size_t>(++num_live_) > buckets_.size()) rehash(2 * buckets_.size());
   return id;
 }
 
@@ -71,12 +75,8 @@ void PrefixCache::set_block(NodeId id, int32_t block) {
 void PrefixCache::release(NodeId id) {
   while (id != kRoot && --nodes_[id].refs == 0) {
     Node& n = nodes_[id];
-    auto [lo, hi] = index_.equal_range(n.hash);
-    for (auto it = lo; it != hi; ++it)
-      if (it->second == id) {
-        index_.erase(it);
-        break;
-      }
+    unlink(id);
+    --num_live_;
     set_block(id, kNone);
     const NodeId parent = n.parent;
     n.salt.clear();
@@ -91,7 +91,8 @@ void PrefixCache::clear() {
   num_created_ = 0;  // storage is kept for reuse
   free_ids_.clear();
   std::fill(live_.begin(), live_.end(), false);
-  index_.clear();
+  std::fill(buckets_.begin(), buckets_.end(), kNone);
+  num_live_ = 0;
   num_registered_ = 0;
   ++version_;
 }
@@ -104,8 +105,26 @@ std::vector<PrefixCache::NodeId> PrefixCache::live_nodes() const {
 }
 
 bool PrefixCache::indexed(NodeId id) const {
-  auto [lo, hi] = index_.equal_range(nodes_[id].hash);
-  return std::any_of(lo, hi, [id](const auto& kv) { return kv.second == id; });
+  for (NodeId i = bucket(nodes_[id].hash); i != kNone; i = nodes_[i].next)
+    if (i == id) return true;
+  return false;
+}
+
+void PrefixCache::unlink(NodeId id) {
+  NodeId* link = &bucket(nodes_[id].hash);
+  while (*link != id) link = &nodes_[*link].next;  // id is in its bucket's chain
+  *link = nodes_[id].next;
+  nodes_[id].next = kNone;
+}
+
+void PrefixCache::rehash(size_t num_buckets) {
+  buckets_.assign(num_buckets, kNone);
+  for (NodeId id = 0; id < num_created_; ++id) {
+    if (!live_[id]) continue;
+    NodeId& head = bucket(nodes_[id].hash);
+    nodes_[id].next = head;
+    head = id;
+  }
 }
 
 }  // namespace pagedkv

@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
 namespace pagedkv {
@@ -24,6 +23,7 @@ class PrefixCache {
     std::string salt;        // block 0 only
     int32_t block = kNone;   // physical block registered for this content, or kNone
     int32_t refs = 0;        // blocks tagged with this node + child nodes; freed at 0
+    NodeId next = kNone;     // next node in the same hash bucket
   };
 
   // Every node holds one full block of `block_size` tokens; `capacity` sizes the hash index.
@@ -54,6 +54,10 @@ class PrefixCache {
 
  private:
   bool matches(NodeId id, NodeId parent, const int64_t* tokens, std::string_view salt) const;
+  NodeId& bucket(uint64_t hash) { return buckets_[hash & (buckets_.size() - 1)]; }
+  NodeId bucket(uint64_t hash) const { return buckets_[hash & (buckets_.size() - 1)]; }
+  void unlink(NodeId id);
+  void rehash(size_t num_buckets);
 
   int32_t block_size_;
   std::vector<Node> nodes_;
@@ -61,7 +65,10 @@ class PrefixCache {
   std::vector<NodeId> free_ids_;
   std::vector<bool> live_;
   NodeId num_created_ = 0;           // ids [0, num_created_) have been handed out
-  std::unordered_multimap<uint64_t, NodeId> index_;
+  // Hash index: chained buckets threaded through Node::next (a power-of-two count, at least twice the
+  // live nodes), so inserting and erasing never allocate.
+  std::vector<NodeId> buckets_;
+  int32_t num_live_ = 0;
   int32_t num_registered_ = 0;
   uint64_t version_ = 0;
 };
