@@ -1,7 +1,7 @@
 // Model-layer ops for Llama-family decoders, fused so that a decode step costs one kernel each
 // instead of a chain of small ATen ops: rms_norm, fused_add_rms_norm (residual add + norm, in
-// place), silu_and_mul (SwiGLU) and rotary_embedding (half-split RoPE, in place). Argument checks and
-// the CPU kernels; schemas are in ops.cpp with the others, the CUDA kernels in cuda/layer_ops.cu.
+// place), silu_and_mul (SwiGLU) and rotary_embedding (half-split RoPE, in place). The CPU kernels;
+// schemas and argument checks are in ops.cpp with the others, the CUDA kernels in cuda/layer_ops.cu.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -9,7 +9,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <string>
 #include <vector>
 
 #include "ops/layer_math.h"
@@ -17,17 +16,6 @@
 
 namespace pagedkv {
 namespace {
-
-void check_float(const at::Tensor& t, const char* name) {
-  const auto dt = t.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, name,
-              " must be float32, float16 or bfloat16, got ", dt);
-}
-
-void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
-  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name, " is on ", ref.device(),
-              "; all tensors must be on the same device");
-}
 
 // Rows a parallel chunk should hold so that small inputs run inline (no thread wake-up).
 int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
@@ -45,15 +33,6 @@ float sum_squares(const scalar_t* x, int64_t n) {
   float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
   for (; i < n; ++i) s += static_cast<float>(x[i]) * static_cast<float>(x[i]);
   return s;
-}
-
-template <typename Fn>
-void dispatch_float(at::ScalarType dtype, Fn&& fn) {
-  switch (dtype) {
-    case at::kFloat: fn(float{}); break;
-    case at::kHalf: fn(c10::Half{}); break;
-    default: fn(c10::BFloat16{}); break;
-  }
 }
 
 at::Tensor rms_norm_cpu(const at::Tensor& input_in, const at::Tensor& weight_in, double epsilon) {
@@ -165,55 +144,6 @@ void rotary_embedding_cpu(const at::Tensor& positions_in, at::Tensor& x, const a
 }
 
 }  // namespace
-
-// ------------------------------------------------------------------------------------------------
-// Checks (shapes, dtypes, devices; shared with the CUDA kernels)
-
-void check_rms_norm(const at::Tensor& input, const at::Tensor& weight, double epsilon) {
-  check_float(input, "input");
-  TORCH_CHECK(input.dim() >= 1, "input must have at least one dimension, got a scalar");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == input.size(-1), "weight must be [hidden] = [", input.size(-1),
-              "] (input's last dimension), got shape ", weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == input.scalar_type(), "weight dtype ", weight.scalar_type(),
-              " must equal input dtype ", input.scalar_type());
-  check_same_device(weight, "weight", input, "input");
-  TORCH_CHECK(std::isfinite(epsilon) && epsilon >= 0, "epsilon must be finite and >= 0, got ", epsilon);
-}
-
-void check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight,
-                              double epsilon) {
-  check_rms_norm(input, weight, epsilon);
-  TORCH_CHECK(residual.sizes() == input.sizes(), "residual shape ", residual.sizes(), " must equal input shape ",
-              input.sizes());
-  TORCH_CHECK(residual.scalar_type() == input.scalar_type(), "residual dtype ", residual.scalar_type(),
-              " must equal input dtype ", input.scalar_type());
-  check_same_device(residual, "residual", input, "input");
-  TORCH_CHECK(input.is_contiguous() && residual.is_contiguous(),
-              "input and residual must be contiguous (both are updated in place)");
-  TORCH_CHECK(input.numel() == 0 || input.data_ptr() != residual.data_ptr(), "input and residual must not alias");
-}
-
-void check_silu_and_mul(const at::Tensor& input) {
-  check_float(input, "input");
-  TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0,
-              "input must be [..., 2 * d] (gate then up), got shape ", input.sizes());
-}
-
-void check_rotary_embedding(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos_sin_cache) {
-  check_float(x, "x");
-  TORCH_CHECK(x.dim() == 3, "x must be [num_tokens, num_heads, head_dim], got shape ", x.sizes());
-  TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even, got ", x.size(2));
-  TORCH_CHECK(x.size(2) <= 1 || x.stride(2) == 1, "x must have a contiguous head_dim (it is rotated in place)");
-  TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64, got ", positions.scalar_type());
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == x.size(0), "positions must be [num_tokens] = [",
-              x.size(0), "], got shape ", positions.sizes());
-  check_float(cos_sin_cache, "cos_sin_cache");
-  TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == x.size(2),
-              "cos_sin_cache must be [max_position, head_dim] = [*, ", x.size(2), "], got shape ",
-              cos_sin_cache.sizes());
-  check_same_device(positions, "positions", x, "x");
-  check_same_device(cos_sin_cache, "cos_sin_cache", x, "x");
-}
 
 }  // namespace pagedkv
 

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -150,6 +151,54 @@ void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::T
   TORCH_CHECK(src.is_cpu() || src.is_cuda(), "src must be a CPU or CUDA tensor, got ", src.device());
   TORCH_CHECK(dst.is_cpu() || dst.is_cuda(), "dst must be a CPU or CUDA tensor, got ", dst.device());
   if (src.is_cuda() && dst.is_cuda()) check_same_device(dst, "dst", src, "src");
+}
+
+// Model-layer ops
+
+void check_rms_norm(const at::Tensor& input, const at::Tensor& weight, double epsilon) {
+  check_float_dtype(input, "input");
+  TORCH_CHECK(input.dim() >= 1, "input must have at least one dimension, got a scalar");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == input.size(-1), "weight must be [hidden] = [", input.size(-1),
+              "] (input's last dimension), got shape ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == input.scalar_type(), "weight dtype ", weight.scalar_type(),
+              " must equal input dtype ", input.scalar_type());
+  check_same_device(weight, "weight", input, "input");
+  TORCH_CHECK(std::isfinite(epsilon) && epsilon >= 0, "epsilon must be finite and >= 0, got ", epsilon);
+}
+
+void check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight,
+                              double epsilon) {
+  check_rms_norm(input, weight, epsilon);
+  TORCH_CHECK(residual.sizes() == input.sizes(), "residual shape ", residual.sizes(), " must equal input shape ",
+              input.sizes());
+  TORCH_CHECK(residual.scalar_type() == input.scalar_type(), "residual dtype ", residual.scalar_type(),
+              " must equal input dtype ", input.scalar_type());
+  check_same_device(residual, "residual", input, "input");
+  TORCH_CHECK(input.is_contiguous() && residual.is_contiguous(),
+              "input and residual must be contiguous (both are updated in place)");
+  TORCH_CHECK(input.numel() == 0 || input.data_ptr() != residual.data_ptr(), "input and residual must not alias");
+}
+
+void check_silu_and_mul(const at::Tensor& input) {
+  check_float_dtype(input, "input");
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0,
+              "input must be [..., 2 * d] (gate then up), got shape ", input.sizes());
+}
+
+void check_rotary_embedding(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos_sin_cache) {
+  check_float_dtype(x, "x");
+  TORCH_CHECK(x.dim() == 3, "x must be [num_tokens, num_heads, head_dim], got shape ", x.sizes());
+  TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even, got ", x.size(2));
+  TORCH_CHECK(x.size(2) <= 1 || x.stride(2) == 1, "x must have a contiguous head_dim (it is rotated in place)");
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64, got ", positions.scalar_type());
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == x.size(0), "positions must be [num_tokens] = [",
+              x.size(0), "], got shape ", positions.sizes());
+  check_float_dtype(cos_sin_cache, "cos_sin_cache");
+  TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == x.size(2),
+              "cos_sin_cache must be [max_position, head_dim] = [*, ", x.size(2), "], got shape ",
+              cos_sin_cache.sizes());
+  check_same_device(positions, "positions", x, "x");
+  check_same_device(cos_sin_cache, "cos_sin_cache", x, "x");
 }
 
 void check_slot_values(const at::Tensor& slot_mapping, int64_t num_slots) {

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <tuple>
 #include <vector>
@@ -32,7 +34,7 @@ void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vec
                        const at::Tensor& block_mapping);
 void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
 
-// Model-layer ops (layer_ops.cpp): shape, dtype and device checks.
+// Model-layer ops (kernels in layer_ops.cpp, cuda/layer_ops.cu): shape, dtype and device checks.
 void check_rms_norm(const at::Tensor& input, const at::Tensor& weight, double epsilon);
 void check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight,
                               double epsilon);
@@ -52,5 +54,15 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
                               double softcap);
+
+// Calls fn with a value of the C++ type of a (checked) float32 / float16 / bfloat16 dtype.
+template <typename Fn>
+void dispatch_float(at::ScalarType dtype, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat: fn(float{}); break;
+    case at::kHalf: fn(c10::Half{}); break;
+    default: fn(c10::BFloat16{}); break;
+  }
+}
 
 }  // namespace pagedkv

@@ -85,9 +85,10 @@ class Scheduler:
             batch.decode_slots = self.bm.append_tokens([s.seq_id for s in batch.decodes],
                                                        [s.token_ids[-1] for s in batch.decodes])
         for seq in self.running:
-            budget = self.config.max_num_batched_tokens - batch.num_tokens
-            if not seq.prefilled and budget > 0:
-                self._add_prefill_chunk(batch, seq, budget, samples=self._fork_width(seq))
+            if not seq.prefilled:
+                budget = self.config.max_num_batched_tokens - batch.num_tokens
+                if budget > 0:
+                    self._add_prefill_chunk(batch, seq, budget, samples=self._fork_width(seq))
         if not preempted and not self.swapped:
             self._admit_waiting(batch)
         batch.copies = list(self.bm.take_copies())
@@ -145,7 +146,7 @@ class Scheduler:
         """Drops the sequences' KV; they wait to prefill prompt + outputs again, ahead of new requests."""
         for s in reversed(seqs):
             self.bm.free(s.seq_id)
-            s.status, s.prefilled, s.num_computed = SequenceStatus.WAITING, False, 0
+            s.status, s.prefilled = SequenceStatus.WAITING, False
             self.waiting.appendleft(s)
         self.stats["preempted_recompute"] += len(seqs)
 
@@ -181,7 +182,7 @@ class Scheduler:
                                          f"{self.bm.num_blocks}")
                 continue
             num_cached = self.bm.allocate(seq.seq_id, seq.token_ids)
-            seq.status, seq.num_computed = SequenceStatus.RUNNING, num_cached
+            seq.status = SequenceStatus.RUNNING
             batch.admitted.append(seq)
             self._add_prefill_chunk(batch, seq, budget, samples=width)
             self.stats["cached_prompt_tokens"] += num_cached
@@ -192,7 +193,7 @@ class Scheduler:
 
     def _add_prefill_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int, samples: int) -> None:
         """The next min(budget, rest) uncached tokens of seq's prompt; it samples only when they are its last."""
-        start = seq.num_computed
+        start = self.bm.num_computed_tokens(seq.seq_id)   # prefix-cache hits and earlier chunks
         end = min(len(seq), start + budget)
         batch.prefills.append(seq)
         batch.prefill_starts.append(start)
@@ -231,7 +232,6 @@ class Scheduler:
         computed = [len(s) for s in batch.decodes] + batch.prefill_ends
         self.bm.mark_computed([s.seq_id for s in seqs], computed)
         for seq, n in zip(seqs, computed):
-            seq.num_computed = n
             seq.prefilled = n == len(seq)
         self.stats["decode_tokens"] += len(batch.decodes)
         self.running += batch.admitted
@@ -242,7 +242,7 @@ class Scheduler:
             for token in tokens[1:]:            # n > 1: children share the prompt's blocks
                 child = self._new_seq(seq.request, seq.token_ids)
                 self.bm.fork(seq.seq_id, child.seq_id)
-                child.status, child.num_computed, child.prefilled = SequenceStatus.RUNNING, seq.num_computed, True
+                child.status, child.prefilled = SequenceStatus.RUNNING, True
                 self.running.append(child)
                 finished += self._append(child, token)
             finished += self._append(seq, tokens[0])

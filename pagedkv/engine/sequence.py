@@ -20,7 +20,6 @@ class Sequence:
         self.num_prompt_tokens = request.num_prompt_tokens
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
-        self.num_computed = 0      # tokens whose KV is written (prefix-cache hits included)
         self.prefilled = False     # every token but the last sampled one has its KV: the next step decodes
 
     def __len__(self) -> int:

@@ -89,15 +89,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename Fn>
-void dispatch_float(at::ScalarType dtype, Fn&& fn) {
-  switch (dtype) {
-    case at::kFloat: fn(float{}); break;
-    case at::kHalf: fn(c10::Half{}); break;
-    default: fn(c10::BFloat16{}); break;
-  }
-}
-
 int64_t rows_of(const at::Tensor& t, int64_t row_elems) { return row_elems == 0 ? 0 : t.numel() / row_elems; }
 
 at::Tensor rms_norm_cuda(const at::Tensor& input_in, const at::Tensor& weight_in, double epsilon) {
