@@ -4,6 +4,11 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string_view>
+#include <type_traits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -12,12 +17,65 @@
 #include "core/errors.h"
 #include "core/hashing.h"
 
+// pybind11 hands a method called on an instance whose __init__ never ran (BlockManager.__new__(...))
+// freshly allocated, uninitialised memory. This caster refuses such an instance instead.
+namespace pybind11::detail {
+template <>
+class type_caster<pagedkv::BlockManager> : public type_caster_base<pagedkv::BlockManager> {
+ public:
+  bool load(handle src, bool convert) {
+    static const type_info* info = get_type_info(typeid(pagedkv::BlockManager));
+    if (info && PyObject_TypeCheck(src.ptr(), info->type) &&
+        !reinterpret_cast<instance*>(src.ptr())->get_value_and_holder(info).holder_constructed())
+      throw type_error("this BlockManager was never initialised (its __init__ did not run)");
+    return type_caster_base<pagedkv::BlockManager>::load(src, convert);
+  }
+};
+}  // namespace pybind11::detail
+
 namespace py = pybind11;
 using namespace pagedkv;
 
+
 namespace {
 
-// A 1-D int64 view of a Python list/tuple of ints or of an integer tensor.
+[[noreturn]] void raise_overflow(const std::string& msg) {
+  PyErr_SetString(PyExc_OverflowError, msg.c_str());
+  throw py::error_already_set();
+}
+
+// One Python int (or an object with __index__, e.g. a numpy integer) as int64: TypeError for anything
+// else (floats, bools, str), OverflowError outside int64.
+int64_t to_int64(py::handle obj, const char* name) {
+  PyObject* o = obj.ptr();
+  if (PyBool_Check(o) || !(PyLong_Check(o) || (PyIndex_Check(o) && !PyFloat_Check(o))))
+    throw py::type_error(std::string(name) + " must be an int, got " + Py_TYPE(o)->tp_name);
+  py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(o));
+  if (!index) throw py::error_already_set();
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow) raise_overflow(std::string(name) + " = " + std::string(py::str(index)) + " does not fit in int64");
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+// Copies n integers of type T from a strided buffer, refusing values outside int64.
+template <typename T>
+void copy_strided(const char* base, Py_ssize_t stride, size_t n, int64_t* out, const char* name) {
+  for (size_t i = 0; i < n; ++i) {
+    T v;
+    std::memcpy(&v, base + static_cast<Py_ssize_t>(i) * stride, sizeof(T));
+    if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8) {
+      if (v > static_cast<T>(std::numeric_limits<int64_t>::max()))
+        raise_overflow(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(v) + " does not fit in int64");
+    }
+    out[i] = static_cast<int64_t>(v);
+  }
+}
+
+// A 1-D int64 view of the integers a caller passes: a list or tuple of ints, a 1-D integer tensor, or any
+// 1-D integer buffer (numpy arrays, array.array, memoryview), the last two converted without a Python
+// call per element. Floats, bools and strings are a TypeError; values outside int64 an OverflowError.
 struct Int64Array {
   std::vector<int64_t> storage;
   torch::Tensor tensor;
@@ -26,41 +84,100 @@ struct Int64Array {
 
   Int64Array(const py::handle& obj, const char* name) {
     if (THPVariable_Check(obj.ptr())) {
-      torch::Tensor t = THPVariable_Unpack(obj.ptr());
-      if (t.dim() != 1) throw ValueError(std::string(name) + " must be 1-D, got a tensor with " + std::to_string(t.dim()) + " dimensions");
-      if (at::isFloatingType(t.scalar_type()) || t.scalar_type() == at::kBool || at::isComplexType(t.scalar_type()))
-        throw ValueError(std::string(name) + " must hold integers, got dtype " + std::string(c10::toString(t.scalar_type())));
-      tensor = t.to(torch::kCPU, torch::kInt64).contiguous();
-      data = tensor.data_ptr<int64_t>();
-      size = static_cast<size_t>(tensor.numel());
+      from_tensor(THPVariable_Unpack(obj.ptr()), name);
+    } else if (py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj) || PyByteArray_Check(obj.ptr())) {
+      throw py::type_error(std::string(name) + " must be a sequence of ints, an integer array or tensor, got " +
+                           Py_TYPE(obj.ptr())->tp_name);
+    } else if (PyObject_CheckBuffer(obj.ptr())) {
+      from_buffer(obj, name);
+    } else if (py::isinstance<py::sequence>(obj)) {
+      from_sequence(obj, name);
+    } else {
+      throw py::type_error(std::string(name) + " must be a sequence of ints, an integer array or tensor, got " +
+                           Py_TYPE(obj.ptr())->tp_name);
+    }
+  }
+  std::vector<int64_t> vec() const { return std::vector<int64_t>(data, data + size); }
+
+ private:
+  void from_tensor(const torch::Tensor& t, const char* name) {
+    if (t.dim() != 1) throw ValueError(std::string(name) + " must be 1-D, got a tensor with " + std::to_string(t.dim()) + " dimensions");
+    const at::ScalarType st = t.scalar_type();
+    if (!at::isIntegralType(st, /*includeBool=*/false))
+      throw py::type_error(std::string(name) + " must hold integers, got dtype " + std::string(c10::toString(st)));
+    if (!(t.device().is_cpu() || t.device().is_cuda()))
+      throw ValueError(std::string(name) + " must be a CPU or CUDA tensor, got device " + t.device().str());
+    if (st == at::kUInt64) {
+      const torch::Tensor cpu = t.cpu().contiguous();
+      storage.resize(static_cast<size_t>(cpu.numel()));
+      copy_strided<uint64_t>(static_cast<const char*>(cpu.data_ptr()), sizeof(uint64_t), storage.size(), storage.data(), name);
+      data = storage.data();
+      size = storage.size();
       return;
     }
-    if (py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj) || !py::isinstance<py::sequence>(obj))
-      throw py::type_error(std::string(name) + " must be a sequence of ints or an integer tensor, got " +
-                           std::string(py::str(py::type::of(obj).attr("__name__"))));
-    // Direct CPython access: several times faster than pybind11's generic list caster.
-    PyObject* seq = PySequence_Fast(obj.ptr(), name);
-    if (!seq) throw py::error_already_set();
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject** items = PySequence_Fast_ITEMS(seq);
-    storage.resize(static_cast<size_t>(n));
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      if (!PyLong_Check(items[i])) {
-        Py_DECREF(seq);
-        throw py::type_error(std::string(name) + " must contain only ints, found " + Py_TYPE(items[i])->tp_name);
-      }
-      int overflow = 0;
-      storage[i] = PyLong_AsLongLongAndOverflow(items[i], &overflow);
-      if (overflow) {
-        Py_DECREF(seq);
-        throw ValueError(std::string(name) + " holds an int that does not fit in int64");
-      }
+    tensor = t.to(torch::kCPU, torch::kInt64).contiguous();
+    data = tensor.data_ptr<int64_t>();
+    size = static_cast<size_t>(tensor.numel());
+  }
+
+  void from_buffer(const py::handle& obj, const char* name) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_RECORDS_RO) != 0) throw py::error_already_set();
+    std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> release(&view, PyBuffer_Release);
+    if (view.ndim != 1)
+      throw ValueError(std::string(name) + " must be 1-D, got an array with " + std::to_string(view.ndim) + " dimensions");
+    std::string_view fmt = view.format ? view.format : "B";
+    if (!fmt.empty() && (fmt[0] == '@' || fmt[0] == '=' || fmt[0] == '<')) fmt.remove_prefix(1);
+    const bool is_signed = fmt.size() == 1 && std::string_view("bhilqn").find(fmt[0]) != std::string_view::npos;
+    const bool is_unsigned = fmt.size() == 1 && std::string_view("BHILQN").find(fmt[0]) != std::string_view::npos;
+    if (!is_signed && !is_unsigned)
+      throw py::type_error(std::string(name) + " must hold native-endian integers, got an array of format '" +
+                           std::string(view.format ? view.format : "B") + "'");
+    storage.resize(static_cast<size_t>(view.shape[0]));
+    const char* base = static_cast<const char*>(view.buf);
+    const Py_ssize_t stride = view.strides ? view.strides[0] : view.itemsize;
+    int64_t* out = storage.data();
+    const size_t n = storage.size();
+    switch (view.itemsize * (is_signed ? 1 : -1)) {
+      case 1: copy_strided<int8_t>(base, stride, n, out, name); break;
+      case 2: copy_strided<int16_t>(base, stride, n, out, name); break;
+      case 4: copy_strided<int32_t>(base, stride, n, out, name); break;
+      case 8: copy_strided<int64_t>(base, stride, n, out, name); break;
+      case -1: copy_strided<uint8_t>(base, stride, n, out, name); break;
+      case -2: copy_strided<uint16_t>(base, stride, n, out, name); break;
+      case -4: copy_strided<uint32_t>(base, stride, n, out, name); break;
+      case -8: copy_strided<uint64_t>(base, stride, n, out, name); break;
+      default: throw py::type_error(std::string(name) + ": unsupported integer size " + std::to_string(view.itemsize));
     }
-    Py_DECREF(seq);
     data = storage.data();
     size = storage.size();
   }
-  std::vector<int64_t> vec() const { return std::vector<int64_t>(data, data + size); }
+
+  void from_sequence(const py::handle& obj, const char* name) {
+    // Direct CPython access: several times faster than pybind11's generic list caster.
+    py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(obj.ptr(), name));
+    if (!seq) throw py::error_already_set();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+    PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+    storage.resize(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = items[i];
+      int overflow = 0;
+      if (PyLong_CheckExact(item)) {
+        storage[i] = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow)
+          raise_overflow(std::string(name) + "[" + std::to_string(i) + "] = " + std::string(py::str(item)) +
+                         " does not fit in int64");
+      } else {
+        if (PyBool_Check(item) || !(PyLong_Check(item) || (PyIndex_Check(item) && !PyFloat_Check(item))))
+          throw py::type_error(std::string(name) + " must contain only ints, found " + Py_TYPE(item)->tp_name +
+                               " at index " + std::to_string(i));
+        storage[i] = to_int64(item, name);
+      }
+    }
+    data = storage.data();
+    size = storage.size();
+  }
 };
 
 std::string salt_bytes(const std::optional<py::object>& salt) {
@@ -70,10 +187,24 @@ std::string salt_bytes(const std::optional<py::object>& salt) {
   throw py::type_error("cache_salt must be bytes, str or None");
 }
 
+// A single integer (a Python int, a numpy integer, ...), as opposed to a sequence or array of them.
+bool is_int_scalar(const py::handle& obj) {
+  PyObject* o = obj.ptr();
+  return PyLong_Check(o) || (PyIndex_Check(o) && !PySequence_Check(o) && !THPVariable_Check(o));
+}
+
 // seq_ids: one id or a sequence of ids.
 std::vector<int64_t> seq_id_list(const py::handle& obj) {
-  if (py::isinstance<py::int_>(obj)) return {obj.cast<int64_t>()};
+  if (is_int_scalar(obj)) return {to_int64(obj, "seq_ids")};
   return Int64Array(obj, "seq_ids").vec();
+}
+
+// A tensor that takes ownership of the vector's storage (no copy).
+template <typename T>
+torch::Tensor to_tensor(std::vector<T>&& values, at::IntArrayRef sizes, at::ScalarType dtype) {
+  if (values.empty()) return torch::empty(sizes, torch::dtype(dtype));
+  auto* owned = new std::vector<T>(std::move(values));
+  return torch::from_blob(owned->data(), sizes, [owned](void*) { delete owned; }, torch::dtype(dtype));
 }
 
 py::list pairs_to_list(const std::vector<BlockPair>& pairs) {
@@ -143,7 +274,8 @@ PYBIND11_MODULE(_C, m) {
       "Hash of one block: xxh64(seed=0, parent as 8 little-endian bytes + tokens as int64 little-endian).");
   m.def("sha256_available", &sha256_available);
 
-  py::class_<BlockManager>(m, "BlockManager")
+  py::class_<BlockManager> block_manager(m, "BlockManager");
+  block_manager
       .def(py::init([](int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks, bool enable_prefix_caching,
                        double watermark, const std::string& hash_algo) {
              return new BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, watermark,
@@ -170,22 +302,22 @@ PYBIND11_MODULE(_C, m) {
           "allocate_batch",
           [](BlockManager& bm, const py::object& seq_ids, const py::sequence& prompts, const py::object& cache_salts) {
             Int64Array ids(seq_ids, "seq_ids");
-            if (static_cast<size_t>(py::len(prompts)) != ids.size)
-              throw ValueError("allocate_batch: " + std::to_string(ids.size) + " seq_ids but " +
-                               std::to_string(py::len(prompts)) + " prompts");
-            if (!cache_salts.is_none() && static_cast<size_t>(py::len(cache_salts)) != ids.size)
-              throw ValueError("allocate_batch: cache_salts must have one entry per prompt");
-            py::list cached;
-            for (size_t i = 0; i < ids.size; ++i) {
-              Int64Array tokens(prompts[i], "prompts[i]");
-              const std::string salt =
-                  cache_salts.is_none() ? std::string() : salt_bytes(py::reinterpret_borrow<py::object>(cache_salts[py::int_(i)]));
-              if (bm.contains(ids.data[i]))
-                throw ValueError("allocate_batch: sequence " + std::to_string(ids.data[i]) + " already exists");
-              if (tokens.size == 0 || bm.can_allocate(tokens.data, tokens.size, salt) != AllocStatus::kOk) break;
-              cached.append(bm.allocate(ids.data[i], tokens.data, tokens.size, salt));
+            std::vector<Int64Array> tokens;
+            tokens.reserve(static_cast<size_t>(py::len(prompts)));
+            for (const py::handle prompt : prompts) tokens.emplace_back(prompt, "prompts[i]");
+            std::vector<TokenSpan> spans;
+            spans.reserve(tokens.size());
+            for (const Int64Array& t : tokens) spans.push_back({t.data, t.size});
+            std::vector<std::string> salts;
+            if (!cache_salts.is_none()) {
+              if (!py::isinstance<py::sequence>(cache_salts) || py::isinstance<py::str>(cache_salts) ||
+                  py::isinstance<py::bytes>(cache_salts))
+                throw py::type_error("allocate_batch: cache_salts must be a list with one salt per prompt, or None");
+              for (const py::handle salt : cache_salts) salts.push_back(salt_bytes(py::reinterpret_borrow<py::object>(salt)));
+              if (salts.size() != spans.size())  // an empty list for an empty batch is fine
+                throw ValueError("allocate_batch: cache_salts must have one entry per prompt");
             }
-            return cached;
+            return bm.allocate_batch(ids.vec(), spans, salts);
           },
           py::arg("seq_ids"), py::arg("prompts"), py::kw_only(), py::arg("cache_salts") = py::none(),
           "Admits prompts in order while can_allocate says OK, in one call; returns the cached-token count of\n"
@@ -193,12 +325,12 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "mark_computed",
           [](BlockManager& bm, const py::object& seq_ids, const py::object& num_tokens) {
-            const bool single = py::isinstance<py::int_>(seq_ids);
+            const bool single = is_int_scalar(seq_ids);
             std::vector<int64_t> ids = seq_id_list(seq_ids);
             if (num_tokens.is_none()) return bm.mark_computed(ids);
             std::vector<int64_t> counts;
-            if (py::isinstance<py::int_>(num_tokens)) {
-              counts.assign(ids.size(), num_tokens.cast<int64_t>());
+            if (is_int_scalar(num_tokens)) {
+              counts.assign(ids.size(), to_int64(num_tokens, "num_tokens"));
             } else {
               if (single) throw py::type_error("mark_computed: num_tokens must be an int when seq_ids is an int");
               counts = Int64Array(num_tokens, "num_tokens").vec();
@@ -243,22 +375,21 @@ PYBIND11_MODULE(_C, m) {
           "block_tables",
           [](const BlockManager& bm, const py::object& seq_ids, std::optional<int32_t> max_blocks, int32_t pad) {
             Int64Array ids(seq_ids, "seq_ids");
-            const int32_t width = max_blocks ? *max_blocks : bm.max_table_length(ids.data, ids.size);
-            if (width < 0) throw ValueError("block_tables: max_blocks must be >= 0");
-            torch::Tensor out = torch::empty({static_cast<int64_t>(ids.size), width}, torch::kInt32);
-            bm.block_tables(ids.data, ids.size, width, pad, out.data_ptr<int32_t>());
-            return out;
+            std::vector<int32_t> rows;
+            const int32_t width = bm.block_tables(ids.data, ids.size, max_blocks ? &*max_blocks : nullptr, pad, &rows);
+            return to_tensor(std::move(rows), {static_cast<int64_t>(ids.size), width}, torch::kInt32);
           },
           py::arg("seq_ids"), py::kw_only(), py::arg("max_blocks") = py::none(), py::arg("pad") = 0,
           "Block tables as an int32 tensor [len(seq_ids), max_blocks], rows padded with `pad`.")
       .def(
           "slot_mapping",
-          [](const BlockManager& bm, int64_t seq_id, int64_t start, std::optional<int64_t> end) {
-            const int64_t stop = end ? *end : bm.num_tokens(seq_id);
-            if (stop < start) throw ValueError("slot_mapping: end must be >= start");
-            torch::Tensor out = torch::empty({stop - start}, torch::kInt64);
-            bm.slot_mapping(seq_id, start, stop, out.data_ptr<int64_t>());
-            return out;
+          [](const BlockManager& bm, const py::object& seq_id, const py::object& start, const py::object& end) {
+            const int64_t id = to_int64(seq_id, "seq_id"), begin = to_int64(start, "start");
+            const int64_t stop = end.is_none() ? 0 : to_int64(end, "end");
+            std::vector<int64_t> slots;
+            bm.slot_mappings(&id, &begin, end.is_none() ? nullptr : &stop, 1, &slots, "slot_mapping");
+            const auto n = static_cast<int64_t>(slots.size());
+            return to_tensor(std::move(slots), {n}, torch::kInt64);
           },
           py::arg("seq_id"), py::arg("start") = 0, py::arg("end") = py::none(),
           "Slots (int64 tensor) of token positions [start, end) of one sequence.")
@@ -267,30 +398,15 @@ PYBIND11_MODULE(_C, m) {
           [](const BlockManager& bm, const py::object& seq_ids, const py::object& starts, const py::object& ends) {
             Int64Array ids(seq_ids, "seq_ids"), begin(starts, "starts");
             if (ids.size != begin.size) throw ValueError("slot_mappings: seq_ids and starts differ in length");
-            std::vector<int64_t> stop(ids.size);
-            if (ends.is_none()) {
-              for (size_t i = 0; i < ids.size; ++i) stop[i] = bm.num_tokens(ids.data[i]);
-            } else {
-              Int64Array e(ends, "ends");
-              if (e.size != ids.size) throw ValueError("slot_mappings: seq_ids and ends differ in length");
-              std::copy(e.data, e.data + e.size, stop.begin());
+            std::optional<Int64Array> stop;
+            if (!ends.is_none()) {
+              stop.emplace(ends, "ends");
+              if (stop->size != ids.size) throw ValueError("slot_mappings: seq_ids and ends differ in length");
             }
-            int64_t total = 0;
-            for (size_t i = 0; i < ids.size; ++i) {
-              const int64_t len = bm.num_tokens(ids.data[i]);
-              if (begin.data[i] < 0 || begin.data[i] > stop[i] || stop[i] > len)
-                throw ValueError("slot_mappings: positions [" + std::to_string(begin.data[i]) + ", " +
-                                 std::to_string(stop[i]) + ") are not inside [0, " + std::to_string(len) +
-                                 "] for sequence " + std::to_string(ids.data[i]));
-              total += stop[i] - begin.data[i];
-            }
-            torch::Tensor out = torch::empty({total}, torch::kInt64);
-            int64_t* p = out.data_ptr<int64_t>();
-            for (size_t i = 0; i < ids.size; ++i) {
-              bm.slot_mapping(ids.data[i], begin.data[i], stop[i], p);
-              p += stop[i] - begin.data[i];
-            }
-            return out;
+            std::vector<int64_t> slots;
+            bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, &slots);
+            const auto n = static_cast<int64_t>(slots.size());
+            return to_tensor(std::move(slots), {n}, torch::kInt64);
           },
           py::arg("seq_ids"), py::arg("starts"), py::arg("ends") = py::none(),
           "Concatenated slots of positions [starts[i], ends[i]) of each sequence (default end: its length); "
@@ -325,4 +441,18 @@ PYBIND11_MODULE(_C, m) {
         return "BlockManager(num_blocks=" + std::to_string(bm.num_blocks()) + ", block_size=" +
                std::to_string(bm.block_size()) + ", free=" + std::to_string(bm.num_free_blocks()) + ")";
       });
+
+  // pybind11 silently ignores a second __init__ on a live instance (any function named __init__ gets that
+  // treatment), which would leave a caller believing the manager was rebuilt. Wrap it under another name.
+  py::object construct = block_manager.attr("__init__");
+  static const std::string init_doc = py::str(construct.attr("__doc__"));
+  py::cpp_function init_once(
+      [construct](py::handle self, py::args args, py::kwargs kwargs) {
+        static const py::detail::type_info* info = py::detail::get_type_info(typeid(BlockManager));
+        if (reinterpret_cast<py::detail::instance*>(self.ptr())->get_value_and_holder(info).holder_constructed())
+          throw py::type_error("BlockManager.__init__ called on an initialised manager; create a new one instead");
+        construct(self, *args, **kwargs);
+      },
+      py::name("init_once"), py::is_method(block_manager), py::doc(init_doc.c_str()));
+  block_manager.attr("__init__") = init_once;
 }

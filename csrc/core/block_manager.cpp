@@ -159,6 +159,7 @@ int32_t BlockManager::take_free_block() {
 
 void BlockManager::release_block(int32_t block) {
   if (--gpu_ref_[block] > 0) return;
+  if (!pending_copies_.empty()) drop_pending_copies_to(block);
   const PrefixCache::NodeId node = block_node_[block];
   // Cached KV goes to the back (evicted last, least recently freed first); a block without reusable
   // content goes to the front so that it is handed out before any cached block.
@@ -166,6 +167,12 @@ void BlockManager::release_block(int32_t block) {
     gpu_free_.push_back(block);
   else
     gpu_free_.push_front(block);
+}
+
+void BlockManager::drop_pending_copies_to(int32_t block) {
+  pending_copies_.erase(std::remove_if(pending_copies_.begin(), pending_copies_.end(),
+                                       [block](const BlockPair& p) { return p.second == block; }),
+                        pending_copies_.end());
 }
 
 int32_t BlockManager::take_cpu_block() {
@@ -223,6 +230,31 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
   return cached;
 }
 
+std::vector<int64_t> BlockManager::allocate_batch(const std::vector<int64_t>& seq_ids,
+                                                  const std::vector<TokenSpan>& prompts,
+                                                  const std::vector<std::string>& salts) {
+  if (prompts.size() != seq_ids.size())
+    throw ValueError(cat("allocate_batch: ", seq_ids.size(), " seq_ids but ", prompts.size(), " prompts"));
+  if (!salts.empty() && salts.size() != seq_ids.size())
+    throw ValueError(cat("allocate_batch: ", salts.size(), " cache_salts for ", seq_ids.size(), " prompts"));
+  std::unordered_set<int64_t> seen;
+  seen.reserve(seq_ids.size());
+  for (size_t i = 0; i < seq_ids.size(); ++i) {
+    if (seqs_.count(seq_ids[i])) throw ValueError(cat("allocate_batch: ", seq_str(seq_ids[i]), " already exists"));
+    if (!seen.insert(seq_ids[i]).second)
+      throw ValueError(cat("allocate_batch: ", seq_str(seq_ids[i]), " appears twice in seq_ids"));
+    if (prompts[i].size == 0) throw ValueError(cat("allocate_batch: prompts[", i, "] is empty"));
+  }
+  std::vector<int64_t> cached;
+  cached.reserve(seq_ids.size());
+  for (size_t i = 0; i < seq_ids.size(); ++i) {
+    const std::string_view salt = salts.empty() ? std::string_view() : std::string_view(salts[i]);
+    if (can_allocate(prompts[i].data, prompts[i].size, salt) != AllocStatus::kOk) break;
+    cached.push_back(allocate(seq_ids[i], prompts[i].data, prompts[i].size, salt));
+  }
+  return cached;
+}
+
 void BlockManager::register_computed_blocks(Sequence& seq) {
   if (!prefix_caching_) return;
   const int32_t full = static_cast<int32_t>(seq.num_computed / block_size_);
@@ -249,7 +281,7 @@ void BlockManager::register_computed_blocks(Sequence& seq) {
 void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>* num_tokens) {
   if (num_tokens && num_tokens->size() != seq_ids.size())
     throw ValueError(cat("mark_computed: ", seq_ids.size(), " seq_ids but ", num_tokens->size(), " num_tokens"));
-  const std::vector<Sequence*> seqs = resolve(seq_ids.data(), seq_ids.size(), "mark_computed", /*unique=*/false);
+  const std::vector<Sequence*> seqs = resolve(seq_ids.data(), seq_ids.size(), "mark_computed", /*unique=*/true);
   for (size_t i = 0; i < seqs.size() && num_tokens; ++i) {
     const int64_t n = (*num_tokens)[i];
     if (n < seqs[i]->num_computed || n > static_cast<int64_t>(seqs[i]->tokens.size()))
@@ -358,6 +390,10 @@ std::vector<BlockPair> BlockManager::move_blocks(const std::vector<int64_t>& seq
   // Blocks shared inside the group are copied once; the destination block is shared the same way.
   std::vector<BlockPair> mapping;
   std::unordered_map<int32_t, int32_t> src_to_dst;
+  // A block still waiting for its copy-on-write copy holds nothing yet: swap out the copy's source.
+  std::unordered_map<int32_t, int32_t> copy_source;
+  if (to_cpu)
+    for (const BlockPair& p : pending_copies_) copy_source[p.second] = p.first;
   for (int64_t id : seq_ids) {
     Sequence& seq = get(id);
     std::vector<int32_t> dst_table(seq.block_table.size());
@@ -365,7 +401,8 @@ std::vector<BlockPair> BlockManager::move_blocks(const std::vector<int64_t>& seq
       auto [it, inserted] = src_to_dst.emplace(seq.block_table[i], 0);
       if (inserted) {
         it->second = to_cpu ? take_cpu_block() : take_free_block();
-        mapping.emplace_back(seq.block_table[i], it->second);
+        const auto pending = copy_source.find(seq.block_table[i]);
+        mapping.emplace_back(pending == copy_source.end() ? seq.block_table[i] : pending->second, it->second);
       } else {
         ++(to_cpu ? cpu_ref_ : gpu_ref_)[it->second];
       }
@@ -411,25 +448,26 @@ std::vector<BlockPair> BlockManager::swap_in(const std::vector<int64_t>& seq_ids
 
 const std::vector<int32_t>& BlockManager::block_table(int64_t seq_id) const { return get(seq_id).block_table; }
 
-int32_t BlockManager::max_table_length(const int64_t* seq_ids, size_t n) const {
+int32_t BlockManager::block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
+                                   std::vector<int32_t>* out) const {
+  const std::vector<Sequence*>& seqs = resolve(seq_ids, n, "block_tables", /*unique=*/false);
   size_t longest = 0;
-  for (const Sequence* seq : resolve(seq_ids, n, "block_tables", /*unique=*/false))
-    longest = std::max(longest, seq->block_table.size());
-  return static_cast<int32_t>(longest);
-}
-
-void BlockManager::block_tables(const int64_t* seq_ids, size_t n, int32_t max_blocks, int32_t pad,
-                                int32_t* out) const {
-  const int32_t longest = max_table_length(seq_ids, n);  // also resolves the ids into scratch_
-  if (max_blocks < longest)
-    throw ValueError(cat("block_tables: max_blocks=", max_blocks, " is shorter than the longest block table (",
-                         longest, " blocks)"));
+  for (const Sequence* seq : seqs) longest = std::max(longest, seq->block_table.size());
+  const int32_t width = max_blocks ? *max_blocks : static_cast<int32_t>(longest);
+  if (width < static_cast<int32_t>(longest))
+    throw ValueError(cat("block_tables: max_blocks=", width, " is shorter than the longest block table (", longest,
+                         " blocks)"));
+  if (width > std::max(num_blocks_, num_cpu_blocks_))
+    throw ValueError(cat("block_tables: max_blocks=", width, " is longer than any block table can be (",
+                         std::max(num_blocks_, num_cpu_blocks_), " blocks in the pool)"));
+  out->resize(n * static_cast<size_t>(width));
   for (size_t i = 0; i < n; ++i) {
-    const std::vector<int32_t>& table = scratch_[i]->block_table;
-    int32_t* row = out + int64_t(i) * max_blocks;
+    const std::vector<int32_t>& table = seqs[i]->block_table;
+    int32_t* row = out->data() + i * static_cast<size_t>(width);
     std::copy(table.begin(), table.end(), row);
-    std::fill(row + table.size(), row + max_blocks, pad);
+    std::fill(row + table.size(), row + width, pad);
   }
+  return width;
 }
 
 void BlockManager::slot_mapping(int64_t seq_id, int64_t start, int64_t end, int64_t* out) const {
@@ -440,6 +478,27 @@ void BlockManager::slot_mapping(int64_t seq_id, int64_t start, int64_t end, int6
                          start, " end=", end));
   for (int64_t p = start; p < end; ++p)
     *out++ = int64_t(seq.block_table[p / block_size_]) * block_size_ + p % block_size_;
+}
+
+void BlockManager::slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
+                                 std::vector<int64_t>* out, const char* what) const {
+  const std::vector<Sequence*>& seqs = resolve(seq_ids, n, what, /*unique=*/false);
+  size_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t len = static_cast<int64_t>(seqs[i]->tokens.size());
+    const int64_t end = ends ? ends[i] : len;
+    if (starts[i] < 0 || starts[i] > end || end > len)
+      throw ValueError(cat(what, ": positions [", starts[i], ", ", end, ") are not inside [0, ", len, "] for ",
+                           seq_str(seq_ids[i]), " (need 0 <= start <= end <= length)"));
+    total += static_cast<size_t>(end - starts[i]);
+  }
+  out->resize(total);
+  int64_t* p = out->data();
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t end = ends ? ends[i] : static_cast<int64_t>(seqs[i]->tokens.size());
+    for (int64_t pos = starts[i]; pos < end; ++pos)
+      *p++ = int64_t(seqs[i]->block_table[pos / block_size_]) * block_size_ + pos % block_size_;
+  }
 }
 
 int64_t BlockManager::num_tokens(int64_t seq_id) const { return static_cast<int64_t>(get(seq_id).tokens.size()); }

@@ -20,6 +20,12 @@ enum class AllocStatus { kOk = 0, kLater = 1, kNever = 2 };
 
 using BlockPair = std::pair<int32_t, int32_t>;  // (src block, dst block)
 
+// A borrowed run of token ids (a prompt).
+struct TokenSpan {
+  const int64_t* data = nullptr;
+  size_t size = 0;
+};
+
 struct BlockManagerStats {
   int64_t queries = 0;      // prompt tokens looked up in the prefix cache
   int64_t hits = 0;         // of those, tokens whose KV was already cached
@@ -45,13 +51,21 @@ class BlockManager {
   AllocStatus can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt = {}) const;
   // Gives seq_id a block table for its prompt; returns how many leading tokens are already cached.
   int64_t allocate(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt = {});
+  // Admits prompts in order while can_allocate says OK and returns the cached-token count of each admitted
+  // one (prompts [0, result.size()) were admitted). The whole batch is validated first (ids distinct and
+  // new, prompts non-empty, one salt per prompt or none), so a bad batch changes nothing.
+  std::vector<int64_t> allocate_batch(const std::vector<int64_t>& seq_ids, const std::vector<TokenSpan>& prompts,
+                                      const std::vector<std::string>& salts = {});
   // The KV of the first num_tokens[i] (all tokens when num_tokens is null) of each sequence is written:
-  // full blocks among them enter the prefix cache.
+  // full blocks among them enter the prefix cache. seq_ids must be distinct.
   void mark_computed(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>* num_tokens = nullptr);
 
   bool can_append(const int64_t* seq_ids, size_t n) const;
   int64_t append_token(int64_t seq_id, int64_t token_id);
   void append_tokens(const int64_t* seq_ids, const int64_t* token_ids, size_t n, int64_t* slots_out);
+  // Copy-on-write copies queued by append_tokens, to perform before the next KV write. A pending copy
+  // whose destination block is freed (its sequence freed or swapped out) is dropped; a swap-out of a
+  // pending destination reads the copy's source instead, so the order of swaps and copies never matters.
   std::vector<BlockPair> take_copies();
 
   void free(int64_t seq_id);
@@ -63,9 +77,14 @@ class BlockManager {
   std::vector<BlockPair> swap_in(const std::vector<int64_t>& seq_ids);   // (cpu, gpu)
 
   const std::vector<int32_t>& block_table(int64_t seq_id) const;
-  int32_t max_table_length(const int64_t* seq_ids, size_t n) const;
-  void block_tables(const int64_t* seq_ids, size_t n, int32_t max_blocks, int32_t pad, int32_t* out) const;
+  // Rows of block ids padded with `pad` to max_blocks (default: the longest table); returns the width.
+  int32_t block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
+                       std::vector<int32_t>* out) const;
   void slot_mapping(int64_t seq_id, int64_t start, int64_t end, int64_t* out) const;
+  // Concatenated slots of positions [starts[i], ends[i]) (ends null: each sequence's length). Validates
+  // every range before it writes (or allocates) anything.
+  void slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
+                     std::vector<int64_t>* out, const char* what = "slot_mappings") const;
   int64_t num_tokens(int64_t seq_id) const;
   int64_t num_computed_tokens(int64_t seq_id) const;
   bool is_swapped(int64_t seq_id) const;
@@ -123,6 +142,7 @@ class BlockManager {
 
   int32_t take_free_block();         // pops the LRU free block, evicting its cached content
   void release_block(int32_t block); // drops one reference; at zero the block joins the free list
+  void drop_pending_copies_to(int32_t block);  // the block was freed: its pending copy is moot
   void untag_block(int32_t block);   // forgets the block's prefix-cache content
   int32_t take_cpu_block();
   void release_cpu_block(int32_t block);

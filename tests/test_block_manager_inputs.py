@@ -1,0 +1,308 @@
+"""The block manager at its edges: every kind of integer input, hostile values, half-built objects,
+whole-batch validation, pending copy-on-write pairs and threads. Each bad call raises a clear Python
+exception and leaves the manager exactly as it was."""
+import array
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv import BlockManager
+
+
+def toks(n, start=0):
+    return list(range(start, start + n))
+
+
+def snapshot(bm):
+    ids = sorted(i for i in range(-2, 64) if i in bm)
+    return (bm.num_free_blocks, bm.num_free_cpu_blocks, bm.stats(),
+            {i: (bm.block_table(i), bm.token_ids(i), bm.num_computed_tokens(i), bm.is_swapped(i)) for i in ids})
+
+
+def two_sequences(num_blocks=8, **kwargs):
+    bm = BlockManager(num_blocks, 4, **kwargs)
+    bm.allocate(1, toks(10))
+    bm.allocate(2, toks(3, 50))
+    bm.mark_computed(1, 4)
+    return bm
+
+
+# --- integer inputs ------------------------------------------------------------------------------------
+
+INT_INPUTS = [
+    ("list", lambda v: list(v)),
+    ("tuple", lambda v: tuple(v)),
+    ("numpy int64", lambda v: np.array(v, dtype=np.int64)),
+    ("numpy int32", lambda v: np.array(v, dtype=np.int32)),
+    ("numpy uint16", lambda v: np.array(v, dtype=np.uint16)),
+    ("numpy uint64", lambda v: np.array(v, dtype=np.uint64)),
+    ("numpy strided", lambda v: np.repeat(np.array(v, dtype=np.int64), 2)[::2]),
+    ("numpy reversed view", lambda v: np.array(v[::-1], dtype=np.int64)[::-1]),
+    ("numpy scalars in a list", lambda v: [np.int64(x) for x in v]),
+    ("array.array", lambda v: array.array("q", v)),
+    ("array.array int32", lambda v: array.array("i", v)),
+    ("memoryview", lambda v: memoryview(array.array("l", v))),
+    ("torch int64", lambda v: torch.tensor(v)),
+    ("torch int32 non-contiguous", lambda v: torch.tensor(v, dtype=torch.int32).repeat_interleave(2)[::2]),
+    ("torch uint64", lambda v: torch.tensor(v, dtype=torch.uint64)),
+]
+
+
+@pytest.mark.parametrize("name, make", INT_INPUTS, ids=[n for n, _ in INT_INPUTS])
+def test_every_integer_container_gives_the_same_result(name, make):
+    rng = np.random.default_rng()
+    prompt = [int(x) for x in rng.integers(0, 1000, size=int(rng.integers(3, 30)))]
+    ref, bm = BlockManager(32, 4), BlockManager(32, 4)
+    assert bm.allocate(7, make(prompt)) == ref.allocate(7, prompt)
+    assert bm.token_ids(7) == prompt
+    assert bm.block_tables(make([7])).tolist() == ref.block_tables([7]).tolist()
+    assert bm.slot_mappings(make([7]), make([1])).tolist() == ref.slot_mappings([7], [1]).tolist()
+    assert bm.allocate_batch(make([8]), [make(prompt)]) == ref.allocate_batch([8], [prompt])
+    assert bm.can_append(make([7, 8])) == ref.can_append([7, 8])
+    assert bm.append_tokens(make([7, 8]), make([3, 4])).tolist() == ref.append_tokens([7, 8], [3, 4]).tolist()
+    bm.mark_computed(make([7, 8]), make([2, 3]))
+    assert bm.num_computed_tokens(8) == 3
+    bm.check_invariants()
+
+
+def test_single_ids_may_be_numpy_integers():
+    bm = BlockManager(8, 4)
+    bm.allocate(1, toks(6))
+    bm.mark_computed(np.int64(1), np.int32(4))
+    assert bm.num_computed_tokens(1) == 4
+    assert bm.slot_mapping(np.int64(1), np.int64(0), np.int64(2)).tolist() == bm.slot_mapping(1, 0, 2).tolist()
+
+
+NOT_INTEGERS = [
+    np.arange(5.0), np.arange(5, dtype=np.float16), array.array("d", [1.0, 2.0]), [1.5, 2.0], [np.float64(1.0)],
+    [1, None], torch.ones(3), torch.ones(3, dtype=torch.bfloat16), np.array([True, False]), [True, 2],
+    torch.tensor([True]), "abc", b"abc", bytearray(b"ab"), {1: 2}, 3.0, np.array([1 + 2j]),
+]
+
+
+@pytest.mark.parametrize("bad", NOT_INTEGERS, ids=[type(b).__name__ + str(i) for i, b in enumerate(NOT_INTEGERS)])
+def test_non_integers_are_a_type_error_and_change_nothing(bad):
+    bm = two_sequences()
+    before = snapshot(bm)
+    with pytest.raises(TypeError):
+        bm.allocate(9, bad)
+    with pytest.raises(TypeError):
+        bm.allocate_batch([9], [bad])
+    with pytest.raises(TypeError):
+        bm.block_tables(bad)
+    assert snapshot(bm) == before
+
+
+@pytest.mark.parametrize("bad", [
+    np.zeros((2, 2), dtype=np.int64), torch.zeros(2, 2, dtype=torch.long), np.int64(3).reshape(()),
+    torch.tensor(3), np.array([1, 2], dtype=">i8"),
+])
+def test_wrong_shapes_and_byte_orders_are_refused(bad):
+    bm = two_sequences()
+    before = snapshot(bm)
+    with pytest.raises((ValueError, TypeError)):
+        bm.allocate(9, bad)
+    assert snapshot(bm) == before
+
+
+@pytest.mark.parametrize("call", [
+    lambda bm: bm.allocate(9, torch.tensor([5, 2 ** 64 - 1], dtype=torch.uint64)),
+    lambda bm: bm.allocate(9, np.array([2 ** 64 - 1], dtype=np.uint64)),
+    lambda bm: bm.allocate(9, [1, 2 ** 63]),
+    lambda bm: bm.allocate(9, [np.uint64(2 ** 64 - 1)]),
+    lambda bm: bm.mark_computed(1, 2 ** 64),
+    lambda bm: bm.mark_computed([1], [2 ** 70]),
+    lambda bm: bm.block_tables([2 ** 64]),
+    lambda bm: bm.free(2 ** 64),
+    lambda bm: bm.slot_mapping(1, 0, 2 ** 64),
+], ids=["uint64 tensor", "uint64 array", "list", "numpy scalar", "mark_computed", "mark_computed list",
+        "block_tables", "free", "slot_mapping"])
+def test_integers_outside_int64_are_refused(call):
+    bm = two_sequences()
+    before = snapshot(bm)
+    with pytest.raises((OverflowError, TypeError)):
+        call(bm)
+    assert snapshot(bm) == before
+
+
+@pytest.mark.parametrize("call", [
+    lambda bm: bm.slot_mapping(1, 0, 10 ** 12),
+    lambda bm: bm.slot_mappings([1, 2], [0, 0], [10, 10 ** 12]),
+    lambda bm: bm.slot_mappings([1, 2], [0, -(10 ** 12)]),
+    lambda bm: bm.block_tables([1], max_blocks=2 ** 31 - 1),
+])
+def test_huge_ranges_are_refused_before_any_allocation(call):
+    bm = two_sequences()
+    with pytest.raises(ValueError):
+        call(bm)  # would try to allocate terabytes if it allocated before validating
+
+
+# --- half-built objects ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("use", [
+    lambda bm: bm.stats(), lambda bm: bm.num_free_blocks, lambda bm: bm.num_blocks, lambda bm: repr(bm),
+    lambda bm: bm.allocate(1, [1, 2]), lambda bm: bm.check_invariants(), lambda bm: 1 in bm,
+    lambda bm: bm.take_copies(), lambda bm: bm.block_tables([1]),
+])
+def test_an_uninitialised_manager_raises_instead_of_crashing(use):
+    bm = BlockManager.__new__(BlockManager)
+    with pytest.raises(TypeError, match="never initialised"):
+        use(bm)
+
+
+def test_a_second_init_is_refused_and_changes_nothing():
+    bm = two_sequences()
+    before = snapshot(bm)
+    with pytest.raises(TypeError, match="initialised manager"):
+        bm.__init__(4, 2)
+    assert snapshot(bm) == before and bm.block_size == 4
+    late = BlockManager.__new__(BlockManager)
+    late.__init__(4, 2)  # a first __init__ after __new__ is fine
+    assert late.num_free_blocks == 4
+
+
+def test_subclass_that_skips_init_is_refused():
+    class Forgetful(BlockManager):
+        def __init__(self):
+            pass
+
+    with pytest.raises(TypeError):
+        Forgetful().stats()
+
+
+# --- duplicates and whole-batch validation ----------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [([1, 1], [8, 6]), ([1, 1], None), ([1, 2, 1], [5, 3, 5])])
+def test_mark_computed_refuses_duplicate_ids(args):
+    bm = two_sequences()
+    before = snapshot(bm)
+    with pytest.raises(ValueError, match="twice"):
+        bm.mark_computed(*args) if args[1] is not None else bm.mark_computed(args[0])
+    assert snapshot(bm) == before
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("ids, prompts, salts, exc, match", [
+    ([5, 6, 1], [[1, 2], [3], [4]], None, ValueError, "sequence 1 already exists"),
+    ([5, 6, 5], [[1, 2], [3], [4]], None, ValueError, "twice"),
+    ([5, 6], [[1, 2], "abc"], None, TypeError, "prompts"),
+    ([5, 6], [[1, 2], [3.0]], None, TypeError, "ints"),
+    ([5, 6], [[1, 2], [3]], [b"a", 7], TypeError, "cache_salt"),
+    ([5, 6], [[1, 2], [3]], [b"a"], ValueError, "one entry per prompt"),
+    ([5, 6], [[1, 2], [3]], b"ab", TypeError, "cache_salts"),
+    ([5, 6, 7], [[1, 2], [], [3]], None, ValueError, r"prompts\[1\] is empty"),
+    ([5, 6], [[1, 2]], None, ValueError, "2 seq_ids but 1 prompts"),
+    ([5, 6], [[1, 2], [3, 2 ** 64]], None, OverflowError, "int64"),
+])
+def test_allocate_batch_validates_the_whole_batch_first(ids, prompts, salts, exc, match):
+    bm = two_sequences()
+    before = snapshot(bm)
+    with pytest.raises(exc, match=match):
+        bm.allocate_batch(ids, prompts, cache_salts=salts)
+    assert snapshot(bm) == before
+    assert 5 not in bm
+
+
+def test_allocate_batch_checks_ids_even_when_the_pool_is_full():
+    bm = BlockManager(3, 4)
+    bm.allocate(1, toks(12))  # every block taken
+    with pytest.raises(ValueError, match="already exists"):
+        bm.allocate_batch([5, 1], [[1], [2]])
+    assert bm.allocate_batch([5, 6], [[1], [2]]) == []  # well-formed: admits none, raises nothing
+
+
+def test_allocate_batch_admits_in_order_until_one_does_not_fit():
+    bm = BlockManager(4, 4)
+    cached = bm.allocate_batch([1, 2, 3], [toks(8), toks(8, 100), toks(2)])
+    assert cached == [0, 0] and 1 in bm and 2 in bm and 3 not in bm
+    bm.check_invariants()
+
+
+# --- pending copy-on-write pairs ------------------------------------------------------------------------
+
+def forked_pair_with_pending_copy(num_cpu_blocks=0):
+    bm = BlockManager(8, 4, num_cpu_blocks=num_cpu_blocks)
+    bm.allocate(1, toks(6))
+    bm.mark_computed(1)
+    bm.fork(1, 2)
+    shared_last = bm.block_table(1)[-1]
+    bm.append_tokens([2], [99])  # 2 copies the shared last block: a pending (shared_last, new) pair
+    return bm, shared_last, bm.block_table(2)[-1]
+
+
+def test_freeing_the_sequence_drops_its_pending_copy():
+    bm, _, dst = forked_pair_with_pending_copy()
+    bm.free(2)
+    assert bm.take_copies() == []  # the destination is a free block now: copying into it would be wrong
+    bm.check_invariants()
+
+
+def test_pending_copy_survives_while_its_destination_is_held():
+    bm, src, dst = forked_pair_with_pending_copy()
+    bm.fork(2, 3)  # the copy's destination is now shared by 2 and 3
+    bm.free(2)
+    assert bm.take_copies() == [(src, dst)]
+
+
+def test_swap_out_before_take_copies_reads_the_copy_source():
+    bm, src, dst = forked_pair_with_pending_copy(num_cpu_blocks=8)
+    table = bm.block_table(2)
+    mapping = bm.swap_out([2])
+    assert (src, mapping[-1][1]) == mapping[-1] and len(mapping) == len(table)
+    assert all(g != dst for g, _ in mapping)  # the never-written destination is not read
+    assert bm.take_copies() == []  # its destination was released by the swap
+    bm.check_invariants()
+
+
+def test_swap_out_kv_is_right_whatever_order_the_runner_performs_swaps_and_copies():
+    """Simulated KV: each slot holds the prefix it was written for; swap a CoW'd sequence out before the
+    runner has done the copy, then do the swap and the copy in either order."""
+    for copies_first in (True, False):
+        bm, src, dst = forked_pair_with_pending_copy(num_cpu_blocks=8)
+        gpu = {b: {} for b in range(8)}
+        for p, tok in enumerate(toks(6)):
+            gpu[bm.block_table(1)[p // 4]][p % 4] = tuple(toks(6)[: p + 1])
+        gpu[dst] = {k: "garbage" for k in range(4)}  # the destination's old contents
+        mapping, copies = bm.swap_out([2]), bm.take_copies()
+        cpu = {}
+        steps = [lambda: [gpu.__setitem__(d, dict(gpu[s])) for s, d in copies],
+                 lambda: [cpu.__setitem__(c, dict(gpu[g])) for g, c in mapping]]
+        for step in (steps if copies_first else steps[::-1]):
+            step()
+        table = bm.block_table(2)
+        for p in range(6):
+            assert cpu[table[p // 4]][p % 4] == tuple(toks(6)[: p + 1])
+
+
+# --- threads ----------------------------------------------------------------------------------------------
+
+def test_concurrent_python_threads_keep_the_manager_consistent():
+    """The manager holds the GIL for the whole of every call, so Python threads are serialised."""
+    bm = BlockManager(64, 4, num_cpu_blocks=16)
+    errors = []
+
+    def worker(base):
+        rng = np.random.default_rng(base)
+        try:
+            for i in range(300):
+                sid = base * 1000 + i
+                prompt = rng.integers(0, 3, size=int(rng.integers(1, 12)))
+                if bm.allocate_batch([sid], [prompt]):
+                    bm.mark_computed(sid)
+                    if bm.can_append([sid]):
+                        bm.append_tokens([sid], [1])
+                    bm.block_tables([sid])
+                    bm.free(sid)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    bm.check_invariants()
+    assert bm.num_free_blocks == 64
