@@ -64,6 +64,7 @@ class Model:
     def release(self, b):
         self.ref[b] -= 1
         if self.ref[b] == 0:
+            self.copies = [(src, dst) for src, dst in self.copies if dst != b]  # moot: dst is free
             self.free[b] = None
             k = self.tag.get(b)
             if k is None or self.registry.get(k) != b:
@@ -147,13 +148,14 @@ class Model:
         take, dst_ref = (self.take_cpu, self.cpu_ref) if to_cpu else (self.take, self.ref)
         release = self.release if to_cpu else self.release_cpu
         mapping, m = [], {}
+        copy_source = {dst: src for src, dst in self.copies} if to_cpu else {}  # not yet copied
         for sid in sids:
             s = self.seqs[sid]
             new = []
             for b in s.table:
                 if b not in m:
                     m[b] = take()
-                    mapping.append((b, m[b]))
+                    mapping.append((copy_source.get(b, b), m[b]))
                 else:
                     dst_ref[m[b]] += 1
                 new.append(m[b])

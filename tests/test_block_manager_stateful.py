@@ -48,18 +48,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for p in range(cached):  # every hit holds exactly this prefix's KV
             assert self.kv[table[p // BS]][p % BS] == tuple(tokens[: p + 1])
 
+    def perform_copies(self):
+        """The runner performs the pending copy-on-write copies (always before it writes any KV)."""
+        copies = self.bm.take_copies()
+        assert copies == self.model.copies
+        self.model.copies = []
+        for src, dst in copies:
+            self.kv[dst] = dict(self.kv.get(src, {}))
+
     @precondition(lambda self: self.resident())
     @rule(data=st.data())
     def compute(self, data):
         sids = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3, unique=True))
+        self.perform_copies()
         for sid in sids:
             self.write_kv(sid)
             self.model.mark_computed(sid)
         self.bm.mark_computed(sids)
 
     @precondition(lambda self: self.resident())
-    @rule(data=st.data(), token=st.integers(0, 2))
-    def append(self, data, token):
+    @rule(data=st.data(), token=st.integers(0, 2), copy_now=st.booleans())
+    def append(self, data, token, copy_now):
         sids = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3, unique=True))
         ok = self.model.append_need(sids) <= len(self.model.free)
         assert self.bm.can_append(sids) == ok
@@ -67,11 +76,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         slots = self.bm.append_tokens(sids, [token] * len(sids)).tolist()
         assert slots == [self.model.append(s, token) for s in sids]
-        copies = self.bm.take_copies()
-        assert copies == self.model.copies
-        self.model.copies = []
-        for src, dst in copies:  # the runner performs copy-on-write
-            self.kv[dst] = dict(self.kv.get(src, {}))
+        if copy_now:  # else the copies stay pending across frees, forks and swaps until the next compute
+            self.perform_copies()
 
     @precondition(lambda self: self.model.seqs)
     @rule(data=st.data())
@@ -124,6 +130,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.model.tag.clear()
         for q in self.model.seqs.values():
             q.registered = 0
+
+    @invariant()
+    def every_computed_token_has_its_kv(self):
+        """Once the pending copies are done, each computed position of each sequence (on the GPU or
+        swapped out) holds exactly the KV of its own prefix."""
+        gpu = {b: dict(slots) for b, slots in self.kv.items()}
+        for src, dst in self.model.copies:
+            gpu[dst] = dict(self.kv.get(src, {}))
+        cpu = getattr(self, "cpu_kv", {})
+        for q in self.model.seqs.values():
+            where = cpu if q.swapped else gpu
+            for p in range(q.computed):
+                assert where[q.table[p // BS]][p % BS] == tuple(q.tokens[: p + 1])
 
     @invariant()
     def agrees_with_model(self):

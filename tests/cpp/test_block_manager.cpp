@@ -182,3 +182,57 @@ TEST(BlockManager, ForcedCollisionsNeverGiveWrongHits) {
   }
   EXPECT_GT(bm.stats().hits, 0);
 }
+
+TEST(BlockManager, AllocateBatchValidatesEverythingBeforeAdmitting) {
+  BlockManager bm(3, 4);
+  auto a = iota_tokens(4), b = iota_tokens(4, 100), empty = std::vector<int64_t>();
+  alloc(bm, 1, a);
+  const auto free_before = bm.num_free_blocks();
+  auto span = [](const std::vector<int64_t>& t) { return TokenSpan{t.data(), t.size()}; };
+  EXPECT_THROW(bm.allocate_batch({5, 1}, {span(a), span(b)}), ValueError);        // an existing id, last
+  EXPECT_THROW(bm.allocate_batch({5, 5}, {span(a), span(b)}), ValueError);        // a repeated new id
+  EXPECT_THROW(bm.allocate_batch({5, 6}, {span(a), span(empty)}), ValueError);    // an empty prompt
+  EXPECT_THROW(bm.allocate_batch({5, 6}, {span(a)}), ValueError);                 // lengths differ
+  EXPECT_THROW(bm.allocate_batch({5}, {span(a)}, {"x", "y"}), ValueError);        // salts differ
+  EXPECT_FALSE(bm.contains(5));
+  EXPECT_EQ(bm.num_free_blocks(), free_before);
+  const auto cached = bm.allocate_batch({5, 6, 7}, {span(a), span(b), span(a)});  // room for two
+  EXPECT_EQ(cached.size(), 2u);
+  EXPECT_TRUE(bm.contains(6) && !bm.contains(7));
+  bm.check_invariants();
+}
+
+TEST(BlockManager, MarkComputedRefusesDuplicateIds) {
+  BlockManager bm(8, 4);
+  alloc(bm, 1, iota_tokens(10));
+  const std::vector<int64_t> counts = {8, 6};
+  EXPECT_THROW(bm.mark_computed({1, 1}, &counts), ValueError);
+  EXPECT_THROW(bm.mark_computed({1, 1}), ValueError);
+  EXPECT_EQ(bm.num_computed_tokens(1), 0);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, PendingCopyDroppedWithItsDestination) {
+  BlockManager bm(8, 4);
+  alloc(bm, 1, iota_tokens(6));
+  bm.fork(1, 2);
+  bm.append_token(2, 42);  // pending (shared, copy)
+  bm.free(2);
+  EXPECT_TRUE(bm.take_copies().empty()) << "the copy's destination is a free block now";
+  bm.check_invariants();
+}
+
+TEST(BlockManager, SwapOutOfPendingCopyReadsItsSource) {
+  BlockManager bm(8, 4, /*num_cpu_blocks=*/8);
+  alloc(bm, 1, iota_tokens(6));
+  bm.fork(1, 2);
+  const int32_t shared_last = bm.block_table(1)[1];
+  bm.append_token(2, 42);
+  const int32_t copy = bm.block_table(2)[1];
+  const auto mapping = bm.swap_out({2});
+  ASSERT_EQ(mapping.size(), 2u);
+  EXPECT_EQ(mapping[1].first, shared_last) << "the copy never happened: its source holds the KV";
+  EXPECT_NE(mapping[1].first, copy);
+  EXPECT_TRUE(bm.take_copies().empty());
+  bm.check_invariants();
+}
