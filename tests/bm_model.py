@@ -61,14 +61,32 @@ class Model:
         self.ref[b] = 1
         return b
 
+    def to_free_list(self, b):
+        self.free[b] = None
+        k = self.tag.get(b)
+        if k is None or self.registry.get(k) != b:
+            self.free.move_to_end(b, last=False)
+
+    def is_copy_source(self, b):
+        return any(src == b for src, _ in self.copies)
+
     def release(self, b):
         self.ref[b] -= 1
         if self.ref[b] == 0:
-            self.copies = [(src, dst) for src, dst in self.copies if dst != b]  # moot: dst is free
-            self.free[b] = None
-            k = self.tag.get(b)
-            if k is None or self.registry.get(k) != b:
-                self.free.move_to_end(b, last=False)
+            moot = [src for src, dst in self.copies if dst == b]  # its destination is free: drop the copy
+            self.copies = [(src, dst) for src, dst in self.copies if dst != b]
+            for src in moot:
+                if self.ref[src] == 0 and not self.is_copy_source(src) and src not in self.free:
+                    self.to_free_list(src)
+            if not self.is_copy_source(b):  # else held until the copy is taken
+                self.to_free_list(b)
+
+    def take_copies(self):
+        copies, self.copies = self.copies, []
+        for src, _ in copies:
+            if self.ref[src] == 0 and src not in self.free:
+                self.to_free_list(src)
+        return copies
 
     def take_cpu(self):
         b, _ = self.cpu_free.popitem(last=False)
@@ -85,7 +103,7 @@ class Model:
         hits = self.hits(tokens, salt)
         table = []
         for b in hits:
-            if self.ref[b] == 0:
+            if self.ref[b] == 0 and b in self.free:
                 del self.free[b]
             self.ref[b] += 1
             table.append(b)
@@ -127,7 +145,8 @@ class Model:
             s.table.append(self.take())
         elif self.ref[s.table[-1]] > 1:
             new = self.take()
-            self.copies.append((s.table[-1], new))
+            pending = [src for src, dst in self.copies if dst == s.table[-1]]
+            self.copies.append((pending[0] if pending else s.table[-1], new))
             self.release(s.table[-1])
             s.table[-1] = new
         s.tokens.append(tok)

@@ -2,13 +2,16 @@
 whole-batch validation, pending copy-on-write pairs and threads. Each bad call raises a clear Python
 exception and leaves the manager exactly as it was."""
 import array
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
 import torch
 
-from pagedkv import BlockManager
+from pagedkv import AllocStatus, BlockManager
 
 
 def toks(n, start=0):
@@ -306,3 +309,31 @@ def test_concurrent_python_threads_keep_the_manager_consistent():
     assert errors == []
     bm.check_invariants()
     assert bm.num_free_blocks == 64
+
+
+# --- the long fuzz command, short ----------------------------------------------------------------------------
+
+def test_short_fuzz_run_passes():
+    """scripts/fuzz_block_manager.py (run with --ops 1000000 before a release) at 20k operations."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "fuzz_block_manager.py"), "--ops", "20000"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ok: 20,000 operations" in done.stdout
+
+
+def test_a_pending_copy_source_is_not_reused_before_the_copy_is_taken():
+    """Swap-in (or any allocation) must not overwrite the block a pending copy still has to read."""
+    bm = BlockManager(3, 4, num_cpu_blocks=4)
+    bm.allocate(9, toks(2, 500))
+    bm.swap_out([9])
+    bm.allocate(1, toks(6))
+    bm.fork(1, 2)
+    src = bm.block_table(1)[-1]
+    bm.append_tokens([2], [7])
+    bm.free(1)  # the source now has no holder
+    assert bm.can_swap_in([9]) != AllocStatus.OK  # the only unused block is the pending copy's source
+    assert bm.take_copies() == [(src, bm.block_table(2)[-1])]
+    assert bm.can_swap_in([9]) == AllocStatus.OK
+    bm.check_invariants()

@@ -51,8 +51,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def perform_copies(self):
         """The runner performs the pending copy-on-write copies (always before it writes any KV)."""
         copies = self.bm.take_copies()
-        assert copies == self.model.copies
-        self.model.copies = []
+        assert copies == self.model.take_copies()
         for src, dst in copies:
             self.kv[dst] = dict(self.kv.get(src, {}))
 

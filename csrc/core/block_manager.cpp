@@ -159,7 +159,14 @@ int32_t BlockManager::take_free_block() {
 
 void BlockManager::release_block(int32_t block) {
   if (--gpu_ref_[block] > 0) return;
-  if (!pending_copies_.empty()) drop_pending_copies_to(block);
+  if (!pending_copies_.empty()) {
+    drop_pending_copies_to(block);
+    if (is_pending_copy_source(block)) return;  // held until take_copies hands its copy out
+  }
+  return_to_free_list(block);
+}
+
+void BlockManager::return_to_free_list(int32_t block) {
   const PrefixCache::NodeId node = block_node_[block];
   // Cached KV goes to the back (evicted last, least recently freed first); a block without reusable
   // content goes to the front so that it is handed out before any cached block.
@@ -169,10 +176,27 @@ void BlockManager::release_block(int32_t block) {
     gpu_free_.push_front(block);
 }
 
+bool BlockManager::is_pending_copy_source(int32_t block) const {
+  for (const BlockPair& p : pending_copies_)
+    if (p.first == block) return true;
+  return false;
+}
+
+int32_t BlockManager::pending_copy_source(int32_t block) const {
+  for (const BlockPair& p : pending_copies_)
+    if (p.second == block) return p.first;
+  return -1;
+}
+
 void BlockManager::drop_pending_copies_to(int32_t block) {
+  const int32_t source = pending_copy_source(block);
+  if (source < 0) return;
   pending_copies_.erase(std::remove_if(pending_copies_.begin(), pending_copies_.end(),
                                        [block](const BlockPair& p) { return p.second == block; }),
                         pending_copies_.end());
+  // The source may have been held only for this copy.
+  if (gpu_ref_[source] == 0 && !is_pending_copy_source(source) && !gpu_free_.contains(source))
+    return_to_free_list(source);
 }
 
 int32_t BlockManager::take_cpu_block() {
@@ -217,7 +241,7 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
   seq.block_hashes = std::move(hashes);
   seq.block_table.reserve(needed);
   for (int32_t b : hits) {
-    if (gpu_ref_[b]++ == 0) gpu_free_.remove(b);
+    if (gpu_ref_[b]++ == 0 && gpu_free_.contains(b)) gpu_free_.remove(b);  // else held for a pending copy
     seq.block_table.push_back(b);
   }
   while (static_cast<int32_t>(seq.block_table.size()) < needed) seq.block_table.push_back(take_free_block());
@@ -338,7 +362,10 @@ void BlockManager::append_tokens(const int64_t* seq_ids, const int64_t* token_id
       const int32_t last = seq.block_table.back();
       if (gpu_ref_[last] > 1) {  // shared after fork: copy on write
         const int32_t copy = take_free_block();
-        pending_copies_.emplace_back(last, copy);
+        // Copying a block whose own copy is still pending: copy from that copy's source instead, so that
+        // no copy reads another copy's destination (the copies of one batch are independent).
+        const int32_t pending = pending_copies_.empty() ? -1 : pending_copy_source(last);
+        pending_copies_.emplace_back(pending >= 0 ? pending : last, copy);
         ++counters_.cow_copies;
         release_block(last);
         seq.block_table.back() = copy;
@@ -352,6 +379,10 @@ void BlockManager::append_tokens(const int64_t* seq_ids, const int64_t* token_id
 std::vector<BlockPair> BlockManager::take_copies() {
   std::vector<BlockPair> copies;
   copies.swap(pending_copies_);
+  // Sources no sequence holds any more were kept out of the free list until now: once the caller has
+  // the copies, it performs them before any later allocation can write the block.
+  for (const BlockPair& p : copies)
+    if (gpu_ref_[p.first] == 0 && !gpu_free_.contains(p.first)) return_to_free_list(p.first);
   return copies;
 }
 
@@ -563,8 +594,9 @@ void BlockManager::check_invariants() const {
   }
   for (int32_t b = 0; b < num_blocks_; ++b) {
     if (gpu_ref_[b] != gpu_uses[b]) fail(cat("block ", b, " has ref_count ", gpu_ref_[b], " but ", gpu_uses[b], " uses"));
-    if ((gpu_ref_[b] == 0) != gpu_free_.contains(b))
-      fail(cat("block ", b, gpu_ref_[b] ? " is used and in the free list" : " is unused but not in the free list"));
+    if (gpu_ref_[b] > 0 && gpu_free_.contains(b)) fail(cat("block ", b, " is used and in the free list"));
+    if (gpu_ref_[b] == 0 && !gpu_free_.contains(b) && !is_pending_copy_source(b))
+      fail(cat("block ", b, " is unused but neither free nor the source of a pending copy"));
   }
   for (int32_t b = 0; b < num_cpu_blocks_; ++b) {
     if (cpu_ref_[b] != cpu_uses[b]) fail(cat("CPU block ", b, " has ref_count ", cpu_ref_[b], " but ", cpu_uses[b], " uses"));

@@ -63,9 +63,10 @@ class BlockManager {
   bool can_append(const int64_t* seq_ids, size_t n) const;
   int64_t append_token(int64_t seq_id, int64_t token_id);
   void append_tokens(const int64_t* seq_ids, const int64_t* token_ids, size_t n, int64_t* slots_out);
-  // Copy-on-write copies queued by append_tokens, to perform before the next KV write. A pending copy
-  // whose destination block is freed (its sequence freed or swapped out) is dropped; a swap-out of a
-  // pending destination reads the copy's source instead, so the order of swaps and copies never matters.
+  // Copy-on-write copies queued by append_tokens, to perform before the next KV write; they are
+  // independent (no copy reads another's destination). Until they are taken, a copy's source is never
+  // handed out again, a copy whose destination is freed (its sequence freed or swapped out) is dropped,
+  // and a swap-out of a destination reads the copy's source instead.
   std::vector<BlockPair> take_copies();
 
   void free(int64_t seq_id);
@@ -142,7 +143,12 @@ class BlockManager {
 
   int32_t take_free_block();         // pops the LRU free block, evicting its cached content
   void release_block(int32_t block); // drops one reference; at zero the block joins the free list
-  void drop_pending_copies_to(int32_t block);  // the block was freed: its pending copy is moot
+  void return_to_free_list(int32_t block);
+  // Pending copies: a freed destination drops its copy; a freed source stays out of the free list until
+  // take_copies, so that nothing overwrites it before the copy is done.
+  void drop_pending_copies_to(int32_t block);
+  bool is_pending_copy_source(int32_t block) const;
+  int32_t pending_copy_source(int32_t block) const;  // the source of the copy into block, or -1
   void untag_block(int32_t block);   // forgets the block's prefix-cache content
   int32_t take_cpu_block();
   void release_cpu_block(int32_t block);

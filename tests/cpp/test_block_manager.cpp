@@ -236,3 +236,34 @@ TEST(BlockManager, SwapOutOfPendingCopyReadsItsSource) {
   EXPECT_TRUE(bm.take_copies().empty());
   bm.check_invariants();
 }
+
+TEST(BlockManager, PendingCopySourceIsNotHandedOutUntilTaken) {
+  BlockManager bm(3, 4);
+  alloc(bm, 1, iota_tokens(6));  // blocks 0..1 of 3
+  bm.fork(1, 2);
+  const int32_t shared_last = bm.block_table(1)[1];
+  bm.append_token(2, 42);  // copy (shared_last -> the third block)
+  bm.free(1);              // the copy's source has no holder left, but its KV is still to be copied
+  EXPECT_EQ(bm.num_free_blocks(), 0) << "the source must stay out of the free list";
+  bm.check_invariants();
+  const auto copies = bm.take_copies();
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].first, shared_last);
+  EXPECT_EQ(bm.num_free_blocks(), 1);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, CopyOfAPendingCopyReadsTheOriginal) {
+  BlockManager bm(8, 4);
+  alloc(bm, 1, iota_tokens(6));
+  bm.fork(1, 2);
+  const int32_t original = bm.block_table(1)[1];
+  bm.append_token(2, 42);  // (original -> c1)
+  bm.fork(2, 3);
+  bm.append_token(3, 43);  // c1 is shared by 2 and 3 and not yet written: copy from the original
+  const auto copies = bm.take_copies();
+  ASSERT_EQ(copies.size(), 2u);
+  EXPECT_EQ(copies[1].first, original);
+  EXPECT_NE(copies[1].first, copies[0].second) << "copies of one batch must not form a chain";
+  bm.check_invariants();
+}

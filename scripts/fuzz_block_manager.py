@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""Long random run of the BlockManager against a KV-content oracle.
+
+Drives the manager the way an engine does (shared prefixes, salts, partial mark_computed, batched
+appends, fork, copy-on-write with copies sometimes left pending, swap out/in, prefix-cache resets, pools
+rebuilt with other shapes and hash functions, weak8 included so that hashes collide) and plays the model
+runner: every KV write stores, per slot, the identity of the prefix it was computed for. It checks that
+every prefix hit and every computed token holds exactly its own prefix's KV, that returned slots follow
+the block tables, that about 5% invalid calls raise the documented exception and change nothing, and
+check_invariants() every 1000 operations. Prints the figures; exits 1 at the first failure.
+
+    python scripts/fuzz_block_manager.py --ops 1000000 [--seed N]
+"""
+import argparse
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pagedkv import AllocStatus, BlockManager
+
+
+@dataclass
+class Seq:
+    tokens: list
+    ids: list          # ids[p]: identity of the prefix tokens[:p + 1] (with the salt)
+    salt: object
+    computed: int = 0  # KV written for positions [0, computed)
+    swapped: bool = False
+
+
+@dataclass
+class Figures:
+    ops: Counter = field(default_factory=Counter)
+    invalid_checked: int = 0
+    invariant_checks: int = 0
+    kv_tokens_checked: int = 0
+    hit_tokens_checked: int = 0
+    copies: int = 0
+    pending_copies_across_ops: int = 0
+    swapped_blocks: int = 0
+    pools: int = 0
+
+
+def prefix_ids(tokens, salt):
+    out, h = [], hash(("salt", salt))
+    for t in tokens:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+class Fuzzer:
+    def __init__(self, rng: random.Random, figures: Figures):
+        self.rng, self.fig = rng, figures
+        self.new_pool()
+
+    # --- set-up --------------------------------------------------------------------------------------
+    def new_pool(self):
+        r = self.rng
+        self.bs = r.choice([1, 2, 3, 4, 8, 16])
+        self.nb = r.randint(8, 96)
+        self.ncpu = r.choice([0, r.randint(4, 64)])
+        self.vocab = r.randint(2, 6)
+        self.bm = BlockManager(self.nb, self.bs, num_cpu_blocks=self.ncpu, hash_algo=r.choice(["xxh64", "weak8"]),
+                               enable_prefix_caching=r.random() < 0.9, watermark=r.choice([0.0, 0.0, 0.05]))
+        self.seqs: dict[int, Seq] = {}
+        self.gpu: dict[int, dict] = {}   # block -> {offset: prefix identity}
+        self.cpu: dict[int, dict] = {}
+        self.pending = False              # copies queued by append_tokens and not yet taken
+        self.next_id = 0
+        self.prefixes = [[r.randrange(self.vocab) for _ in range(r.randint(1, 4 * self.bs))] for _ in range(4)]
+        self.fig.pools += 1
+
+    def new_id(self):
+        self.next_id += 1
+        return self.next_id
+
+    def prompt(self):
+        r = self.rng
+        head = r.choice(self.prefixes) if r.random() < 0.7 else []
+        tail = [r.randrange(self.vocab) for _ in range(r.randint(0 if head else 1, 3 * self.bs))]
+        return head + tail, r.choice([None, None, b"s1", "s2"])
+
+    def resident(self):
+        return [i for i, s in self.seqs.items() if not s.swapped]
+
+    def fail(self, what):
+        raise AssertionError(what)
+
+    # --- the model runner's side -----------------------------------------------------------------------
+    def perform_copies(self):
+        for src, dst in self.bm.take_copies():
+            self.gpu[dst] = dict(self.gpu.get(src, {}))
+            self.fig.copies += 1
+        self.pending = False
+
+    def check_kv(self, sid, upto):
+        s = self.seqs[sid]
+        table = self.bm.block_table(sid)
+        store = self.cpu if s.swapped else self.gpu
+        for p in range(upto):
+            if store.get(table[p // self.bs], {}).get(p % self.bs) != s.ids[p]:
+                self.fail(f"sequence {sid} position {p}: the KV of another prefix (swapped={s.swapped})")
+        return upto
+
+    def admitted(self, sid, tokens, salt, cached):
+        self.seqs[sid] = Seq(list(tokens), prefix_ids(tokens, salt), salt, computed=cached)
+        if cached % self.bs or cached >= len(tokens):  # whole blocks, and the last token is always computed
+            self.fail(f"allocate reported {cached} cached tokens of a {len(tokens)}-token prompt")
+        self.fig.hit_tokens_checked += self.check_kv(sid, cached)
+
+    # --- operations ----------------------------------------------------------------------------------------
+    def op_allocate(self):
+        tokens, salt = self.prompt()
+        status = self.bm.can_allocate(tokens, cache_salt=salt)
+        if status != AllocStatus.OK:
+            return
+        sid = self.new_id()
+        self.admitted(sid, tokens, salt, self.bm.allocate(sid, tokens, cache_salt=salt))
+
+    def op_allocate_batch(self):
+        batch = [self.prompt() for _ in range(self.rng.randint(1, 4))]
+        ids = [self.new_id() for _ in batch]
+        cached = self.bm.allocate_batch(ids, [t for t, _ in batch], cache_salts=[s for _, s in batch])
+        for sid, (tokens, salt), c in zip(ids, batch, cached):
+            self.admitted(sid, tokens, salt, c)
+
+    def op_compute(self):
+        todo = [i for i in self.resident() if self.seqs[i].computed < len(self.seqs[i].tokens)]
+        if not todo:
+            return
+        ids = self.rng.sample(todo, self.rng.randint(1, min(4, len(todo))))
+        self.perform_copies()  # the runner copies before it writes
+        counts = []
+        for sid in ids:
+            s = self.seqs[sid]
+            n = len(s.tokens) if self.rng.random() < 0.7 else self.rng.randint(s.computed + 1, len(s.tokens))
+            table = self.bm.block_table(sid)
+            for p in range(s.computed, n):
+                self.gpu.setdefault(table[p // self.bs], {})[p % self.bs] = s.ids[p]
+            counts.append(n)
+        self.bm.mark_computed(ids, counts)
+        for sid, n in zip(ids, counts):
+            self.seqs[sid].computed = n
+
+    def op_append(self):
+        ready = [i for i in self.resident() if self.seqs[i].computed == len(self.seqs[i].tokens)
+                 and len(self.seqs[i].tokens) < 12 * self.bs]
+        if not ready:
+            return
+        ids = self.rng.sample(ready, self.rng.randint(1, min(6, len(ready))))
+        if not self.bm.can_append(ids):
+            return
+        toks = [self.rng.randrange(self.vocab) for _ in ids]
+        slots = self.bm.append_tokens(ids, toks).tolist()
+        for sid, t, slot in zip(ids, toks, slots):
+            s = self.seqs[sid]
+            p = len(s.tokens)
+            s.tokens.append(t)
+            s.ids.append(hash((s.ids[-1], t)))
+            table = self.bm.block_table(sid)
+            if slot != table[p // self.bs] * self.bs + p % self.bs:
+                self.fail(f"append_tokens gave slot {slot} for position {p} of sequence {sid}")
+        if self.rng.random() < 0.5:
+            self.perform_copies()
+        else:
+            self.pending = True
+
+    def op_fork(self):
+        res = self.resident()
+        if res:
+            parent = self.rng.choice(res)
+            child = self.new_id()
+            self.bm.fork(parent, child)
+            p = self.seqs[parent]
+            self.seqs[child] = Seq(list(p.tokens), list(p.ids), p.salt, p.computed)
+
+    def op_free(self):
+        if self.seqs:
+            sid = self.rng.choice(list(self.seqs))
+            self.bm.free(sid)
+            del self.seqs[sid]
+
+    def op_swap_out(self):
+        res = self.resident()
+        if not res or not self.ncpu:
+            return
+        ids = self.rng.sample(res, self.rng.randint(1, min(3, len(res))))
+        if self.bm.can_swap_out(ids):
+            for g, c in self.bm.swap_out(ids):  # copies may still be pending: the mapping accounts for them
+                self.cpu[c] = dict(self.gpu.get(g, {}))
+                self.fig.swapped_blocks += 1
+            for sid in ids:
+                self.seqs[sid].swapped = True
+
+    def op_swap_in(self):
+        out = [i for i, s in self.seqs.items() if s.swapped]
+        if not out:
+            return
+        ids = self.rng.sample(out, self.rng.randint(1, min(3, len(out))))
+        if self.bm.can_swap_in(ids) == AllocStatus.OK:
+            for c, g in self.bm.swap_in(ids):
+                self.gpu[g] = dict(self.cpu[c])
+                self.fig.swapped_blocks += 1
+            for sid in ids:
+                self.seqs[sid].swapped = False
+
+    def op_reset(self):
+        if self.rng.random() < 0.1:
+            self.bm.reset_prefix_cache()
+
+    def op_new_pool(self):
+        if self.rng.random() < 0.02:
+            self.new_pool()
+
+    # --- invalid calls: the documented exception, and nothing changed ------------------------------------
+    def snapshot(self):
+        bm = self.bm
+        return (bm.num_free_blocks, bm.num_free_cpu_blocks, bm.stats(),
+                {i: (bm.block_table(i), bm.num_tokens(i), bm.num_computed_tokens(i), bm.is_swapped(i))
+                 for i in self.seqs})
+
+    def op_invalid(self):
+        r, bm = self.rng, self.bm
+        some = r.choice(list(self.seqs)) if self.seqs else 1
+        res = self.resident()
+        unknown = self.next_id + 1000
+        calls = [
+            (KeyError, lambda: bm.free(unknown)),
+            (KeyError, lambda: bm.mark_computed([unknown])),
+            (KeyError, lambda: bm.can_append([unknown])),
+            (ValueError, lambda: bm.allocate(unknown, [])),
+            (TypeError, lambda: bm.allocate(unknown, [1.0, 2.0])),
+            (TypeError, lambda: bm.allocate(unknown, [1], cache_salt=3)),
+            (OverflowError, lambda: bm.allocate(unknown, [2 ** 63])),
+            (ValueError, lambda: bm.allocate_batch([unknown, unknown + 1, unknown], [[1], [2], [3]])),
+            (ValueError, lambda: bm.allocate_batch([unknown, unknown + 1], [[1], []])),
+            (TypeError, lambda: bm.allocate_batch([unknown, unknown + 1], [[1], [2.5]])),
+        ]
+        if self.seqs:
+            calls += [
+                (ValueError, lambda: bm.allocate(some, [1, 2])),
+                (ValueError, lambda: bm.allocate_batch([unknown, some], [[1], [2]])),
+                (ValueError, lambda: bm.fork(some, some)),
+            ]
+        if res:
+            sid = r.choice(res)
+            n = len(self.seqs[sid].tokens)
+            calls += [
+                (ValueError, lambda: bm.mark_computed([sid, sid])),
+                (ValueError, lambda: bm.mark_computed([sid], [n + 1])),
+                (ValueError, lambda: bm.append_tokens([sid, sid], [1, 1])),
+                (ValueError, lambda: bm.slot_mapping(sid, 0, n + 1)),
+                (ValueError, lambda: bm.slot_mappings([sid], [n], [n - 1])),
+                (ValueError, lambda: bm.swap_in([sid])),
+                (OverflowError, lambda: bm.mark_computed(sid, 2 ** 64)),
+            ]
+            if len(bm.block_table(sid)) > 1:
+                calls.append((ValueError, lambda: bm.block_tables([sid], max_blocks=0)))
+        out = [i for i, s in self.seqs.items() if s.swapped]
+        if out:
+            calls += [(ValueError, lambda: bm.append_tokens([out[0]], [1])),
+                      (ValueError, lambda: bm.mark_computed([out[0]]))]
+        exc, call = r.choice(calls)
+        before = self.snapshot()
+        try:
+            call()
+        except exc:
+            pass
+        else:
+            self.fail(f"an invalid call did not raise {exc.__name__}")
+        if self.snapshot() != before:
+            self.fail("an invalid call changed the manager's state")
+        self.fig.invalid_checked += 1
+
+    # --- periodic full check ---------------------------------------------------------------------------------
+    def full_check(self):
+        self.bm.check_invariants()
+        self.fig.invariant_checks += 1
+        if self.pending:
+            self.fig.pending_copies_across_ops += 1
+        self.perform_copies()
+        for sid, s in self.seqs.items():
+            self.fig.kv_tokens_checked += self.check_kv(sid, s.computed)
+        if self.bm.num_free_blocks + len({b for i in self.resident() for b in self.bm.block_table(i)}) != self.nb:
+            self.fail("blocks leaked or double counted")
+
+
+WEIGHTS = {"allocate": 14, "allocate_batch": 5, "compute": 22, "append": 22, "fork": 5, "free": 12,
+           "swap_out": 5, "swap_in": 5, "reset": 1, "new_pool": 1, "invalid": 5}
+
+
+def run(num_ops: int, seed: int, quiet: bool = False) -> Figures:
+    rng = random.Random(seed)
+    fig = Figures()
+    fz = Fuzzer(rng, fig)
+    names, weights = list(WEIGHTS), list(WEIGHTS.values())
+    for i in range(1, num_ops + 1):
+        name = rng.choices(names, weights)[0]
+        getattr(fz, "op_" + name)()
+        fig.ops[name] += 1
+        if len(fz.seqs) > 48:  # keep pools busy but not stuck
+            fz.op_free()
+        if i % 1000 == 0:
+            fz.full_check()
+        if not quiet and i % 100_000 == 0:
+            print(f"  {i:>9,} operations ok", flush=True)
+    fz.full_check()
+    return fig
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--ops", type=int, default=1_000_000, help="number of random operations")
+    parser.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
+    args = parser.parse_args()
+    if args.ops < 1:
+        parser.error("--ops must be >= 1")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2 ** 32)
+    print(f"fuzzing the block manager: {args.ops:,} operations, seed {seed}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        fig = run(args.ops, seed)
+    except AssertionError as e:
+        print(f"FAILED (seed {seed}): {e}")
+        return 1
+    dt = time.perf_counter() - t0
+    print(f"ok: {args.ops:,} operations in {dt:.1f} s over {fig.pools} pools; "
+          f"{fig.invalid_checked:,} invalid calls raised and changed nothing; "
+          f"{fig.invariant_checks:,} invariant checks; {fig.kv_tokens_checked:,} computed tokens and "
+          f"{fig.hit_tokens_checked:,} prefix-hit tokens held their own KV; {fig.copies:,} CoW copies "
+          f"({fig.pending_copies_across_ops:,} checks found copies still pending); {fig.swapped_blocks:,} blocks swapped")
+    print("operations: " + ", ".join(f"{k} {v:,}" for k, v in sorted(fig.ops.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
