@@ -97,6 +97,7 @@ struct Int64Array {
                            Py_TYPE(obj.ptr())->tp_name);
     }
   }
+  Int64Array(const torch::Tensor& t, const char* name) { from_tensor(t, name); }
   std::vector<int64_t> vec() const { return std::vector<int64_t>(data, data + size); }
 
  private:
@@ -197,6 +198,15 @@ bool is_int_scalar(const py::handle& obj) {
 std::vector<int64_t> seq_id_list(const py::handle& obj) {
   if (is_int_scalar(obj)) return {to_int64(obj, "seq_ids")};
   return Int64Array(obj, "seq_ids").vec();
+}
+
+// obj as a list or tuple (itself when it is one), whose items stay alive as long as the result.
+py::object fast_sequence(const py::handle& obj, const char* name) {
+  if (!PySequence_Check(obj.ptr()) || py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj))
+    throw py::type_error(std::string(name) + " must be a list or tuple, got " + Py_TYPE(obj.ptr())->tp_name);
+  py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(obj.ptr(), name));
+  if (!seq) throw py::error_already_set();
+  return seq;
 }
 
 // A tensor that takes ownership of the vector's storage (no copy).
@@ -300,20 +310,36 @@ PYBIND11_MODULE(_C, m) {
           "Allocates the prompt's blocks; returns the number of leading tokens whose KV is already cached.")
       .def(
           "allocate_batch",
-          [](BlockManager& bm, const py::object& seq_ids, const py::sequence& prompts, const py::object& cache_salts) {
+          [](BlockManager& bm, const py::object& seq_ids, const py::object& prompts, const py::object& cache_salts) {
             Int64Array ids(seq_ids, "seq_ids");
-            std::vector<Int64Array> tokens;
-            tokens.reserve(static_cast<size_t>(py::len(prompts)));
-            for (const py::handle prompt : prompts) tokens.emplace_back(prompt, "prompts[i]");
             std::vector<TokenSpan> spans;
-            spans.reserve(tokens.size());
+            std::vector<Int64Array> tokens;
+            std::optional<Int64Array> rows;
+            if (THPVariable_Check(prompts.ptr())) {  // a 2-D integer tensor: one prompt per row
+              const torch::Tensor t = THPVariable_Unpack(prompts.ptr());
+              if (t.dim() != 2) throw ValueError("allocate_batch: a prompts tensor must be 2-D (one prompt per row)");
+              if (!at::isIntegralType(t.scalar_type(), /*includeBool=*/false))
+                throw py::type_error("allocate_batch: prompts must hold integers, got dtype " +
+                                     std::string(c10::toString(t.scalar_type())));
+              rows.emplace(t.flatten(), "prompts");
+              for (int64_t i = 0; i < t.size(0); ++i) spans.push_back({rows->data + i * t.size(1), size_t(t.size(1))});
+            } else {
+            // Items of a list/tuple made once: they stay alive while we read them (a generic sequence's
+            // items, e.g. a numpy array's rows, are new objects that a py::handle would not keep alive).
+            const py::object prompt_list = fast_sequence(prompts, "prompts");
+            tokens.reserve(static_cast<size_t>(PySequence_Fast_GET_SIZE(prompt_list.ptr())));
+            for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(prompt_list.ptr()); ++i)
+              tokens.emplace_back(PySequence_Fast_GET_ITEM(prompt_list.ptr(), i), "prompts[i]");
             for (const Int64Array& t : tokens) spans.push_back({t.data, t.size});
+            }
             std::vector<std::string> salts;
             if (!cache_salts.is_none()) {
               if (!py::isinstance<py::sequence>(cache_salts) || py::isinstance<py::str>(cache_salts) ||
                   py::isinstance<py::bytes>(cache_salts))
                 throw py::type_error("allocate_batch: cache_salts must be a list with one salt per prompt, or None");
-              for (const py::handle salt : cache_salts) salts.push_back(salt_bytes(py::reinterpret_borrow<py::object>(salt)));
+              const py::object salt_list = fast_sequence(cache_salts, "cache_salts");
+              for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(salt_list.ptr()); ++i)
+                salts.push_back(salt_bytes(py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(salt_list.ptr(), i))));
               if (salts.size() != spans.size())  // an empty list for an empty batch is fine
                 throw ValueError("allocate_batch: cache_salts must have one entry per prompt");
             }

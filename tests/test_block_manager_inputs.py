@@ -337,3 +337,43 @@ def test_a_pending_copy_source_is_not_reused_before_the_copy_is_taken():
     assert bm.take_copies() == [(src, bm.block_table(2)[-1])]
     assert bm.can_swap_in([9]) == AllocStatus.OK
     bm.check_invariants()
+
+
+def test_allocate_batch_takes_a_2d_array_of_prompts():
+    """Rows of a 2-D array are new objects on each access: they must stay alive while being read."""
+    prompts = np.random.default_rng().integers(0, 100, size=(6, 7))
+    bm, ref = BlockManager(32, 4), BlockManager(32, 4)
+    assert bm.allocate_batch(np.arange(6), prompts) == ref.allocate_batch(list(range(6)), prompts.tolist())
+    assert [bm.token_ids(i) for i in range(6)] == prompts.tolist()
+    assert bm.allocate_batch(np.array([10, 11]), torch.tensor(prompts[:2]), cache_salts=("a", b"b")) == [0, 0]
+    with pytest.raises(TypeError, match="prompts must be a list"):
+        bm.allocate_batch([20], {5: [1]})
+    bm.check_invariants()
+
+
+HOSTILE = [None, 0, -1, 2, 2 ** 31, 2 ** 63, -(2 ** 63) - 1, 2 ** 64, 1.5, float("nan"), "x", b"y", [], [1], [1, 2, 3],
+           [[1]], (1, 2), np.arange(3), np.arange(3.0), np.array([], dtype=np.int64), np.zeros((2, 2), dtype=np.int64),
+           np.int64(1), np.uint64(2 ** 64 - 1), torch.arange(3), torch.zeros(0, dtype=torch.long), torch.tensor(1),
+           torch.ones(2, device="meta", dtype=torch.long), torch.arange(3, dtype=torch.int8), array.array("b", [1, 2]),
+           memoryview(b"ab"), {1: 2}, object(), range(3), True]
+
+
+def test_every_method_survives_hostile_arguments():
+    """Random methods with random junk: each call returns or raises a documented exception, and the
+    manager stays consistent (a crash here kills the test run)."""
+    rng = np.random.default_rng()
+    methods = [m for m in dir(BlockManager) if not m.startswith("_") and callable(getattr(BlockManager, m))]
+    for _ in range(3000):
+        bm = BlockManager(8, 2, num_cpu_blocks=4)
+        bm.allocate(1, [1, 2, 3])
+        bm.allocate(2, [1, 2, 3, 4, 5])
+        bm.mark_computed(1)
+        name = methods[rng.integers(len(methods))]
+        args = [HOSTILE[i] for i in rng.integers(len(HOSTILE), size=rng.integers(0, 4))]
+        try:
+            getattr(bm, name)(*args)
+        except (TypeError, ValueError, KeyError, OverflowError) as e:
+            assert str(e), name
+        except RuntimeError as e:  # only "not enough blocks" is a RuntimeError
+            assert "free" in str(e), (name, args, e)
+        bm.check_invariants()
