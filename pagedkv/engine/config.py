@@ -9,6 +9,7 @@ import torch
 
 from .sampling import check_bool, check_float, check_int
 
+INT32_MAX = 2**31 - 1        # the block manager counts blocks and tokens per block in int32
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # config.json fields that change the maths of a Llama-family model, with the only value this engine runs
@@ -195,10 +196,10 @@ class EngineConfig:
     def __post_init__(self):
         self.device = parse_device(self.device)
         self.dtype = parse_dtype(self.dtype)
-        self.block_size = check_int("block_size", self.block_size, minimum=1)
+        self.block_size = check_int("block_size", self.block_size, minimum=1, maximum=INT32_MAX)
         if self.num_blocks is not None:
-            self.num_blocks = check_int("num_blocks", self.num_blocks, minimum=1)
-        self.num_cpu_blocks = check_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0)
+            self.num_blocks = check_int("num_blocks", self.num_blocks, minimum=1, maximum=INT32_MAX)
+        self.num_cpu_blocks = check_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0, maximum=INT32_MAX)
         self.enable_prefix_caching = check_bool("enable_prefix_caching", self.enable_prefix_caching)
         self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         self.max_num_batched_tokens = check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)

@@ -6,12 +6,15 @@ from dataclasses import dataclass, field
 import torch
 
 
-def check_int(name: str, value, minimum: int | None = None) -> int:
-    """`value` as an int when it is an integer (not a bool, not a float) >= minimum, else a clear error."""
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """`value` as an int when it is an integer (not a bool, not a float) in [minimum, maximum], else a
+    clear error."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return int(value)
 
 
