@@ -88,16 +88,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", help="Hugging Face Llama directory (default: a built-in tiny random Llama)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="float32 | float16 | bfloat16 (default: float32 on CPU, the "
-                                                 "checkpoint's dtype on CUDA)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default: float32 on CPU, the checkpoint's dtype on CUDA")
     p.add_argument("--num-requests", type=int_at_least(1), default=64)
     p.add_argument("--num-system-prompts", type=int_at_least(1), default=4)
     p.add_argument("--system-len", type=int_at_least(1), default=192, help="system prompt tokens (token-id prompts)")
     p.add_argument("--max-tokens", type=int_at_least(1), default=64)
     p.add_argument("--temperature", type=temperature, default=0.0)
     p.add_argument("--block-size", type=int_at_least(1), default=16)
-    p.add_argument("--num-blocks", type=int_at_least(1), default=None, help="KV pool size (default: from a memory budget;"
-                                                                " 160 for the built-in model, to show eviction)")
+    p.add_argument("--num-blocks", type=int_at_least(1), default=None,
+                   help="KV pool size (default: from a memory budget; 160 for the built-in model, to show eviction)")
     p.add_argument("--num-cpu-blocks", type=int_at_least(0), default=256, help="CPU blocks for swapping (0: recompute)")
     p.add_argument("--max-num-seqs", type=int_at_least(1), default=32)
     p.add_argument("--plot", default="pagedkv_demo.png", help="where to save the plot ('' for none)")
