@@ -56,6 +56,7 @@ BAD_TENSORS = [
     ("misnamed", lambda t: t.__setitem__("model.norm.weights", t.pop("model.norm.weight")), "model.norm.weights"),
     ("missing", lambda t: t.pop("model.layers.0.mlp.down_proj.weight"), "down_proj"),
     ("missing shard", lambda t: t.pop("model.layers.1.self_attn.v_proj.weight"), "qkv_proj.weight[2]"),
+    ("int8 weight", _set(Q, torch.randint(-128, 127, (64, 64), dtype=torch.int8)), Q),
 ]
 
 
@@ -96,6 +97,8 @@ BAD_CONFIGS = [
     ("vocab float", _update(vocab_size=384.0), "vocab_size"),
     ("missing vocab", lambda c: c.pop("vocab_size"), "vocab_size"),
     ("dtype", _update(dtype="float64"), "dtype"),
+    ("quantized", _update(quantization_config={"quant_method": "bitsandbytes", "load_in_8bit": True}),
+     "quantization_config"),
 ]
 
 
@@ -105,6 +108,15 @@ def test_config_it_cannot_run_exactly_refused_naming_the_field(tiny, tmp_path, e
     with pytest.raises(ValueError) as info:
         LLM(path)
     assert name in str(info.value)
+
+
+@pytest.mark.parametrize("file, text", [("config.json", '{"vocab_size": 384,'), ("config.json", "[1, 2]"),
+                                        ("generation_config.json", "{eos")])
+def test_unreadable_config_files_refused_naming_them(tiny, tmp_path, file, text):
+    path = copy_checkpoint(tiny[0], tmp_path / "ckpt")
+    (tmp_path / "ckpt" / file).write_text(text)
+    with pytest.raises(ValueError, match=file):
+        LLM(path)
 
 
 def test_adapter_file_beside_the_weights_is_not_loaded(tiny, tmp_path):

@@ -16,7 +16,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # (absent counts as that value). Anything else is refused, naming the field.
 MATHS_FIELDS = {"hidden_act": "silu", "sliding_window": None, "use_sliding_window": False,
                 "attn_logit_softcapping": None, "final_logit_softcapping": None, "query_pre_attn_scalar": None,
-                "partial_rotary_factor": 1.0, "logits_scaling": None, "qk_norm": False, "use_qk_norm": False}
+                "partial_rotary_factor": 1.0, "logits_scaling": None, "qk_norm": False, "use_qk_norm": False,
+                "quantization_config": None}
 ROPE_KEYS = {"default": set(), "linear": {"factor"},
              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
 
@@ -140,14 +141,20 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_path: str) -> "ModelConfig":
-        with open(os.path.join(model_path, "config.json")) as f:
-            hf = json.load(f)
         generation_path = os.path.join(model_path, "generation_config.json")
-        generation = None
-        if os.path.exists(generation_path):
-            with open(generation_path) as f:
-                generation = json.load(f)
-        return cls.from_dict(hf, generation)
+        generation = _read_json(generation_path) if os.path.exists(generation_path) else None
+        return cls.from_dict(_read_json(os.path.join(model_path, "config.json")), generation)
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        try:
+            value = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _check_architecture(hf: dict) -> None:

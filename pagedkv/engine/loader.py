@@ -11,6 +11,9 @@ from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
 
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}     # safetensors' names
+
+
 def _safetensors_files(model_path: str) -> list[str]:
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -64,7 +67,11 @@ def load_weights(model: LlamaForCausalLM, model_path: str) -> None:
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue
                 target, loaded_name = _target(model, params, name)
-                shape = tuple(f.get_slice(name).get_shape())
+                stored = f.get_slice(name)
+                if stored.get_dtype() not in FLOAT_DTYPES:      # quantized or integer: not weights we can use
+                    raise ValueError(f"checkpoint tensor {name!r} is {stored.get_dtype()}; the engine loads "
+                                     f"floating-point weights only ({', '.join(sorted(FLOAT_DTYPES))})")
+                shape = tuple(stored.get_shape())
                 if shape != tuple(target.shape):
                     raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, the model expects "
                                      f"{list(target.shape)} (from config.json)")
