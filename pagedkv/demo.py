@@ -1,8 +1,10 @@
 """Demo: `python -m pagedkv.demo` generates for many requests that share a few system prompts, on a
 built-in tiny random Llama (offline) or `--model PATH`, then prints a summary and plots block usage."""
 import argparse
+import math
 import os
 import random
+import sys
 import tempfile
 import time
 
@@ -35,9 +37,8 @@ def make_workload(args, vocab_size: int, has_tokenizer: bool):
                    for _ in range(args.num_system_prompts)]
         prompts = [rng.choice(systems) + [rng.randrange(3, vocab_size) for _ in range(rng.randrange(8, 48))]
                    for _ in range(args.num_requests)]
-    params = [SamplingParams(temperature=args.temperature, max_tokens=rng.randrange(args.max_tokens // 2,
-                                                                                    args.max_tokens + 1),
-                             ignore_eos=not has_tokenizer) for _ in prompts]
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=not has_tokenizer,
+                             max_tokens=rng.randint(max(1, args.max_tokens // 2), args.max_tokens)) for _ in prompts]
     return prompts, params
 
 
@@ -60,28 +61,54 @@ def plot_history(history: list[dict], num_blocks: int, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> None:
+def int_at_least(minimum):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def temperature(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def main(argv=None) -> int:
+    """Runs the demo; returns the exit status: 0, or 1 when some request failed."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", help="Hugging Face Llama directory (default: a built-in tiny random Llama)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, the "
-                                                 "checkpoint's dtype on CUDA)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--num-system-prompts", type=int, default=4)
-    p.add_argument("--system-len", type=int, default=192, help="system prompt tokens (token-id prompts)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from a memory budget;"
-                                                                " 160 for the built-in model, to show eviction)")
-    p.add_argument("--num-cpu-blocks", type=int, default=256, help="CPU blocks for swapping (0: recompute)")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--plot", default="pagedkv_demo.png")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default: float32 on CPU, the checkpoint's dtype on CUDA")
+    p.add_argument("--num-requests", type=int_at_least(1), default=64)
+    p.add_argument("--num-system-prompts", type=int_at_least(1), default=4)
+    p.add_argument("--system-len", type=int_at_least(1), default=192, help="system prompt tokens (token-id prompts)")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=64)
+    p.add_argument("--temperature", type=temperature, default=0.0)
+    p.add_argument("--block-size", type=int_at_least(1), default=16)
+    p.add_argument("--num-blocks", type=int_at_least(1), default=None,
+                   help="KV pool size (default: from a memory budget; 160 for the built-in model, to show eviction)")
+    p.add_argument("--num-cpu-blocks", type=int_at_least(0), default=256, help="CPU blocks for swapping (0: recompute)")
+    p.add_argument("--max-num-seqs", type=int_at_least(1), default=32)
+    p.add_argument("--plot", default="pagedkv_demo.png", help="where to save the plot ('' for none)")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="torch CPU threads (default: 1 for the built-in model, whose ops are too small to gain "
                         "from threads and slow down badly on a busy machine; torch's choice otherwise)")
     args = p.parse_args(argv)
+    plot_dir = os.path.dirname(os.path.abspath(args.plot))
+    if args.plot and not (os.path.isdir(plot_dir) and os.access(plot_dir, os.W_OK)):
+        p.error(f"--plot {args.plot}: directory {plot_dir} does not exist or is not writable")
     threads = args.threads or (1 if args.model is None else None)
     if threads:
         torch.set_num_threads(threads)
@@ -93,13 +120,19 @@ def main(argv=None) -> None:
             model_path = os.path.join(tmp, "tiny-llama")
             build_tiny_llama(model_path)
             num_blocks = num_blocks or 160
-        llm = LLM(model_path, device=args.device, dtype=args.dtype, block_size=args.block_size,
-                  num_blocks=num_blocks, num_cpu_blocks=args.num_cpu_blocks, max_num_seqs=args.max_num_seqs,
-                  seed=args.seed)
+        try:
+            llm = LLM(model_path, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                      num_blocks=num_blocks, num_cpu_blocks=args.num_cpu_blocks, max_num_seqs=args.max_num_seqs,
+                      seed=args.seed, history_size=1_000_000)
+        except (ValueError, TypeError, FileNotFoundError) as e:
+            p.error(str(e))
     prompts, params = make_workload(args, llm.model_config.vocab_size, llm.tokenizer is not None)
 
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=True)
+    except ValueError as e:            # a prompt the model cannot take (e.g. --system-len too long)
+        p.error(str(e))
     elapsed = time.perf_counter() - start
 
     stats = llm.stats()
@@ -118,9 +151,16 @@ def main(argv=None) -> None:
     print(f"preemptions      {stats['preempted_swap']} by swap, {stats['preempted_recompute']} by recompute")
     if llm.tokenizer is not None:
         print(f"sample output    {outputs[0].text!r}")
-    plot_history(llm.history, llm.num_blocks, args.plot)
-    print(f"plot             {os.path.abspath(args.plot)}")
+    if args.plot:
+        plot_history(llm.history, llm.num_blocks, args.plot)
+        print(f"plot             {os.path.abspath(args.plot)}")
+    failed = [o for o in outputs if o.error is not None]
+    if failed:
+        print(f"error: {len(failed)} of {len(outputs)} requests failed; request {failed[0].request_id}: "
+              f"{failed[0].error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,6 +7,7 @@ would need. Prints the prefix-cache hit rate, peak blocks used, preemptions and 
 """
 import argparse
 import random
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ class Simulator:
         self.bm = BlockManager(args.num_blocks, args.block_size, num_cpu_blocks=args.cpu_blocks, watermark=0.0)
         self.max_batch = args.max_batch
         self.waiting, self.running, self.swapped = deque(), [], deque()
-        self.preempt_swap = self.preempt_recompute = self.never = 0
+        self.preempt_swap = self.preempt_recompute = self.never = self.outgrew = 0
         self.peak_used = 0
         self.bookkeeping_s = 0.0
         self.steps = 0
@@ -73,6 +74,13 @@ class Simulator:
             self.waiting.appendleft(victim)
             self.preempt_recompute += 1
 
+    def reject_head(self):
+        if self.swapped:
+            self.bm.free(self.swapped.popleft().seq_id)
+        else:
+            self.waiting.popleft()
+        self.never += 1
+
     def new_id(self):
         self.next_seq += 1
         return self.next_seq
@@ -80,8 +88,14 @@ class Simulator:
     def step(self, rng):
         t0 = time.perf_counter()
         self.admit()
+        if not self.running and (self.waiting or self.swapped):
+            self.reject_head()       # an empty pool cannot take it: it would wait forever
         while self.running and not self.bm.can_append([r.seq_id for r in self.running]):
-            self.preempt()
+            if len(self.running) > 1:
+                self.preempt()
+            else:                    # alone and still no room: it outgrew the KV cache, as in the engine
+                self.bm.free(self.running.pop().seq_id)
+                self.outgrew += 1
         ids = [r.seq_id for r in self.running]
         self.batch_sum += len(ids)
         finished = []
@@ -116,23 +130,36 @@ def make_trace(args, rng):
     return trace
 
 
-def main(argv=None):
+def int_at_least(minimum):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def main(argv=None) -> int:
+    """Runs the simulation; returns the exit status: 0, or 1 when some request failed."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--system-prompts", type=int, default=8)
-    ap.add_argument("--arrivals-per-step", type=int, default=4)
-    ap.add_argument("--num-blocks", type=int, default=2048)
-    ap.add_argument("--cpu-blocks", type=int, default=512)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-batch", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", type=int_at_least(1), default=2000)
+    ap.add_argument("--system-prompts", type=int_at_least(1), default=8)
+    ap.add_argument("--arrivals-per-step", type=int_at_least(1), default=4)
+    ap.add_argument("--num-blocks", type=int_at_least(1), default=2048)
+    ap.add_argument("--cpu-blocks", type=int_at_least(0), default=512)
+    ap.add_argument("--block-size", type=int_at_least(1), default=16)
+    ap.add_argument("--max-batch", type=int_at_least(1), default=256)
+    ap.add_argument("--seed", type=int_at_least(0), default=0)
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     trace = deque(make_trace(args, rng))
     sim = Simulator(args)
     done = 0
     with tqdm(total=args.requests, desc="requests", unit="req") as bar:
-        while done + sim.never < args.requests:
+        while done + sim.never + sim.outgrew < args.requests:
             while trace and trace[0].arrival <= sim.steps:
                 sim.waiting.append(trace.popleft())
             finished = sim.step(rng)
@@ -140,14 +167,18 @@ def main(argv=None):
             bar.update(finished)
     sim.bm.check_invariants()
     st = sim.bm.stats()
-    print(f"\nsteps: {sim.steps}   requests finished: {done}   rejected (NEVER): {sim.never}")
+    print(f"\nsteps: {sim.steps}   requests finished: {done}   rejected (can never fit): {sim.never}   "
+          f"failed (outgrew the KV cache): {sim.outgrew}")
     print(f"prefix-cache hit rate: {st['hit_rate']:.1%} ({st['hits']} of {st['queries']} prompt tokens)")
     print(f"peak blocks used: {sim.peak_used} of {args.num_blocks}   evictions: {st['evictions']}")
     print(f"preemptions: {sim.preempt_swap} by swap, {sim.preempt_recompute} by recompute")
     print(f"bookkeeping: {sim.bookkeeping_s / sim.steps * 1e6:.0f} us per step "
           f"(mean batch {sim.batch_sum / sim.steps:.0f})")
-    return sim
+    if sim.never or sim.outgrew:
+        print(f"error: {sim.never + sim.outgrew} of {args.requests} requests failed", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

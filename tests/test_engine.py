@@ -114,7 +114,7 @@ def test_chunked_prefill_matches_transformers(tiny, device, budget, prefix_cachi
     chunks over several steps, next to other sequences' decodes, and n > 1 forks only at its end."""
     path, _, prompts, expected = tiny
     llm = LLM(path, device=device, block_size=8, enable_prefix_caching=prefix_caching,
-              max_num_batched_tokens=budget)
+              max_num_batched_tokens=budget, history_size=10_000)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, n=2))
     assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e, e] for e in expected]
     steps = llm.history

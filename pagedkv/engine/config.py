@@ -1,9 +1,58 @@
-"""Configuration: the model's shape (read from a Hugging Face config.json) and the engine's knobs."""
+"""Configuration: the model's shape (read from a Hugging Face config.json, refusing what the engine
+cannot run exactly) and the engine's knobs (checked when made)."""
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
 import torch
+
+from .sampling import check_bool, check_float, check_int
+
+INT32_MAX = 2**31 - 1        # the block manager counts blocks and tokens per block in int32
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# config.json fields that change the maths of a Llama-family model, with the only value this engine runs
+# (absent counts as that value). Anything else is refused, naming the field.
+MATHS_FIELDS = {"hidden_act": "silu", "sliding_window": None, "use_sliding_window": False,
+                "attn_logit_softcapping": None, "final_logit_softcapping": None, "query_pre_attn_scalar": None,
+                "partial_rotary_factor": 1.0, "logits_scaling": None, "qk_norm": False, "use_qk_norm": False,
+                "quantization_config": None}
+ROPE_KEYS = {"default": set(), "linear": {"factor"},
+             "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
+
+
+def parse_dtype(dtype, name: str = "dtype") -> torch.dtype | None:
+    """None, a torch float dtype the ops support, or its name ("float32", "float16", "bfloat16")."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"{name} must be one of {sorted(DTYPES)} or a torch.dtype, got {dtype!r}")
+        return DTYPES[dtype]
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype or one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES.values():
+        raise ValueError(f"{name} must be one of torch.float32, torch.float16, torch.bfloat16, got {dtype}")
+    return dtype
+
+
+def parse_device(device) -> torch.device:
+    """A torch.device or its string ("cpu", "cuda", "cuda:1", ...): CPU, or CUDA when it is available."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a device: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA devices")
+    elif dev.type != "cpu":
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    return dev
 
 
 @dataclass
@@ -26,42 +75,122 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32     # the checkpoint's dtype
 
     @classmethod
-    def from_dict(cls, hf: dict) -> "ModelConfig":
-        # transformers >= 5 writes rope_parameters (theta inside); older configs use rope_theta + rope_scaling.
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        eos = hf.get("eos_token_id")
-        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    def from_dict(cls, hf: dict, generation: dict | None = None) -> "ModelConfig":
+        """From config.json (and generation_config.json, whose eos_token_id wins as in transformers).
+        Raises ValueError naming the field for anything this Llama implementation would not run exactly."""
+        _check_architecture(hf)
+        for name, default in MATHS_FIELDS.items():
+            if hf.get(name) is not None and hf[name] != default:
+                raise ValueError(f"config.json: {name}={hf[name]!r} is not supported (the engine runs "
+                                 f"{name}={default!r} only)")
+
+        def need(name):
+            if name not in hf:
+                raise ValueError(f"config.json lacks {name!r}")
+            return hf[name]
+
+        def positive(name, value):
+            try:
+                return check_int(f"config.json {name}", value, minimum=1)
+            except TypeError as e:
+                raise ValueError(str(e)) from None
+
+        num_heads = positive("num_attention_heads", need("num_attention_heads"))
+        hidden = positive("hidden_size", need("hidden_size"))
+        num_kv_heads = positive("num_key_value_heads", hf.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"config.json: num_attention_heads={num_heads} is not a multiple of "
+                             f"num_key_value_heads={num_kv_heads}")
+        head_dim = positive("head_dim", hf.get("head_dim") or hidden // num_heads)
+        max_pos = positive("max_position_embeddings", hf.get("max_position_embeddings", 2048))
+        if max_pos < 2:
+            raise ValueError(f"config.json: max_position_embeddings must be >= 2, got {max_pos}")
+        theta, rope_scaling = _rope(hf)
+        eps = hf.get("rms_norm_eps", 1e-6)
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"config.json: rms_norm_eps must be a positive number, got {eps!r}")
+        flags = {}
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+            if not isinstance(hf.get(name, False), bool):
+                raise ValueError(f"config.json: {name} must be true or false, got {hf[name]!r}")
+            flags[name] = hf.get(name, False)
+        eos_source = generation if generation and "eos_token_id" in generation else hf
+        eos = eos_source.get("eos_token_id")
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
+        if not isinstance(eos, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in eos):
+            raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos_source['eos_token_id']!r}")
+        dtype_name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        if dtype_name not in DTYPES:
+            raise ValueError(f"config.json: dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", False),
-            mlp_bias=hf.get("mlp_bias", False),
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            dtype=getattr(torch, dtype),
+            vocab_size=positive("vocab_size", need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=positive("intermediate_size", need("intermediate_size")),
+            num_layers=positive("num_hidden_layers", need("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(eps),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            eos_token_ids=list(eos),
+            dtype=DTYPES[dtype_name],
+            **flags,
         )
 
     @classmethod
     def from_pretrained(cls, model_path: str) -> "ModelConfig":
-        with open(os.path.join(model_path, "config.json")) as f:
-            return cls.from_dict(json.load(f))
+        generation_path = os.path.join(model_path, "generation_config.json")
+        generation = _read_json(generation_path) if os.path.exists(generation_path) else None
+        return cls.from_dict(_read_json(os.path.join(model_path, "config.json")), generation)
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        try:
+            value = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _check_architecture(hf: dict) -> None:
+    archs, model_type = hf.get("architectures"), hf.get("model_type")
+    if archs is None and model_type is None:
+        raise ValueError("config.json names neither architectures nor model_type (LlamaForCausalLM / llama "
+                         "expected)")
+    if archs is not None and archs != ["LlamaForCausalLM"]:
+        raise ValueError(f"config.json: architectures={archs!r} is not supported (only LlamaForCausalLM)")
+    if model_type is not None and model_type != "llama":
+        raise ValueError(f"config.json: model_type={model_type!r} is not supported (only llama)")
+
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    # transformers >= 5 writes rope_parameters (theta inside); older configs use rope_theta + rope_scaling.
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
+        raise ValueError(f"config.json: rope_theta must be a positive number, got {theta!r}")
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    if rope_type not in ROPE_KEYS:
+        raise ValueError(f"config.json: rope_type {rope_type!r} is not supported ({', '.join(ROPE_KEYS)} are)")
+    missing = ROPE_KEYS[rope_type] - rope.keys()
+    if missing:
+        raise ValueError(f"config.json: rope_type {rope_type!r} needs {sorted(missing)}")
+    if rope.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ValueError(f"config.json: partial_rotary_factor={rope['partial_rotary_factor']!r} is not "
+                         f"supported (the engine rotates whole heads)")
+    return float(theta), None if rope_type == "default" else {**rope, "rope_type": rope_type}
 
 
 @dataclass
 class EngineConfig:
-    device: str = "cpu"
-    dtype: torch.dtype | None = None          # None: float32 on CPU, the checkpoint's dtype on CUDA
+    """The engine's knobs; each is checked here (TypeError/ValueError naming it)."""
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype | str | None = None    # None: float32 on CPU, the checkpoint's dtype on CUDA
     block_size: int = 16
     num_blocks: int | None = None             # None: sized from kv_cache_bytes / gpu_memory_utilization
     num_cpu_blocks: int = 0                   # > 0 enables preemption by swap
@@ -70,3 +199,18 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     kv_cache_bytes: int = 256 << 20           # CPU budget when num_blocks is None
     gpu_memory_utilization: float = 0.5       # fraction of free GPU memory for the KV cache
+
+    def __post_init__(self):
+        self.device = parse_device(self.device)
+        self.dtype = parse_dtype(self.dtype)
+        self.block_size = check_int("block_size", self.block_size, minimum=1, maximum=INT32_MAX)
+        if self.num_blocks is not None:
+            self.num_blocks = check_int("num_blocks", self.num_blocks, minimum=1, maximum=INT32_MAX)
+        self.num_cpu_blocks = check_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0, maximum=INT32_MAX)
+        self.enable_prefix_caching = check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        self.max_num_batched_tokens = check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        self.kv_cache_bytes = check_int("kv_cache_bytes", self.kv_cache_bytes, minimum=1)
+        self.gpu_memory_utilization = check_float("gpu_memory_utilization", self.gpu_memory_utilization)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

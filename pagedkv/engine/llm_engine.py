@@ -1,6 +1,12 @@
-"""The user-facing engine: LLM(model_path).generate(prompts, SamplingParams(...))."""
+"""The user-facing engine: LLM(model_path).generate(prompts, SamplingParams(...)).
+
+Error contract: every argument is checked where it is taken (TypeError/ValueError naming it) before
+anything is queued; a step that raises (Ctrl-C included) leaves every request as before it, its
+sequences waiting to be recomputed; generate() aborts the requests it added when it is interrupted."""
+import numbers
 import os
 import time
+from collections import deque
 
 import torch
 from tqdm.auto import tqdm
@@ -11,44 +17,60 @@ from .config import EngineConfig
 from .cpu_linear import pack_wide_linears
 from .loader import load_model
 from .model_runner import ModelRunner, kv_cache_block_bytes
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_bool, check_int, token_id_list
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, Request, RequestOutput
 
 
 class LLM:
-    def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype | str | None = None,
-                 block_size: int = 16, num_blocks: int | None = None, num_cpu_blocks: int = 0,
-                 enable_prefix_caching: bool = True, max_num_seqs: int = 64,
+    def __init__(self, model_path: str | os.PathLike, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | str | None = None, block_size: int = 16, num_blocks: int | None = None,
+                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, kv_cache_bytes: int = 256 << 20,
-                 gpu_memory_utilization: float = 0.5, seed: int = 0, pack_cpu_weights: bool = True):
+                 gpu_memory_utilization: float = 0.5, seed: int = 0, pack_cpu_weights: bool = True,
+                 history_size: int = 0):
+        if not isinstance(model_path, (str, os.PathLike)):
+            raise TypeError(f"model_path must be a path, got {model_path!r}")
         self.config = EngineConfig(device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                                    num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization)
-        self.model = load_model(model_path, device, dtype)
-        if pack_cpu_weights and device == "cpu":
-            pack_wide_linears(self.model, batch_hint=min(max_num_seqs, 16))
+        seed = check_int("seed", seed, minimum=0)
+        pack_cpu_weights = check_bool("pack_cpu_weights", pack_cpu_weights)
+        history_size = check_int("history_size", history_size, minimum=0)
+        model_path = os.fspath(model_path)
+        self.device = self.config.device
+        self.model = load_model(model_path, self.device, self.config.dtype)
+        if pack_cpu_weights and self.device.type == "cpu":
+            pack_wide_linears(self.model, batch_hint=min(self.config.max_num_seqs, 16))
         self.model_config = self.model.config
         self.max_model_len = self.model_config.max_position_embeddings
-        self.num_blocks = num_blocks or self._num_blocks_from_budget()
-        self.bm = BlockManager(self.num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
-                               enable_prefix_caching=enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.config, self.num_blocks, num_cpu_blocks, seed)
+        self.num_blocks = self.config.num_blocks or self._num_blocks_from_budget()
+        self.bm = BlockManager(self.num_blocks, self.config.block_size, num_cpu_blocks=self.config.num_cpu_blocks,
+                               enable_prefix_caching=self.config.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.config, self.num_blocks, self.config.num_cpu_blocks, seed)
         self.scheduler = Scheduler(self.bm, self.config, self.model_config.eos_token_ids, self.max_model_len)
         self.tokenizer = self._load_tokenizer(model_path)
-        self.history: list[dict] = []      # per step: blocks used / cached, for plots
+        # The last history_size steps (blocks used / cached, batch shape), for plots; 0 keeps none.
+        self.history: deque[dict] = deque(maxlen=history_size)
+        self.num_steps = 0
+        self.peak_used_blocks = 0
+        self.requests: dict[int, Request] = {}     # unfinished requests by id
         self.next_request_id = 0
 
     def _num_blocks_from_budget(self) -> int:
         cfg = self.config
         block_bytes = kv_cache_block_bytes(self.model, cfg.block_size, next(self.model.parameters()).dtype)
-        if cfg.device.startswith("cuda"):
-            budget = int(torch.cuda.mem_get_info(torch.device(cfg.device))[0] * cfg.gpu_memory_utilization)
+        if cfg.device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(cfg.device)[0] * cfg.gpu_memory_utilization)
+            what = f"gpu_memory_utilization={cfg.gpu_memory_utilization} of the free GPU memory ({budget} bytes)"
         else:
             budget = cfg.kv_cache_bytes
+            what = f"kv_cache_bytes={budget}"
+        if budget < block_bytes:
+            raise ValueError(f"{what} holds no KV block ({block_bytes} bytes each); raise it or pass num_blocks")
         enough = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)   # more is never used
-        return max(1, min(budget // block_bytes, enough))
+        return min(budget // block_bytes, enough)
 
     @staticmethod
     def _load_tokenizer(model_path: str):
@@ -59,56 +81,135 @@ class LLM:
         return Tokenizer.from_file(path)
 
     # ---- requests ---------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+    def add_request(self, prompt, params: SamplingParams | None = None) -> Request:
+        """Queues one prompt (a string with a tokenizer, or token ids: a list of ints or a 1-D integer
+        numpy array / torch tensor) after checking it completely; returns its Request."""
+        token_ids, params = self._check_request(prompt, params)
+        return self._queue(prompt, token_ids, params)
+
+    def _check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer.json in the model directory")
             token_ids = self.tokenizer.encode(prompt).ids
         else:
-            token_ids = list(prompt)
-        request = Request(self.next_request_id, token_ids, params, prompt)
+            token_ids = token_id_list("prompt", prompt)
+        vocab = self.model_config.vocab_size
+        bad = next(((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad[1]} at position {bad[0]} is outside the vocabulary [0, {vocab})")
+        if not 1 <= len(token_ids) < self.max_model_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens: need 1 to {self.max_model_len - 1} "
+                             f"(max_position_embeddings={self.max_model_len})")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {vocab})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
+        return token_ids, params
+
+    def _queue(self, prompt, token_ids: list[int], params: SamplingParams) -> Request:
+        request = Request(self.next_request_id, token_ids, params, prompt if isinstance(prompt, str) else token_ids)
         self.next_request_id += 1
-        if not token_ids or len(token_ids) >= self.max_model_len:
-            request.error = f"prompt of {len(token_ids)} tokens: need 1 to {self.max_model_len - 1}"
-        else:
-            self.scheduler.add_request(request)
+        self.scheduler.add_request(request)
+        self.requests[request.request_id] = request
         return request
 
+    def abort(self, request_id: int) -> bool:
+        """Stops an unfinished request (its outputs so far stay, finish_reason "abort") and frees its
+        blocks; False when no unfinished request has that id."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
     def step(self) -> list[Request]:
-        """Schedules and runs one batch; returns the requests that finished in it."""
-        batch = self.scheduler.schedule()
-        if batch.empty:
-            raise RuntimeError("scheduler made no progress: the KV pool is too small for any waiting sequence")
-        sampled = self.runner.execute(batch, self.bm)
-        finished = self.scheduler.postprocess(batch, sampled)
+        """Schedules and runs one batch; returns the requests that ended in it (finished or failed).
+        If it raises, every request is as before the step and its sequences are recomputed next step."""
+        if not self.scheduler.has_unfinished():
+            return []
+        snapshot, rng_state = self.scheduler.snapshot(), self.runner.generator.get_state()
+        try:
+            batch = self.scheduler.schedule()
+            if batch.empty:
+                raise RuntimeError("scheduler made no progress: the KV pool is too small for any waiting sequence")
+            sampled = self.runner.execute(batch, self.bm)
+            finished = self.scheduler.postprocess(batch, sampled)
+        except BaseException:
+            self.scheduler.restore(snapshot)
+            self.runner.generator.set_state(rng_state)
+            raise
         stats = self.bm.stats()
-        self.history.append(dict(step=len(self.history), used_blocks=stats["used_blocks"],
-                                 cached_blocks=stats["cached_blocks"], running=len(self.scheduler.running),
-                                 tokens=batch.num_tokens, decodes=len(batch.decodes)))
-        requests = {s.request.request_id: s.request for s in finished + batch.failed if s.request.finished}
-        return list(requests.values())
+        self.peak_used_blocks = max(self.peak_used_blocks, stats["used_blocks"])
+        if self.history.maxlen:
+            self.history.append(dict(step=self.num_steps, used_blocks=stats["used_blocks"],
+                                     cached_blocks=stats["cached_blocks"], running=len(self.scheduler.running),
+                                     tokens=batch.num_tokens, decodes=len(batch.decodes)))
+        self.num_steps += 1
+        ended = {s.request.request_id: s.request for s in finished + batch.failed if s.request.finished}
+        for request_id in ended:
+            self.requests.pop(request_id, None)
+        return list(ended.values())
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Runs the prompts (token-id lists, or strings with a tokenizer) to completion; outputs in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        if self.tokenizer is None and any(isinstance(p, str) for p in prompts):
-            raise ValueError("string prompts need a tokenizer.json in the model directory")
-        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm)
-        bar.update(sum(r.error is not None for r in requests))
-        start, computed = time.perf_counter(), self._computed_tokens()
-        while self.scheduler.has_unfinished():
-            bar.update(len(self.step()))
-            rate = (self._computed_tokens() - computed) / (time.perf_counter() - start)
-            bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
-        bar.close()
+        """Runs the prompts (one prompt or a list of them: strings with a tokenizer, token-id lists, 1-D
+        integer arrays or tensors) to completion; outputs in order. Nothing is queued unless every prompt
+        and parameter is valid; if interrupted (any exception, Ctrl-C included) it aborts the requests
+        it added and re-raises."""
+        prompts = self._prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        else:
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}")
+        checked = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            try:
+                checked.append(self._check_request(prompt, sp))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"prompts[{i}]: {e}") from None
+        requests = [self._queue(p, ids, sp) for p, (ids, sp) in zip(prompts, checked)]
+        try:
+            with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+                start, computed = time.perf_counter(), self._computed_tokens()
+                while self.scheduler.has_unfinished():
+                    bar.update(len(self.step()))
+                    rate = (self._computed_tokens() - computed) / (time.perf_counter() - start)
+                    bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
+        except BaseException:
+            for r in requests:
+                self.abort(r.request_id)
+            raise
         return [self._output(r) for r in requests]
+
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        """generate()'s prompts as a list of single prompts."""
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, torch.Tensor) or type(prompts).__module__ == "numpy":
+            if prompts.ndim not in (1, 2):
+                raise TypeError(f"prompts must be a 1-D (one prompt) or 2-D (one per row) array, got "
+                                f"{prompts.ndim}-D")
+            return [prompts] if prompts.ndim == 1 else list(prompts)
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a string, a token-id list or a list of prompts, got "
+                            f"{type(prompts).__name__}")
+        if prompts and (prompts[0] is None or isinstance(prompts[0], numbers.Number)):
+            return [prompts]          # one prompt of token ids
+        return list(prompts)
 
     def _computed_tokens(self) -> int:
         return self.scheduler.stats["prefill_tokens"] + self.scheduler.stats["decode_tokens"]
@@ -124,6 +225,6 @@ class LLM:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
     def stats(self) -> dict:
-        """Scheduler counters (preemptions, CoW copies, tokens), the block manager's stats, peak usage."""
-        peak = max((h["used_blocks"] for h in self.history), default=0)
-        return {**self.scheduler.stats, **self.bm.stats(), "peak_used_blocks": peak}
+        """Scheduler counters (preemptions, CoW copies, tokens, failed steps), the block manager's stats,
+        peak usage."""
+        return {**self.scheduler.stats, **self.bm.stats(), "peak_used_blocks": self.peak_used_blocks}

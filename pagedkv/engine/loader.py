@@ -1,4 +1,5 @@
-"""Loads a Hugging Face Llama checkpoint (config.json + *.safetensors, sharded or not) into our model."""
+"""Loads a Hugging Face Llama checkpoint (config.json + *.safetensors, sharded or not) into our model:
+every tensor must be one the model has, with exactly its shape, and every weight must be there."""
 import glob
 import json
 import os
@@ -10,13 +11,18 @@ from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
 
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}     # safetensors' names
+
+
 def _safetensors_files(model_path: str) -> list[str]:
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(model_path, s) for s in shards]
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    # Adapters (PEFT's adapter_model.safetensors) live beside the weights but are not weights.
+    files = sorted(f for f in glob.glob(os.path.join(model_path, "*.safetensors"))
+                   if not os.path.basename(f).startswith("adapter_"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_path}")
     return files
@@ -33,6 +39,22 @@ def _shard_range(model, fused: str, shard: int) -> tuple[int, int]:
     return start, start + sizes[shard]
 
 
+def _target(model, params: dict, name: str) -> tuple[torch.Tensor, str]:
+    """The parameter slice a checkpoint tensor fills, and the name recorded as loaded."""
+    for ckpt_name, (fused, shard) in model.packed_modules.items():
+        if f".{ckpt_name}." in name:
+            target = name.replace(ckpt_name, fused)
+            if target not in params:
+                break
+            start, end = _shard_range(model, fused, shard)
+            return params[target][start:end], f"{target}[{shard}]"
+    if name not in params:
+        raise ValueError(f"checkpoint tensor {name!r} is not a weight of this model (config.json: "
+                         f"{model.config.num_layers} layers, attention_bias={model.config.attention_bias}, "
+                         f"mlp_bias={model.config.mlp_bias}, tie_word_embeddings={model.config.tie_word_embeddings})")
+    return params[name], name
+
+
 @torch.no_grad()
 def load_weights(model: LlamaForCausalLM, model_path: str) -> None:
     params = dict(model.named_parameters())
@@ -40,21 +62,23 @@ def load_weights(model: LlamaForCausalLM, model_path: str) -> None:
     for path in _safetensors_files(model_path):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                if "rotary_emb" in name:
+                if name.endswith("rotary_emb.inv_freq"):     # recomputed from the config
                     continue
-                tensor = f.get_tensor(name)
-                for ckpt_name, (fused, shard) in model.packed_modules.items():
-                    if f".{ckpt_name}." in name:
-                        target = name.replace(ckpt_name, fused)
-                        start, end = _shard_range(model, fused, shard)
-                        params[target][start:end].copy_(tensor)
-                        loaded.add(f"{target}[{shard}]")
-                        break
-                else:
-                    if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                        continue
-                    params[name].copy_(tensor)
-                    loaded.add(name)
+                if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue
+                target, loaded_name = _target(model, params, name)
+                stored = f.get_slice(name)
+                if stored.get_dtype() not in FLOAT_DTYPES:      # quantized or integer: not weights we can use
+                    raise ValueError(f"checkpoint tensor {name!r} is {stored.get_dtype()}; the engine loads "
+                                     f"floating-point weights only ({', '.join(sorted(FLOAT_DTYPES))})")
+                shape = tuple(stored.get_shape())
+                if shape != tuple(target.shape):
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, the model expects "
+                                     f"{list(target.shape)} (from config.json)")
+                if loaded_name in loaded:
+                    raise ValueError(f"checkpoint tensor {name!r} appears twice")
+                target.copy_(f.get_tensor(name))
+                loaded.add(loaded_name)
     _check_complete(model, params, loaded)
 
 
@@ -71,11 +95,12 @@ def _check_complete(model, params, loaded) -> None:
         raise ValueError(f"checkpoint lacks weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
-def load_model(model_path: str, device: str, dtype: torch.dtype | str | None = None) -> LlamaForCausalLM:
+def load_model(model_path: str, device: torch.device, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
     """The checkpoint's model on `device`; dtype None means float32 on CPU, the checkpoint's on CUDA."""
+    if not os.path.isdir(model_path):
+        raise FileNotFoundError(f"model_path {model_path!r} is not a directory")
     cfg = ModelConfig.from_pretrained(model_path)
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    dtype = dtype or (cfg.dtype if device != "cpu" else torch.float32)
+    dtype = dtype or (cfg.dtype if device.type != "cpu" else torch.float32)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)     # parameters are created in their final dtype, on the device
     try:

@@ -1,11 +1,61 @@
-"""Sampling parameters and the sampler: greedy, temperature and nucleus (top-p) sampling."""
+"""Sampling parameters (validated when made) and the sampler: greedy, temperature and nucleus (top-p)."""
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 
 
-@dataclass
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """`value` as an int when it is an integer (not a bool, not a float) in [minimum, maximum], else a
+    clear error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return int(value)
+
+
+def check_float(name: str, value) -> float:
+    """`value` as a finite float when it is a real number (not a bool), else a clear error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def token_id_list(name: str, ids) -> list[int]:
+    """A list of Python ints from a list/tuple of ints or a 1-D integer numpy array / torch tensor."""
+    if isinstance(ids, (str, bytes)) or isinstance(ids, numbers.Number) or ids is None:
+        raise TypeError(f"{name} must be a sequence of token ids (ints), got {ids!r}")
+    if isinstance(ids, torch.Tensor) or type(ids).__module__ == "numpy":
+        dtype = ids.dtype
+        integer = (not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+                   if isinstance(ids, torch.Tensor) else getattr(dtype, "kind", "") in ("i", "u"))
+        if ids.ndim != 1 or not integer:
+            raise TypeError(f"{name} must be a 1-D integer array or tensor, got {ids.ndim}-D of {dtype}")
+        return [int(t) for t in ids.tolist()]
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"{name}[{i}] must be an int token id, got {t!r} ({type(t).__name__})")
+    return [int(t) for t in ids]
+
+
+@dataclass(frozen=True)
 class SamplingParams:
+    """Checked and normalised when made (a bad value raises TypeError/ValueError naming it); frozen, so
+    a request's parameters cannot change under the scheduler."""
     temperature: float = 0.0          # 0: greedy
     top_p: float = 1.0
     max_tokens: int = 64
@@ -14,8 +64,20 @@ class SamplingParams:
     n: int = 1                        # samples per prompt; they share the prompt's KV blocks
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1 or self.n < 1:
-            raise ValueError(f"invalid SamplingParams: {self}")
+        set_ = object.__setattr__
+        set_(self, "temperature", check_float("temperature", self.temperature))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        set_(self, "top_p", check_float("top_p", self.top_p))
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        set_(self, "max_tokens", check_int("max_tokens", self.max_tokens, minimum=1))
+        set_(self, "n", check_int("n", self.n, minimum=1))
+        set_(self, "ignore_eos", check_bool("ignore_eos", self.ignore_eos))
+        stop = token_id_list("stop_token_ids", self.stop_token_ids)
+        if any(t < 0 for t in stop):
+            raise ValueError(f"stop_token_ids must be >= 0, got {stop}")
+        set_(self, "stop_token_ids", stop)
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor,

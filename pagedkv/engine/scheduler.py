@@ -46,6 +46,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class Snapshot:
+    requests: list      # (request, error, [(sequence, number of tokens, status, finish_reason)])
+    stats: dict
+    next_seq_id: int
+
+
 class Scheduler:
     def __init__(self, bm: BlockManager, config: EngineConfig, eos_token_ids: list[int], max_model_len: int):
         self.bm = bm
@@ -57,7 +64,7 @@ class Scheduler:
         self.swapped: deque[list[Sequence]] = deque()   # groups swapped out together, oldest first
         self.next_seq_id = 0
         self.stats = dict(preempted_swap=0, preempted_recompute=0, swapped_in=0,
-                          prefill_tokens=0, cached_prompt_tokens=0, decode_tokens=0, steps=0)
+                          prefill_tokens=0, cached_prompt_tokens=0, decode_tokens=0, steps=0, failed_steps=0)
 
     # ---- queue management -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -72,6 +79,56 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def abort(self, request: Request, reason: str = "aborted") -> None:
+        """Ends every unfinished sequence of the request (finish_reason "abort") and frees its blocks."""
+        seqs = [s for s in request.seqs if s.status != SequenceStatus.FINISHED]
+        for s in seqs:
+            if s.seq_id in self.bm:
+                self.bm.free(s.seq_id)
+            s.status, s.finish_reason = SequenceStatus.FINISHED, "abort"
+        if seqs:
+            request.error = reason
+            self.waiting = deque(s for s in self.waiting if s.request is not request)
+            self.running = [s for s in self.running if s.request is not request]
+            self.swapped = deque(g for g in self.swapped if g[0].request is not request)
+
+    # ---- failed steps -----------------------------------------------------------------------------
+    def snapshot(self) -> "Snapshot":
+        """What restore() needs to undo a step: every unfinished request's sequences and counters."""
+        seqs = list(self.waiting) + self.running + [s for g in self.swapped for s in g]
+        requests = {id(s.request): s.request for s in seqs}.values()
+        return Snapshot(
+            requests=[(r, r.error, [(s, len(s.token_ids), s.status, s.finish_reason) for s in r.seqs])
+                      for r in requests],
+            stats=dict(self.stats), next_seq_id=self.next_seq_id)
+
+    def restore(self, snap: "Snapshot") -> None:
+        """After a step that raised: every request is as in the snapshot (tokens, error, samples) and
+        every unfinished sequence waits to be recomputed, its blocks freed. The block manager may have
+        done part of the step (appends, allocations, swaps, forks), and the KV a partial forward wrote
+        is not trusted, so no unfinished sequence keeps blocks; prefix-cache entries stay (they are
+        registered only once their KV was complete)."""
+        waiting = []
+        for request, error, seq_states in snap.requests:
+            for s in request.seqs[len(seq_states):]:        # forked in the failed step
+                if s.seq_id in self.bm:
+                    self.bm.free(s.seq_id)
+            del request.seqs[len(seq_states):]
+            request.error = error
+            for s, length, status, reason in seq_states:
+                if s.seq_id in self.bm:
+                    self.bm.free(s.seq_id)
+                del s.token_ids[length:]
+                s.finish_reason, s.prefilled = reason, False
+                s.status = SequenceStatus.FINISHED if status == SequenceStatus.FINISHED else SequenceStatus.WAITING
+                if s.status == SequenceStatus.WAITING:
+                    waiting.append(s)
+        self.bm.take_copies()          # copy-on-write pairs of the failed step name freed blocks
+        self.waiting = deque(sorted(waiting, key=lambda s: (s.arrival, s.seq_id)))
+        self.running, self.swapped = [], deque()
+        self.stats = {**snap.stats, "failed_steps": snap.stats["failed_steps"] + 1}
+        self.next_seq_id = snap.next_seq_id
 
     # ---- one step ---------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:

@@ -60,7 +60,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str | None = None
-    finish_reason: str | None = None   # "length" | "stop" | "error"
+    finish_reason: str | None = None   # "length" | "stop" | "error" | "abort"
 
 
 @dataclass
