@@ -366,25 +366,52 @@ PYBIND11_MODULE(_C, m) {
           py::arg("seq_ids"), py::arg("num_tokens") = py::none())
       .def(
           "can_append",
-          [](const BlockManager& bm, const py::object& seq_ids) {
+          [](const BlockManager& bm, const py::object& seq_ids, int64_t num_lookahead_slots) {
             std::vector<int64_t> ids = seq_id_list(seq_ids);
-            return bm.can_append(ids.data(), ids.size());
+            return bm.can_append(ids.data(), ids.size(), num_lookahead_slots);
           },
-          py::arg("seq_ids"))
+          py::arg("seq_ids"), py::arg("num_lookahead_slots") = 0,
+          "Whether every sequence can append 1 + num_lookahead_slots tokens now.")
       .def("append_token", &BlockManager::append_token, py::arg("seq_id"), py::arg("token_id"))
       .def(
           "append_tokens",
-          [](BlockManager& bm, const py::object& seq_ids, const py::object& token_ids) {
+          [](BlockManager& bm, const py::object& seq_ids, const py::object& token_ids, const py::object& counts) {
             Int64Array ids(seq_ids, "seq_ids"), tokens(token_ids, "token_ids");
-            if (ids.size != tokens.size)
-              throw ValueError("append_tokens: " + std::to_string(ids.size) + " seq_ids but " +
+            std::optional<Int64Array> per_seq;
+            size_t total = ids.size;
+            if (!counts.is_none()) {
+              per_seq.emplace(counts, "counts");
+              if (per_seq->size != ids.size)
+                throw ValueError("append_tokens: " + std::to_string(ids.size) + " seq_ids but " +
+                                 std::to_string(per_seq->size) + " counts");
+              total = bm.append_count_total(per_seq->data, per_seq->size);
+            }
+            if (tokens.size != total)
+              throw ValueError("append_tokens: " + std::to_string(total) + " tokens to append but " +
                                std::to_string(tokens.size) + " token_ids");
-            torch::Tensor slots = torch::empty({static_cast<int64_t>(ids.size)}, torch::kInt64);
-            bm.append_tokens(ids.data, tokens.data, ids.size, slots.data_ptr<int64_t>());
+            torch::Tensor slots = torch::empty({static_cast<int64_t>(total)}, torch::kInt64);
+            bm.append_tokens(ids.data, ids.size, tokens.data, per_seq ? per_seq->data : nullptr, slots.data_ptr<int64_t>());
             return slots;
           },
-          py::arg("seq_ids"), py::arg("token_ids"),
-          "Batched decode step: appends one token per sequence; returns their slots (int64 tensor).")
+          py::arg("seq_ids"), py::arg("token_ids"), py::arg("counts") = py::none(),
+          "Batched decode step: appends one token per sequence, or counts[i] tokens to sequence i (its input\n"
+          "and draft tokens, concatenated in token_ids); returns each token's slot (int64 tensor).")
+      .def(
+          "truncate",
+          [](BlockManager& bm, const py::object& seq_ids, const py::object& num_tokens) {
+            const bool single = is_int_scalar(seq_ids);
+            std::vector<int64_t> ids = seq_id_list(seq_ids), counts;
+            if (is_int_scalar(num_tokens)) {
+              counts.assign(ids.size(), to_int64(num_tokens, "num_tokens"));
+            } else {
+              if (single) throw py::type_error("truncate: num_tokens must be an int when seq_ids is an int");
+              counts = Int64Array(num_tokens, "num_tokens").vec();
+            }
+            bm.truncate(ids, counts);
+          },
+          py::arg("seq_ids"), py::arg("num_tokens"),
+          "Rolls sequences back to their first num_tokens tokens (rejected draft tokens); blocks past them are\n"
+          "released (cached ones stay cached).")
       .def("take_copies", [](BlockManager& bm) { return pairs_to_list(bm.take_copies()); })
       .def("free", &BlockManager::free, py::arg("seq_id"))
       .def("fork", &BlockManager::fork, py::arg("parent_seq_id"), py::arg("child_seq_id"))
@@ -392,8 +419,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("seq_ids"))
       .def("swap_out", [](BlockManager& bm, const py::object& ids) { return pairs_to_list(bm.swap_out(seq_id_list(ids))); },
            py::arg("seq_ids"), "Moves the sequences to CPU blocks; returns (gpu_block, cpu_block) copies to perform.")
-      .def("can_swap_in", [](const BlockManager& bm, const py::object& ids) { return bm.can_swap_in(seq_id_list(ids)); },
-           py::arg("seq_ids"))
+      .def("can_swap_in",
+           [](const BlockManager& bm, const py::object& ids, int64_t num_lookahead_slots) {
+             return bm.can_swap_in(seq_id_list(ids), num_lookahead_slots);
+           },
+           py::arg("seq_ids"), py::arg("num_lookahead_slots") = 0)
       .def("swap_in", [](BlockManager& bm, const py::object& ids) { return pairs_to_list(bm.swap_in(seq_id_list(ids))); },
            py::arg("seq_ids"), "Moves the sequences back to GPU blocks; returns (cpu_block, gpu_block) copies to perform.")
       .def("block_table", [](const BlockManager& bm, int64_t seq_id) { return bm.block_table(seq_id); }, py::arg("seq_id"))

@@ -2,7 +2,7 @@
 """Long random run of the BlockManager against a KV-content oracle.
 
 Drives the manager the way an engine does (shared prefixes, salts, partial mark_computed, batched
-appends, fork, copy-on-write with copies sometimes left pending, swap out/in, prefix-cache resets, pools
+appends, speculative appends of several tokens rolled back by truncate, fork, copy-on-write with copies sometimes left pending, swap out/in, prefix-cache resets, pools
 rebuilt with other shapes and hash functions, weak8 included so that hashes collide) and plays the model
 runner: every KV write stores, per slot, the identity of the prefix it was computed for. It checks that
 every prefix hit and every computed token holds exactly its own prefix's KV, that returned slots follow
@@ -40,6 +40,8 @@ class Figures:
     copies: int = 0
     pending_copies_across_ops: int = 0
     swapped_blocks: int = 0
+    draft_tokens: int = 0
+    rejected_tokens: int = 0
     pools: int = 0
 
 
@@ -168,6 +170,39 @@ class Fuzzer:
         else:
             self.pending = True
 
+    def op_speculate(self):
+        """A speculative step: append an input token and drafts, write all their KV, keep a prefix."""
+        ready = [i for i in self.resident() if self.seqs[i].computed == len(self.seqs[i].tokens)
+                 and len(self.seqs[i].tokens) < 12 * self.bs]
+        if not ready:
+            return
+        ids = self.rng.sample(ready, self.rng.randint(1, min(4, len(ready))))
+        k = self.rng.randint(0, 4)  # draft tokens per sequence
+        if not self.bm.can_append(ids, num_lookahead_slots=k):
+            return
+        toks = [self.rng.randrange(self.vocab) for _ in range(len(ids) * (k + 1))]
+        slots = self.bm.append_tokens(ids, toks, counts=[k + 1] * len(ids)).tolist()
+        self.perform_copies()
+        for n, sid in enumerate(ids):
+            s = self.seqs[sid]
+            table = self.bm.block_table(sid)
+            for t, slot in zip(toks[n * (k + 1):(n + 1) * (k + 1)], slots[n * (k + 1):(n + 1) * (k + 1)]):
+                p = len(s.tokens)
+                s.tokens.append(t)
+                s.ids.append(hash((s.ids[-1], t)))
+                if slot != table[p // self.bs] * self.bs + p % self.bs:
+                    self.fail(f"append_tokens(counts=) gave slot {slot} for position {p} of sequence {sid}")
+                self.gpu.setdefault(table[p // self.bs], {})[p % self.bs] = s.ids[p]  # verification forward
+        keep = [len(self.seqs[sid].tokens) - self.rng.randint(0, k) for sid in ids]
+        self.fig.draft_tokens += k * len(ids)
+        self.fig.rejected_tokens += sum(len(self.seqs[sid].tokens) - n for sid, n in zip(ids, keep))
+        self.bm.truncate(ids, keep)
+        self.bm.mark_computed(ids, keep)
+        for sid, n in zip(ids, keep):
+            s = self.seqs[sid]
+            del s.tokens[n:], s.ids[n:]
+            s.computed = n
+
     def op_fork(self):
         res = self.resident()
         if res:
@@ -256,6 +291,10 @@ class Fuzzer:
                 (ValueError, lambda: bm.slot_mappings([sid], [n], [n - 1])),
                 (ValueError, lambda: bm.swap_in([sid])),
                 (OverflowError, lambda: bm.mark_computed(sid, 2 ** 64)),
+                (ValueError, lambda: bm.truncate([sid], [n + 1])),
+                (ValueError, lambda: bm.truncate([sid, sid], [1, 1])),
+                (ValueError, lambda: bm.append_tokens([sid], [1, 2], counts=[3])),
+                (ValueError, lambda: bm.append_tokens([sid], [1], counts=[-1])),
             ]
             if len(bm.block_table(sid)) > 1:
                 calls.append((ValueError, lambda: bm.block_tables([sid], max_blocks=0)))
@@ -288,7 +327,7 @@ class Fuzzer:
             self.fail("blocks leaked or double counted")
 
 
-WEIGHTS = {"allocate": 14, "allocate_batch": 5, "compute": 22, "append": 22, "fork": 5, "free": 12,
+WEIGHTS = {"allocate": 14, "allocate_batch": 5, "compute": 22, "append": 18, "speculate": 6, "fork": 5, "free": 12,
            "swap_out": 5, "swap_in": 5, "reset": 1, "new_pool": 1, "invalid": 5}
 
 
@@ -332,7 +371,8 @@ def main():
           f"{fig.invalid_checked:,} invalid calls raised and changed nothing; "
           f"{fig.invariant_checks:,} invariant checks; {fig.kv_tokens_checked:,} computed tokens and "
           f"{fig.hit_tokens_checked:,} prefix-hit tokens held their own KV; {fig.copies:,} CoW copies "
-          f"({fig.pending_copies_across_ops:,} checks found copies still pending); {fig.swapped_blocks:,} blocks swapped")
+          f"({fig.pending_copies_across_ops:,} checks found copies still pending); {fig.swapped_blocks:,} blocks swapped; "
+          f"{fig.draft_tokens:,} draft tokens appended, {fig.rejected_tokens:,} rolled back")
     print("operations: " + ", ".join(f"{k} {v:,}" for k, v in sorted(fig.ops.items())))
     return 0
 

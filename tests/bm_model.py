@@ -128,29 +128,51 @@ class Model:
             self.registry[k] = b
             s.registered = i + 1
 
-    def append_need(self, sids):
+    def must_copy(self, b):
+        return self.ref[b] > 1 or b in self.tag  # shared, or cached KV left partial by truncate
+
+    def append_need(self, sids, counts=None, extra=0):
         need, shared = 0, {}
-        for sid in sids:
+        for i, sid in enumerate(sids):
             s = self.seqs[sid]
+            c = (1 if counts is None else counts[i]) + extra
+            if c <= 0:
+                continue
+            need += self.nblocks(len(s.tokens) + c) - self.nblocks(len(s.tokens))
             if len(s.tokens) % self.block_size == 0:
+                continue
+            if s.table[-1] in self.tag:
                 need += 1
             elif self.ref[s.table[-1]] > 1:
                 shared[s.table[-1]] = shared.get(s.table[-1], 0) + 1
         return need + sum(k if k < self.ref[b] else k - 1 for b, k in shared.items())
 
     def append(self, sid, tok):
+        return self.append_many(sid, [tok])[0]
+
+    def append_many(self, sid, toks):
+        s, slots = self.seqs[sid], []
+        for j, tok in enumerate(toks):
+            pos = len(s.tokens)
+            if pos % self.block_size == 0:
+                s.table.append(self.take())
+            elif j == 0 and self.must_copy(s.table[-1]):
+                new = self.take()
+                pending = [src for src, dst in self.copies if dst == s.table[-1]]
+                self.copies.append((pending[0] if pending else s.table[-1], new))
+                self.release(s.table[-1])
+                s.table[-1] = new
+            s.tokens.append(tok)
+            slots.append(s.table[pos // self.block_size] * self.block_size + pos % self.block_size)
+        return slots
+
+    def truncate(self, sid, n):
         s = self.seqs[sid]
-        pos = len(s.tokens)
-        if pos % self.block_size == 0:
-            s.table.append(self.take())
-        elif self.ref[s.table[-1]] > 1:
-            new = self.take()
-            pending = [src for src, dst in self.copies if dst == s.table[-1]]
-            self.copies.append((pending[0] if pending else s.table[-1], new))
-            self.release(s.table[-1])
-            s.table[-1] = new
-        s.tokens.append(tok)
-        return s.table[pos // self.block_size] * self.block_size + pos % self.block_size
+        while len(s.table) > self.nblocks(n):
+            self.release(s.table.pop())
+        del s.tokens[n:]
+        s.computed = min(s.computed, n)
+        s.registered = min(s.registered, n // self.block_size)
 
     def free_seq(self, sid):
         s = self.seqs.pop(sid)

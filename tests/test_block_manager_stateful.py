@@ -78,6 +78,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if copy_now:  # else the copies stay pending across frees, forks and swaps until the next compute
             self.perform_copies()
 
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def append_speculative(self, data, token):
+        """Several tokens per sequence in one call (an input and its drafts), then rejects some."""
+        sids = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3, unique=True))
+        counts = data.draw(st.lists(st.integers(0, 5), min_size=len(sids), max_size=len(sids)))
+        lookahead = max(counts) - 1 if max(counts) > 0 else 0
+        ok = self.model.append_need(sids, counts) <= len(self.model.free)
+        if min(counts) == max(counts) > 0:
+            assert self.bm.can_append(sids, num_lookahead_slots=lookahead) == ok
+        if not ok:
+            return
+        toks = [token] * sum(counts)
+        slots = self.bm.append_tokens(sids, toks, counts=counts).tolist()
+        assert slots == [x for sid, c in zip(sids, counts) for x in self.model.append_many(sid, [token] * c)]
+        keep = data.draw(st.lists(st.integers(0, 5), min_size=len(sids), max_size=len(sids)))
+        lens = [max(1, len(self.model.seqs[sid].tokens) - k) for sid, k in zip(sids, keep)]
+        self.bm.truncate(sids, lens)
+        for sid, n in zip(sids, lens):
+            self.model.truncate(sid, n)
+
     @precondition(lambda self: self.model.seqs)
     @rule(data=st.data())
     def free(self, data):

@@ -322,23 +322,40 @@ void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std:
 // ---------------------------------------------------------------------------------------------------
 // Decode
 
-int32_t BlockManager::blocks_needed_to_append(const std::vector<Sequence*>& seqs) const {
+bool BlockManager::must_copy_before_write(int32_t block) const {
+  // Shared with another sequence, or holding cached KV (a block left partial by truncate): writing into
+  // it in place would change KV someone else reads.
+  return gpu_ref_[block] > 1 || block_node_[block] != PrefixCache::kNone;
+}
+
+int32_t BlockManager::blocks_needed_to_append(const std::vector<Sequence*>& seqs, const int64_t* counts,
+                                              int64_t extra) const {
   int32_t needed = 0;
   std::unordered_map<int32_t, int32_t> appenders_of_shared;  // shared last block -> appenders in batch
-  for (const Sequence* seq : seqs) {
-    if (seq->tokens.size() % block_size_ == 0) {
-      ++needed;
-    } else if (gpu_ref_[seq->block_table.back()] > 1) {
-      ++appenders_of_shared[seq->block_table.back()];
-    }
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const Sequence* seq = seqs[i];
+    const int64_t len = static_cast<int64_t>(seq->tokens.size());
+    const int64_t count = (counts ? counts[i] : 1) + extra;
+    if (count <= 0) continue;
+    needed += num_blocks_for(len + count) - num_blocks_for(len);
+    if (len % block_size_ == 0) continue;
+    const int32_t last = seq->block_table.back();
+    if (block_node_[last] != PrefixCache::kNone)
+      ++needed;  // cached KV: every appender copies
+    else if (gpu_ref_[last] > 1)
+      ++appenders_of_shared[last];
   }
   // k appenders on a block with r references copy k times, or k - 1 times when they are all of them.
   for (const auto& [block, k] : appenders_of_shared) needed += k < gpu_ref_[block] ? k : k - 1;
   return needed;
 }
 
-bool BlockManager::can_append(const int64_t* seq_ids, size_t n) const {
-  return blocks_needed_to_append(resolve(seq_ids, n, "can_append", /*unique=*/true)) <= gpu_free_.size();
+bool BlockManager::can_append(const int64_t* seq_ids, size_t n, int64_t num_lookahead_slots) const {
+  if (num_lookahead_slots < 0 || num_lookahead_slots > kMaxTokensPerAppend)
+    throw ValueError(cat("can_append: num_lookahead_slots must be in [0, ", kMaxTokensPerAppend, "], got ",
+                         num_lookahead_slots));
+  const std::vector<Sequence*>& seqs = resolve(seq_ids, n, "can_append", /*unique=*/true);
+  return blocks_needed_to_append(seqs, nullptr, num_lookahead_slots) <= gpu_free_.size();
 }
 
 int64_t BlockManager::append_token(int64_t seq_id, int64_t token_id) {
@@ -348,19 +365,36 @@ int64_t BlockManager::append_token(int64_t seq_id, int64_t token_id) {
 }
 
 void BlockManager::append_tokens(const int64_t* seq_ids, const int64_t* token_ids, size_t n, int64_t* slots_out) {
+  append_tokens(seq_ids, n, token_ids, nullptr, slots_out);
+}
+
+size_t BlockManager::append_count_total(const int64_t* counts, size_t n) const {
+  size_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (counts[i] < 0 || counts[i] > kMaxTokensPerAppend)
+      throw ValueError(cat("append_tokens: counts[", i, "]=", counts[i], " must be in [0, ", kMaxTokensPerAppend, "]"));
+    total += static_cast<size_t>(counts[i]);
+  }
+  return total;
+}
+
+void BlockManager::append_tokens(const int64_t* seq_ids, size_t n, const int64_t* token_ids, const int64_t* counts,
+                                 int64_t* slots_out) {
+  if (counts) append_count_total(counts, n);
   const std::vector<Sequence*>& seqs = resolve(seq_ids, n, "append_tokens", /*unique=*/true);
-  const int32_t needed = blocks_needed_to_append(seqs);
+  const int32_t needed = blocks_needed_to_append(seqs, counts, 0);
   if (needed > gpu_free_.size())
     throw OutOfBlocks(cat("append_tokens: needs ", needed, " free blocks but only ", gpu_free_.size(),
                           " are free (check can_append first)"));
   for (size_t i = 0; i < n; ++i) {
     Sequence& seq = *seqs[i];
-    const int64_t pos = static_cast<int64_t>(seq.tokens.size());
-    if (pos % block_size_ == 0) {
-      seq.block_table.push_back(take_free_block());
-    } else {
-      const int32_t last = seq.block_table.back();
-      if (gpu_ref_[last] > 1) {  // shared after fork: copy on write
+    const int64_t count = counts ? counts[i] : 1;
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t pos = static_cast<int64_t>(seq.tokens.size());
+      if (pos % block_size_ == 0) {
+        seq.block_table.push_back(take_free_block());
+      } else if (j == 0 && must_copy_before_write(seq.block_table.back())) {  // copy on write
+        const int32_t last = seq.block_table.back();
         const int32_t copy = take_free_block();
         // Copying a block whose own copy is still pending: copy from that copy's source instead, so that
         // no copy reads another copy's destination (the copies of one batch are independent).
@@ -370,9 +404,33 @@ void BlockManager::append_tokens(const int64_t* seq_ids, const int64_t* token_id
         release_block(last);
         seq.block_table.back() = copy;
       }
+      seq.tokens.push_back(*token_ids++);
+      *slots_out++ = int64_t(seq.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
     }
-    seq.tokens.push_back(token_ids[i]);
-    slots_out[i] = int64_t(seq.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
+  }
+}
+
+void BlockManager::truncate(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& num_tokens) {
+  if (num_tokens.size() != seq_ids.size())
+    throw ValueError(cat("truncate: ", seq_ids.size(), " seq_ids but ", num_tokens.size(), " num_tokens"));
+  const std::vector<Sequence*> seqs = resolve(seq_ids.data(), seq_ids.size(), "truncate", /*unique=*/true);
+  for (size_t i = 0; i < seqs.size(); ++i)
+    if (num_tokens[i] < 1 || num_tokens[i] > static_cast<int64_t>(seqs[i]->tokens.size()))
+      throw ValueError(cat("truncate: num_tokens=", num_tokens[i], " for ", seq_str(seq_ids[i]), " must be in [1, ",
+                           seqs[i]->tokens.size(), "]"));
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Sequence& seq = *seqs[i];
+    const int64_t n = num_tokens[i];
+    const size_t keep = static_cast<size_t>(num_blocks_for(n));
+    while (seq.block_table.size() > keep) {  // tail first; cached blocks stay cached
+      release_block(seq.block_table.back());
+      seq.block_table.pop_back();
+    }
+    seq.tokens.resize(static_cast<size_t>(n));
+    seq.num_computed = std::min(seq.num_computed, n);
+    const int32_t full = static_cast<int32_t>(n / block_size_);
+    seq.num_registered = std::min(seq.num_registered, full);
+    if (static_cast<int32_t>(seq.block_hashes.size()) > full) seq.block_hashes.resize(static_cast<size_t>(full));
   }
 }
 
@@ -460,8 +518,15 @@ std::vector<BlockPair> BlockManager::swap_out(const std::vector<int64_t>& seq_id
   return move_blocks(seq_ids, /*to_cpu=*/true);
 }
 
-AllocStatus BlockManager::can_swap_in(const std::vector<int64_t>& seq_ids) const {
-  const int32_t needed = distinct_blocks(seq_ids, "swap_in", Where::kSwapped);
+AllocStatus BlockManager::can_swap_in(const std::vector<int64_t>& seq_ids, int64_t num_lookahead_slots) const {
+  if (num_lookahead_slots < 0 || num_lookahead_slots > kMaxTokensPerAppend)
+    throw ValueError(cat("can_swap_in: num_lookahead_slots must be in [0, ", kMaxTokensPerAppend, "], got ",
+                         num_lookahead_slots));
+  int32_t needed = distinct_blocks(seq_ids, "swap_in", Where::kSwapped);
+  for (const int64_t id : seq_ids) {  // room to append that many tokens once back
+    const int64_t len = static_cast<int64_t>(get(id).tokens.size());
+    needed += num_blocks_for(len + num_lookahead_slots) - num_blocks_for(len);
+  }
   if (needed > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
   return gpu_free_.size() - needed >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
 }

@@ -60,9 +60,21 @@ class BlockManager {
   // full blocks among them enter the prefix cache. seq_ids must be distinct.
   void mark_computed(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>* num_tokens = nullptr);
 
-  bool can_append(const int64_t* seq_ids, size_t n) const;
+  // Room for every sequence to append 1 + num_lookahead_slots tokens now.
+  bool can_append(const int64_t* seq_ids, size_t n, int64_t num_lookahead_slots = 0) const;
   int64_t append_token(int64_t seq_id, int64_t token_id);
   void append_tokens(const int64_t* seq_ids, const int64_t* token_ids, size_t n, int64_t* slots_out);
+  // Sequence i appends counts[i] tokens (one each when counts is null), the next ones of token_ids;
+  // slots_out gets a slot per token, in order. Speculative decoding appends its input and draft tokens.
+  void append_tokens(const int64_t* seq_ids, size_t n, const int64_t* token_ids, const int64_t* counts,
+                     int64_t* slots_out);
+  // Total of counts (validated: each in [0, kMaxTokensPerAppend]).
+  size_t append_count_total(const int64_t* counts, size_t n) const;
+  // Rolls sequence i back to its first num_tokens[i] tokens (rejected draft tokens): blocks past them
+  // leave its table (cached ones stay cached); the next append into a block left partial copies it first
+  // if it is shared or cached.
+  void truncate(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& num_tokens);
+  static constexpr int64_t kMaxTokensPerAppend = 1 << 20;
   // Copy-on-write copies queued by append_tokens, to perform before the next KV write; they are
   // independent (no copy reads another's destination). Until they are taken, a copy's source is never
   // handed out again, a copy whose destination is freed (its sequence freed or swapped out) is dropped,
@@ -74,7 +86,7 @@ class BlockManager {
 
   bool can_swap_out(const std::vector<int64_t>& seq_ids) const;
   std::vector<BlockPair> swap_out(const std::vector<int64_t>& seq_ids);  // (gpu, cpu)
-  AllocStatus can_swap_in(const std::vector<int64_t>& seq_ids) const;
+  AllocStatus can_swap_in(const std::vector<int64_t>& seq_ids, int64_t num_lookahead_slots = 0) const;
   std::vector<BlockPair> swap_in(const std::vector<int64_t>& seq_ids);   // (cpu, gpu)
 
   const std::vector<int32_t>& block_table(int64_t seq_id) const;
@@ -135,7 +147,8 @@ class BlockManager {
   // Cached: allocate() right after can_allocate() for the same prompt reuses the lookup.
   const std::vector<int32_t>& match_prefix_memo(const int64_t* tokens, size_t num_tokens, std::string_view salt,
                                                 const std::vector<uint64_t>** hashes) const;
-  int32_t blocks_needed_to_append(const std::vector<Sequence*>& seqs) const;
+  int32_t blocks_needed_to_append(const std::vector<Sequence*>& seqs, const int64_t* counts, int64_t extra) const;
+  bool must_copy_before_write(int32_t block) const;
   int32_t distinct_blocks(const std::vector<int64_t>& seq_ids, const char* what, Where where) const;
   std::vector<BlockPair> move_blocks(const std::vector<int64_t>& seq_ids, bool to_cpu);  // swap out / in
   uint64_t block_hash(Sequence& seq, int32_t index) const;

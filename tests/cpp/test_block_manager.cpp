@@ -267,3 +267,36 @@ TEST(BlockManager, CopyOfAPendingCopyReadsTheOriginal) {
   EXPECT_NE(copies[1].first, copies[0].second) << "copies of one batch must not form a chain";
   bm.check_invariants();
 }
+
+TEST(BlockManager, SpeculativeAppendAndTruncate) {
+  BlockManager bm(8, 4);
+  alloc(bm, 1, iota_tokens(3));
+  bm.mark_computed({1});
+  const std::vector<int64_t> ids = {1}, counts = {5}, drafts = {3, 70, 71, 72, 73};
+  EXPECT_TRUE(bm.can_append(ids.data(), 1, /*num_lookahead_slots=*/4));
+  std::vector<int64_t> slots(5);
+  bm.append_tokens(ids.data(), 1, drafts.data(), counts.data(), slots.data());
+  const auto& table = bm.block_table(1);
+  for (int p = 3; p < 8; ++p) EXPECT_EQ(slots[p - 3], table[p / 4] * 4 + p % 4);
+  EXPECT_EQ(bm.num_free_blocks(), 6);
+  bm.truncate({1}, {5});
+  EXPECT_EQ(bm.num_tokens(1), 5);
+  EXPECT_EQ(bm.block_table(1).size(), 2u);
+  EXPECT_THROW(bm.truncate({1}, {6}), ValueError);
+  EXPECT_THROW(bm.truncate({1, 1}, {2, 2}), ValueError);
+  bm.check_invariants();
+}
+
+TEST(BlockManager, TruncateIntoCachedBlockCopiesOnNextWrite) {
+  BlockManager bm(8, 4);
+  alloc(bm, 1, iota_tokens(8));
+  bm.mark_computed({1});
+  const int32_t cached = bm.block_table(1)[1];
+  bm.truncate({1}, {6});
+  bm.append_token(1, 99);
+  EXPECT_NE(bm.block_table(1)[1], cached) << "the cached block must keep its KV";
+  const auto copies = bm.take_copies();
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].first, cached);
+  bm.check_invariants();
+}
