@@ -223,12 +223,16 @@ py::list pairs_to_list(const std::vector<BlockPair>& pairs) {
   return out;
 }
 
-py::dict stats_dict(const BlockManager& bm) {
-  const BlockManagerStats s = bm.stats();
+py::dict stats_dict(const BlockManager& bm, const BlockManagerStats& s) {
   py::dict d;
   d["queries"] = s.queries;
   d["hits"] = s.hits;
   d["hit_rate"] = s.queries ? double(s.hits) / double(s.queries) : 0.0;
+  d["query_blocks"] = s.query_blocks;
+  d["hit_blocks"] = s.hit_blocks;
+  d["hit_blocks_in_use"] = s.hit_blocks_in_use;
+  d["hit_blocks_revived"] = s.hit_blocks_revived;
+  d["events_dropped"] = s.events_dropped;
   d["evictions"] = s.evictions;
   d["cow_copies"] = s.cow_copies;
   d["swapped_out_blocks"] = s.swapped_out_blocks;
@@ -287,12 +291,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<BlockManager> block_manager(m, "BlockManager");
   block_manager
       .def(py::init([](int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks, bool enable_prefix_caching,
-                       double watermark, const std::string& hash_algo) {
+                       double watermark, const std::string& hash_algo, bool enable_events, int64_t max_pending_events) {
              return new BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, watermark,
-                                     parse_hash_algo(hash_algo));
+                                     parse_hash_algo(hash_algo), enable_events, max_pending_events);
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(), py::arg("num_cpu_blocks") = 0,
-           py::arg("enable_prefix_caching") = true, py::arg("watermark") = 0.0, py::arg("hash_algo") = "xxh64")
+           py::arg("enable_prefix_caching") = true, py::arg("watermark") = 0.0, py::arg("hash_algo") = "xxh64",
+           py::arg("enable_events") = false, py::arg("max_pending_events") = BlockManager::kDefaultMaxPendingEvents)
       .def(
           "can_allocate",
           [](const BlockManager& bm, const py::object& token_ids, const std::optional<py::object>& cache_salt) {
@@ -490,7 +495,42 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("hash_algo", [](const BlockManager& bm) { return hash_algo_name(bm.hash_algo()); })
       .def_property_readonly("num_free_blocks", &BlockManager::num_free_blocks)
       .def_property_readonly("num_free_cpu_blocks", &BlockManager::num_free_cpu_blocks)
-      .def("stats", &stats_dict)
+      .def("stats", [](const BlockManager& bm) { return stats_dict(bm, bm.stats()); },
+           "Cumulative counters (queries and hits in tokens and blocks, evictions, copies, swaps, dropped\n"
+           "events) and gauges (used / free / cached blocks, sequences).")
+      .def("take_step_stats", [](BlockManager& bm) { return stats_dict(bm, bm.take_step_stats()); },
+           "Like stats(), but the counters count only what happened since the previous call.")
+      .def(
+          "take_events",
+          [](BlockManager& bm) {
+            if (!bm.events_enabled())
+              throw ValueError("take_events: this BlockManager was made with enable_events=False");
+            const std::vector<KvEvent> events = bm.take_events();
+            py::list out(events.size());
+            static const char* kinds[] = {"stored", "removed", "cleared"};
+            for (size_t i = 0; i < events.size(); ++i) {
+              const KvEvent& e = events[i];
+              py::dict d;
+              d["seq"] = e.seq;
+              d["kind"] = kinds[static_cast<int>(e.kind)];
+              d["block_hashes"] = e.block_hashes;
+              d["parent_block_hash"] = e.parent_hash ? py::object(py::int_(*e.parent_hash)) : py::object(py::none());
+              const bool stored = e.kind == KvEvent::Kind::kStored;
+              d["token_ids"] = stored ? py::object(py::cast(e.token_ids)) : py::object(py::none());
+              d["cache_salt"] = stored && !e.salt.empty() ? py::object(py::bytes(e.salt)) : py::object(py::none());
+              d["block_size"] = bm.block_size();
+              d["medium"] = "GPU";
+              out[i] = std::move(d);
+            }
+            return out;
+          },
+          "Drains the KV events recorded since the previous call, in order (enable_events=True): dicts with\n"
+          "seq, kind ('stored' | 'removed' | 'cleared'), block_hashes, parent_block_hash, token_ids and\n"
+          "cache_salt (stored), block_size, medium ('GPU').")
+      .def(
+          "cached_blocks", [](const BlockManager& bm) { return bm.cached_blocks(); },
+          "(block_hash, parent_block_hash) of every block whose KV the prefix cache holds now; replaying every\n"
+          "KV event gives the same multiset.")
       .def("reset_prefix_cache", &BlockManager::reset_prefix_cache)
       .def("check_invariants", &BlockManager::check_invariants)
       .def("__repr__", [](const BlockManager& bm) {

@@ -7,7 +7,8 @@ rebuilt with other shapes and hash functions, weak8 included so that hashes coll
 runner: every KV write stores, per slot, the identity of the prefix it was computed for. It checks that
 every prefix hit and every computed token holds exactly its own prefix's KV, that returned slots follow
 the block tables, that about 5% invalid calls raise the documented exception and change nothing, and
-check_invariants() every 1000 operations. Prints the figures; exits 1 at the first failure.
+check_invariants() every 1000 operations, and that replaying the KV events gives cached_blocks()
+(resyncing, as a router would, after events dropped by a full buffer). Prints the figures; exits 1 at the first failure.
 
     python scripts/fuzz_block_manager.py --ops 1000000 [--seed N]
 """
@@ -41,6 +42,8 @@ class Figures:
     pending_copies_across_ops: int = 0
     swapped_blocks: int = 0
     draft_tokens: int = 0
+    events: int = 0
+    event_resyncs: int = 0
     rejected_tokens: int = 0
     pools: int = 0
 
@@ -65,8 +68,13 @@ class Fuzzer:
         self.nb = r.randint(8, 96)
         self.ncpu = r.choice([0, r.randint(4, 64)])
         self.vocab = r.randint(2, 6)
+        self.events = r.random() < 0.6
         self.bm = BlockManager(self.nb, self.bs, num_cpu_blocks=self.ncpu, hash_algo=r.choice(["xxh64", "weak8"]),
-                               enable_prefix_caching=r.random() < 0.9, watermark=r.choice([0.0, 0.0, 0.05]))
+                               enable_prefix_caching=r.random() < 0.9, watermark=r.choice([0.0, 0.0, 0.05]),
+                               enable_events=self.events, max_pending_events=r.choice([64, 1 << 16, 1 << 16]))
+        self.replayed = Counter()  # block hashes the events say are cached
+        self.next_event = 0
+        self.dropped_seen = 0
         self.seqs: dict[int, Seq] = {}
         self.gpu: dict[int, dict] = {}   # block -> {offset: prefix identity}
         self.cpu: dict[int, dict] = {}
@@ -248,6 +256,8 @@ class Fuzzer:
 
     def op_new_pool(self):
         if self.rng.random() < 0.02:
+            if self.events:
+                self.replay_events()
             self.new_pool()
 
     # --- invalid calls: the documented exception, and nothing changed ------------------------------------
@@ -314,8 +324,42 @@ class Fuzzer:
             self.fail("an invalid call changed the manager's state")
         self.fig.invalid_checked += 1
 
+    def replay_events(self):
+        """Mirror the cache from its events, as a router would; after a gap (dropped events) resync from
+        cached_blocks() and check that the gap is what stats() counts as dropped."""
+        events = self.bm.take_events()
+        for e in events:
+            if e["seq"] != self.next_event:
+                dropped = self.bm.stats()["events_dropped"]
+                if e["seq"] - self.next_event != dropped - self.dropped_seen:
+                    self.fail(f"event seq jumped {e['seq'] - self.next_event} but {dropped - self.dropped_seen} "
+                              "drops were counted")
+                self.dropped_seen = dropped
+                self.fig.event_resyncs += 1
+                self.replayed = None  # unknown until the resync below
+            self.next_event = e["seq"] + 1
+            if self.replayed is None:
+                continue
+            if e["kind"] == "stored":
+                self.replayed.update(e["block_hashes"])
+            elif e["kind"] == "removed":
+                for h in e["block_hashes"]:
+                    if self.replayed[h] <= 0:
+                        self.fail(f"event {e['seq']} removes hash {h}, which no event stored")
+                    self.replayed[h] -= 1
+            else:
+                self.replayed.clear()
+        self.fig.events += len(events)
+        cached = Counter(h for h, _ in self.bm.cached_blocks())
+        if self.replayed is None:
+            self.replayed = cached
+        elif +self.replayed != cached:
+            self.fail("replaying the KV events does not give cached_blocks()")
+
     # --- periodic full check ---------------------------------------------------------------------------------
     def full_check(self):
+        if self.events:
+            self.replay_events()
         self.bm.check_invariants()
         self.fig.invariant_checks += 1
         if self.pending:
@@ -372,7 +416,8 @@ def main():
           f"{fig.invariant_checks:,} invariant checks; {fig.kv_tokens_checked:,} computed tokens and "
           f"{fig.hit_tokens_checked:,} prefix-hit tokens held their own KV; {fig.copies:,} CoW copies "
           f"({fig.pending_copies_across_ops:,} checks found copies still pending); {fig.swapped_blocks:,} blocks swapped; "
-          f"{fig.draft_tokens:,} draft tokens appended, {fig.rejected_tokens:,} rolled back")
+          f"{fig.draft_tokens:,} draft tokens appended, {fig.rejected_tokens:,} rolled back; {fig.events:,} KV events "
+          f"replayed to cached_blocks() ({fig.event_resyncs:,} resyncs after a full buffer)")
     print("operations: " + ", ".join(f"{k} {v:,}" for k, v in sorted(fig.ops.items())))
     return 0
 

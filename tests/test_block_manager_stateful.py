@@ -1,6 +1,8 @@
 """Hypothesis drives the C++ BlockManager and the pure-Python model (tests/bm_model.py) with the same
 random calls and demands identical results, check_invariants() after every step, and that every prefix
 hit hands out a block whose KV (tracked here) was written for exactly that prefix."""
+from collections import Counter
+
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -14,7 +16,9 @@ BS, NB, NCPU = 2, 12, 6
 class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(NB, BS, num_cpu_blocks=NCPU, hash_algo="weak8")
+        self.bm = BlockManager(NB, BS, num_cpu_blocks=NCPU, hash_algo="weak8", enable_events=True)
+        self.replayed = Counter()  # block hashes the KV events say are cached
+        self.next_event = 0
         self.model = Model(NB, BS, NCPU)
         self.kv = {}  # physical block -> tokens of the prefix whose KV it holds (up to its last written slot)
         self.next_id = 0
@@ -163,6 +167,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
             where = cpu if q.swapped else gpu
             for p in range(q.computed):
                 assert where[q.table[p // BS]][p % BS] == tuple(q.tokens[: p + 1])
+
+    @invariant()
+    def events_replay_to_the_cached_blocks(self):
+        """Replaying the KV events (stored adds, removed deletes one, cleared empties) gives exactly the
+        blocks the cache holds, even with an 8-bit hash where different blocks share hashes."""
+        for e in self.bm.take_events():
+            assert e["seq"] == self.next_event
+            self.next_event += 1
+            if e["kind"] == "stored":
+                assert len(e["token_ids"]) == BS * len(e["block_hashes"])
+                self.replayed.update(e["block_hashes"])
+            elif e["kind"] == "removed":
+                for h in e["block_hashes"]:
+                    assert self.replayed[h] > 0
+                    self.replayed[h] -= 1
+            else:
+                self.replayed.clear()
+        assert +self.replayed == Counter(h for h, _ in self.bm.cached_blocks())
 
     @invariant()
     def agrees_with_model(self):

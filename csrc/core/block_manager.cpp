@@ -23,7 +23,8 @@ std::string cat(Args&&... args) {
 }  // namespace
 
 BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks,
-                           bool enable_prefix_caching, double watermark, HashAlgo hash_algo)
+                           bool enable_prefix_caching, double watermark, HashAlgo hash_algo, bool enable_events,
+                           int64_t max_pending_events)
     : num_blocks_(num_blocks),
       block_size_(block_size),
       num_cpu_blocks_(num_cpu_blocks),
@@ -32,7 +33,10 @@ BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_c
       hash_algo_(hash_algo),
       gpu_free_(std::max(num_blocks, 0)),
       cpu_free_(std::max(num_cpu_blocks, 0)),
-      cache_(std::max(block_size, 1), std::max(num_blocks, 0)) {
+      cache_(std::max(block_size, 1), std::max(num_blocks, 0)),
+      events_enabled_(enable_events),
+      max_pending_events_(static_cast<size_t>(std::max<int64_t>(max_pending_events, 1))) {
+  if (max_pending_events < 1) throw ValueError(cat("max_pending_events must be >= 1, got ", max_pending_events));
   if (num_blocks <= 0) throw ValueError(cat("num_blocks must be positive, got ", num_blocks));
   if (block_size <= 0) throw ValueError(cat("block_size must be positive, got ", block_size));
   if (num_cpu_blocks < 0) throw ValueError(cat("num_cpu_blocks must be >= 0, got ", num_cpu_blocks));
@@ -143,7 +147,10 @@ const std::vector<int32_t>& BlockManager::match_prefix_memo(const int64_t* token
 void BlockManager::untag_block(int32_t block) {
   const PrefixCache::NodeId node = block_node_[block];
   if (node == PrefixCache::kNone) return;
-  if (cache_.node(node).block == block) cache_.set_block(node, PrefixCache::kNone);
+  if (cache_.node(node).block == block) {
+    if (events_enabled_) record_removed(node);
+    cache_.set_block(node, PrefixCache::kNone);
+  }
   block_node_[block] = PrefixCache::kNone;
   cache_.release(node);
 }
@@ -249,6 +256,10 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
   seq.num_computed = int64_t(hits.size()) * block_size_;
   counters_.queries += static_cast<int64_t>(num_tokens);
   counters_.hits += seq.num_computed;
+  counters_.query_blocks += needed;
+  counters_.hit_blocks += static_cast<int64_t>(hits.size());
+  counters_.hit_blocks_in_use += needed - from_free;  // hits on blocks another sequence holds
+  counters_.hit_blocks_revived += static_cast<int64_t>(hits.size()) - (needed - from_free);
   const int64_t cached = seq.num_computed;
   seqs_.emplace(seq_id, std::move(seq));
   return cached;
@@ -281,6 +292,7 @@ std::vector<int64_t> BlockManager::allocate_batch(const std::vector<int64_t>& se
 
 void BlockManager::register_computed_blocks(Sequence& seq) {
   if (!prefix_caching_) return;
+  stored_run_open_ = false;
   const int32_t full = static_cast<int32_t>(seq.num_computed / block_size_);
   bool parent_is_new = false;  // a node created in this loop has no children yet: skip the lookup
   for (int32_t i = seq.num_registered; i < full; ++i) {
@@ -297,6 +309,7 @@ void BlockManager::register_computed_blocks(Sequence& seq) {
       block_node_[block] = node;
       cache_.add_ref(node);
     }
+    if (events_enabled_ && cache_.node(node).block == PrefixCache::kNone) record_stored(node, block_tokens, salt);
     cache_.set_block(node, block);  // the latest registration wins
     seq.num_registered = i + 1;
   }
@@ -602,6 +615,83 @@ int64_t BlockManager::num_computed_tokens(int64_t seq_id) const { return get(seq
 bool BlockManager::is_swapped(int64_t seq_id) const { return get(seq_id).swapped; }
 std::vector<int64_t> BlockManager::token_ids(int64_t seq_id) const { return get(seq_id).tokens; }
 
+// ---------------------------------------------------------------------------------------------------
+// Events and metrics
+
+std::optional<uint64_t> BlockManager::parent_hash(PrefixCache::NodeId node) const {
+  const PrefixCache::NodeId parent = cache_.node(node).parent;
+  if (parent == PrefixCache::kRoot) return std::nullopt;
+  return cache_.node(parent).hash;
+}
+
+void BlockManager::record_event(KvEvent&& event) {
+  stored_run_open_ = false;
+  event.seq = next_event_seq_++;
+  if (events_.size() == max_pending_events_) {
+    events_.pop_front();
+    ++counters_.events_dropped;
+  }
+  events_.push_back(std::move(event));
+}
+
+void BlockManager::record_stored(PrefixCache::NodeId node, const int64_t* tokens, std::string_view salt) {
+  const std::optional<uint64_t> parent = parent_hash(node);
+  if (stored_run_open_ && !events_.empty() && parent && events_.back().block_hashes.back() == *parent) {
+    KvEvent& run = events_.back();  // the next block of the same chain: one event for both
+    run.block_hashes.push_back(cache_.node(node).hash);
+    run.token_ids.insert(run.token_ids.end(), tokens, tokens + block_size_);
+    return;
+  }
+  KvEvent stored;
+  stored.kind = KvEvent::Kind::kStored;
+  stored.block_hashes.push_back(cache_.node(node).hash);
+  stored.parent_hash = parent;
+  stored.token_ids.assign(tokens, tokens + block_size_);
+  stored.salt.assign(salt);
+  record_event(std::move(stored));
+  stored_run_open_ = true;
+}
+
+void BlockManager::record_removed(PrefixCache::NodeId node) {
+  KvEvent removed;
+  removed.kind = KvEvent::Kind::kRemoved;
+  removed.block_hashes.push_back(cache_.node(node).hash);
+  record_event(std::move(removed));
+}
+
+std::vector<KvEvent> BlockManager::take_events() {
+  std::vector<KvEvent> out(std::make_move_iterator(events_.begin()), std::make_move_iterator(events_.end()));
+  events_.clear();
+  stored_run_open_ = false;
+  return out;
+}
+
+std::vector<std::pair<uint64_t, std::optional<uint64_t>>> BlockManager::cached_blocks() const {
+  std::vector<std::pair<uint64_t, std::optional<uint64_t>>> out;
+  out.reserve(static_cast<size_t>(cache_.num_registered()));
+  for (PrefixCache::NodeId id : cache_.live_nodes())
+    if (cache_.node(id).block != PrefixCache::kNone) out.emplace_back(cache_.node(id).hash, parent_hash(id));
+  return out;
+}
+
+BlockManagerStats BlockManager::take_step_stats() {
+  BlockManagerStats now = stats();
+  BlockManagerStats step = now;  // gauges as they are; counters as differences
+  step.queries -= step_start_.queries;
+  step.hits -= step_start_.hits;
+  step.query_blocks -= step_start_.query_blocks;
+  step.hit_blocks -= step_start_.hit_blocks;
+  step.hit_blocks_in_use -= step_start_.hit_blocks_in_use;
+  step.hit_blocks_revived -= step_start_.hit_blocks_revived;
+  step.events_dropped -= step_start_.events_dropped;
+  step.evictions -= step_start_.evictions;
+  step.cow_copies -= step_start_.cow_copies;
+  step.swapped_out_blocks -= step_start_.swapped_out_blocks;
+  step.swapped_in_blocks -= step_start_.swapped_in_blocks;
+  step_start_ = now;
+  return step;
+}
+
 BlockManagerStats BlockManager::stats() const {
   BlockManagerStats s = counters_;
   s.free_blocks = gpu_free_.size();
@@ -618,6 +708,11 @@ BlockManagerStats BlockManager::stats() const {
 }
 
 void BlockManager::reset_prefix_cache() {
+  if (events_enabled_) {
+    KvEvent cleared;
+    cleared.kind = KvEvent::Kind::kCleared;
+    record_event(std::move(cleared));
+  }
   for (int32_t b = 0; b < num_blocks_; ++b) block_node_[b] = PrefixCache::kNone;
   cache_.clear();
   for (auto& kv : seqs_) kv.second.num_registered = 0;

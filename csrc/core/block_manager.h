@@ -4,6 +4,8 @@
 // manager exactly as it was.
 #pragma once
 #include <cstdint>
+#include <deque>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -26,9 +28,27 @@ struct TokenSpan {
   size_t size = 0;
 };
 
+// A change of what the prefix cache can hit, for consumers that mirror it (cache-aware routers).
+// Replaying every event from the first (stored adds each hash, removed deletes one, cleared empties)
+// gives exactly cached_blocks(), as a multiset, at any moment.
+struct KvEvent {
+  enum class Kind { kStored, kRemoved, kCleared };
+  uint64_t seq = 0;                       // consecutive; a gap means events were dropped (buffer full)
+  Kind kind = Kind::kStored;
+  std::vector<uint64_t> block_hashes;     // consecutive blocks of one sequence (stored), or one (removed)
+  std::optional<uint64_t> parent_hash;    // stored: the hash of the block before the first one
+  std::vector<int64_t> token_ids;         // stored: the blocks' tokens
+  std::string salt;                       // stored from block 0: the cache salt
+};
+
 struct BlockManagerStats {
   int64_t queries = 0;      // prompt tokens looked up in the prefix cache
   int64_t hits = 0;         // of those, tokens whose KV was already cached
+  int64_t query_blocks = 0;        // prompt blocks looked up
+  int64_t hit_blocks = 0;          // of those, blocks hit ...
+  int64_t hit_blocks_in_use = 0;   // ... that another sequence was using
+  int64_t hit_blocks_revived = 0;  // ... taken back from the free list
+  int64_t events_dropped = 0;      // KV events lost to a full buffer
   int64_t evictions = 0;    // cached blocks reused for other content
   int64_t cow_copies = 0;   // copy-on-write block copies queued
   int64_t swapped_out_blocks = 0;
@@ -46,7 +66,9 @@ class BlockManager {
  public:
   BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks = 0,
                bool enable_prefix_caching = true, double watermark = 0.0,
-               HashAlgo hash_algo = HashAlgo::kXXH64);
+               HashAlgo hash_algo = HashAlgo::kXXH64, bool enable_events = false,
+               int64_t max_pending_events = kDefaultMaxPendingEvents);
+  static constexpr int64_t kDefaultMaxPendingEvents = 1 << 16;
 
   AllocStatus can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt = {}) const;
   // Gives seq_id a block table for its prompt; returns how many leading tokens are already cached.
@@ -114,6 +136,14 @@ class BlockManager {
   int32_t num_free_cpu_blocks() const { return cpu_free_.size(); }
 
   BlockManagerStats stats() const;
+  // The counters accumulated since the previous call (gauges: current values).
+  BlockManagerStats take_step_stats();
+
+  // KV events (only with enable_events): drained in order.
+  bool events_enabled() const { return events_enabled_; }
+  std::vector<KvEvent> take_events();
+  // (block hash, parent block hash) of every block the prefix cache holds KV for now.
+  std::vector<std::pair<uint64_t, std::optional<uint64_t>>> cached_blocks() const;
   void reset_prefix_cache();
   void check_invariants() const;  // throws InvariantError naming the first violation
 
@@ -190,6 +220,17 @@ class BlockManager {
   };
   mutable MatchMemo memo_;
   BlockManagerStats counters_;
+  BlockManagerStats step_start_;  // counters_ at the last take_step_stats
+
+  void record_event(KvEvent&& event);
+  void record_stored(PrefixCache::NodeId node, const int64_t* tokens, std::string_view salt);
+  void record_removed(PrefixCache::NodeId node);
+  std::optional<uint64_t> parent_hash(PrefixCache::NodeId node) const;
+  bool events_enabled_;
+  size_t max_pending_events_;
+  std::deque<KvEvent> events_;
+  uint64_t next_event_seq_ = 0;
+  bool stored_run_open_ = false;  // the last event may take the next stored block of the same chain
 };
 
 }  // namespace pagedkv

@@ -300,3 +300,35 @@ TEST(BlockManager, TruncateIntoCachedBlockCopiesOnNextWrite) {
   EXPECT_EQ(copies[0].first, cached);
   bm.check_invariants();
 }
+
+TEST(BlockManager, EventsReplayToCachedBlocks) {
+  BlockManager bm(6, 2, /*num_cpu_blocks=*/0, /*enable_prefix_caching=*/true, 0.0, HashAlgo::kWeak8,
+                  /*enable_events=*/true);
+  std::map<uint64_t, int> replay;
+  auto check = [&] {
+    for (const KvEvent& e : bm.take_events()) {
+      if (e.kind == KvEvent::Kind::kCleared) replay.clear();
+      for (uint64_t h : e.block_hashes) replay[h] += e.kind == KvEvent::Kind::kStored ? 1 : -1;
+    }
+    std::map<uint64_t, int> cached;
+    for (const auto& [h, parent] : bm.cached_blocks()) ++cached[h];
+    for (auto it = replay.begin(); it != replay.end();) it = it->second == 0 ? replay.erase(it) : std::next(it);
+    EXPECT_EQ(replay, cached);
+  };
+  std::mt19937 rng(7);
+  for (int64_t id = 0; id < 300; ++id) {
+    std::vector<int64_t> t(1 + rng() % 7);
+    for (auto& x : t) x = rng() % 3;
+    if (bm.can_allocate(t.data(), t.size()) != AllocStatus::kOk) {
+      bm.reset_prefix_cache();
+      for (int64_t old = std::max<int64_t>(0, id - 8); old < id; ++old)
+        if (bm.contains(old)) bm.free(old);
+      check();
+      continue;
+    }
+    alloc(bm, id, t);
+    bm.mark_computed({id});
+    if (rng() % 2 && id > 0 && bm.contains(id - 1)) bm.free(id - 1);
+    check();
+  }
+}
