@@ -392,8 +392,8 @@ PYBIND11_MODULE(_C, m) {
               total = bm.append_count_total(per_seq->data, per_seq->size);
             }
             if (tokens.size != total)
-              throw ValueError("append_tokens: " + std::to_string(total) + " tokens to append but " +
-                               std::to_string(tokens.size) + " token_ids");
+              throw ValueError("append_tokens: " + std::to_string(total) + (per_seq ? " tokens to append" : " seq_ids") +
+                               " but " + std::to_string(tokens.size) + " token_ids");
             torch::Tensor slots = torch::empty({static_cast<int64_t>(total)}, torch::kInt64);
             bm.append_tokens(ids.data, ids.size, tokens.data, per_seq ? per_seq->data : nullptr, slots.data_ptr<int64_t>());
             return slots;

@@ -157,8 +157,10 @@ void BlockManager::untag_block(int32_t block) {
 
 int32_t BlockManager::take_free_block() {
   const int32_t block = gpu_free_.pop_front();
-  const PrefixCache::NodeId node = block_node_[block];
-  if (node != PrefixCache::kNone && cache_.node(node).block == block) ++counters_.evictions;
+  if (holds_cached_kv(block)) {
+    ++counters_.evictions;
+    --cached_free_blocks_;
+  }
   untag_block(block);
   gpu_ref_[block] = 1;
   return block;
@@ -173,14 +175,20 @@ void BlockManager::release_block(int32_t block) {
   return_to_free_list(block);
 }
 
-void BlockManager::return_to_free_list(int32_t block) {
+bool BlockManager::holds_cached_kv(int32_t block) const {
   const PrefixCache::NodeId node = block_node_[block];
+  return node != PrefixCache::kNone && cache_.node(node).block == block;
+}
+
+void BlockManager::return_to_free_list(int32_t block) {
   // Cached KV goes to the back (evicted last, least recently freed first); a block without reusable
   // content goes to the front so that it is handed out before any cached block.
-  if (node != PrefixCache::kNone && cache_.node(node).block == block)
+  if (holds_cached_kv(block)) {
     gpu_free_.push_back(block);
-  else
+    ++cached_free_blocks_;
+  } else {
     gpu_free_.push_front(block);
+  }
 }
 
 bool BlockManager::is_pending_copy_source(int32_t block) const {
@@ -248,7 +256,10 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
   seq.block_hashes = std::move(hashes);
   seq.block_table.reserve(needed);
   for (int32_t b : hits) {
-    if (gpu_ref_[b]++ == 0 && gpu_free_.contains(b)) gpu_free_.remove(b);  // else held for a pending copy
+    if (gpu_ref_[b]++ == 0 && gpu_free_.contains(b)) {  // else held for a pending copy
+      gpu_free_.remove(b);
+      --cached_free_blocks_;  // a hit holds cached KV
+    }
     seq.block_table.push_back(b);
   }
   while (static_cast<int32_t>(seq.block_table.size()) < needed) seq.block_table.push_back(take_free_block());
@@ -309,7 +320,10 @@ void BlockManager::register_computed_blocks(Sequence& seq) {
       block_node_[block] = node;
       cache_.add_ref(node);
     }
-    if (events_enabled_ && cache_.node(node).block == PrefixCache::kNone) record_stored(node, block_tokens, salt);
+    const int32_t previous = cache_.node(node).block;
+    if (events_enabled_ && previous == PrefixCache::kNone) record_stored(node, block_tokens, salt);
+    if (previous != PrefixCache::kNone && previous != block && gpu_free_.contains(previous))
+      --cached_free_blocks_;  // a free copy of this content is superseded: no longer a hit
     cache_.set_block(node, block);  // the latest registration wins
     seq.num_registered = i + 1;
   }
@@ -697,10 +711,7 @@ BlockManagerStats BlockManager::stats() const {
   s.free_blocks = gpu_free_.size();
   s.used_blocks = num_blocks_ - s.free_blocks;
   s.cached_blocks = cache_.num_registered();
-  gpu_free_.for_each([&](int32_t b) {
-    const PrefixCache::NodeId node = block_node_[b];
-    s.cached_free_blocks += node != PrefixCache::kNone && cache_.node(node).block == b;
-  });
+  s.cached_free_blocks = cached_free_blocks_;
   s.num_seqs = static_cast<int32_t>(seqs_.size());
   for (const auto& kv : seqs_) s.num_swapped_seqs += kv.second.swapped;
   s.free_cpu_blocks = cpu_free_.size();
@@ -715,6 +726,7 @@ void BlockManager::reset_prefix_cache() {
   }
   for (int32_t b = 0; b < num_blocks_; ++b) block_node_[b] = PrefixCache::kNone;
   cache_.clear();
+  cached_free_blocks_ = 0;
   for (auto& kv : seqs_) kv.second.num_registered = 0;
 }
 
@@ -762,9 +774,14 @@ void BlockManager::check_invariants() const {
     if (cpu_ref_[b] != cpu_uses[b]) fail(cat("CPU block ", b, " has ref_count ", cpu_ref_[b], " but ", cpu_uses[b], " uses"));
     if ((cpu_ref_[b] == 0) != cpu_free_.contains(b)) fail(cat("CPU block ", b, " free-list membership is wrong"));
   }
-  int32_t walked = 0;
-  gpu_free_.for_each([&](int32_t) { ++walked; });
+  int32_t walked = 0, cached_free = 0;
+  gpu_free_.for_each([&](int32_t b) {
+    ++walked;
+    cached_free += holds_cached_kv(b);
+  });
   if (walked != gpu_free_.size()) fail(cat("free list walks ", walked, " blocks but counts ", gpu_free_.size()));
+  if (cached_free != cached_free_blocks_)
+    fail(cat(cached_free, " free blocks hold cached KV but the count says ", cached_free_blocks_));
 
   // Prefix cache: node references, registrations and the hash index agree.
   const std::vector<PrefixCache::NodeId> live = cache_.live_nodes();

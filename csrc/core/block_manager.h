@@ -187,6 +187,7 @@ class BlockManager {
   int32_t take_free_block();         // pops the LRU free block, evicting its cached content
   void release_block(int32_t block); // drops one reference; at zero the block joins the free list
   void return_to_free_list(int32_t block);
+  bool holds_cached_kv(int32_t block) const;  // the prefix cache hits this block for its content
   // Pending copies: a freed destination drops its copy; a freed source stays out of the free list until
   // take_copies, so that nothing overwrites it before the copy is done.
   void drop_pending_copies_to(int32_t block);
@@ -220,7 +221,8 @@ class BlockManager {
   };
   mutable MatchMemo memo_;
   BlockManagerStats counters_;
-  BlockManagerStats step_start_;  // counters_ at the last take_step_stats
+  BlockManagerStats step_start_;
+  int32_t cached_free_blocks_ = 0;  // free blocks that still hold cached KV (kept, not counted per call)  // counters_ at the last take_step_stats
 
   void record_event(KvEvent&& event);
   void record_stored(PrefixCache::NodeId node, const int64_t* tokens, std::string_view salt);
