@@ -200,6 +200,15 @@ std::vector<int64_t> seq_id_list(const py::handle& obj) {
   return Int64Array(obj, "seq_ids").vec();
 }
 
+// num_tokens for each of n sequences: one int for all, or one per sequence (only when seq_ids was a list).
+std::vector<int64_t> per_sequence_counts(const py::handle& seq_ids, size_t n, const py::handle& num_tokens,
+                                         const char* what) {
+  if (is_int_scalar(num_tokens)) return std::vector<int64_t>(n, to_int64(num_tokens, "num_tokens"));
+  if (is_int_scalar(seq_ids))
+    throw py::type_error(std::string(what) + ": num_tokens must be an int when seq_ids is an int");
+  return Int64Array(num_tokens, "num_tokens").vec();
+}
+
 // obj as a list or tuple (itself when it is one), whose items stay alive as long as the result.
 py::object fast_sequence(const py::handle& obj, const char* name) {
   if (!PySequence_Check(obj.ptr()) || py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj))
@@ -356,16 +365,9 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "mark_computed",
           [](BlockManager& bm, const py::object& seq_ids, const py::object& num_tokens) {
-            const bool single = is_int_scalar(seq_ids);
             std::vector<int64_t> ids = seq_id_list(seq_ids);
             if (num_tokens.is_none()) return bm.mark_computed(ids);
-            std::vector<int64_t> counts;
-            if (is_int_scalar(num_tokens)) {
-              counts.assign(ids.size(), to_int64(num_tokens, "num_tokens"));
-            } else {
-              if (single) throw py::type_error("mark_computed: num_tokens must be an int when seq_ids is an int");
-              counts = Int64Array(num_tokens, "num_tokens").vec();
-            }
+            const std::vector<int64_t> counts = per_sequence_counts(seq_ids, ids.size(), num_tokens, "mark_computed");
             bm.mark_computed(ids, &counts);
           },
           py::arg("seq_ids"), py::arg("num_tokens") = py::none())
@@ -404,15 +406,8 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "truncate",
           [](BlockManager& bm, const py::object& seq_ids, const py::object& num_tokens) {
-            const bool single = is_int_scalar(seq_ids);
-            std::vector<int64_t> ids = seq_id_list(seq_ids), counts;
-            if (is_int_scalar(num_tokens)) {
-              counts.assign(ids.size(), to_int64(num_tokens, "num_tokens"));
-            } else {
-              if (single) throw py::type_error("truncate: num_tokens must be an int when seq_ids is an int");
-              counts = Int64Array(num_tokens, "num_tokens").vec();
-            }
-            bm.truncate(ids, counts);
+            const std::vector<int64_t> ids = seq_id_list(seq_ids);
+            bm.truncate(ids, per_sequence_counts(seq_ids, ids.size(), num_tokens, "truncate"));
           },
           py::arg("seq_ids"), py::arg("num_tokens"),
           "Rolls sequences back to their first num_tokens tokens (rejected draft tokens); blocks past them are\n"

@@ -11,6 +11,7 @@ import time
 import torch
 
 from pagedkv.engine import LLM, SamplingParams
+from pagedkv._cli import int_at_least
 
 TINY_LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=2048, max_position_embeddings=1024, initializer_range=0.2)
@@ -59,18 +60,6 @@ def plot_history(history: list[dict], num_blocks: int, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def int_at_least(minimum):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    return parse
 
 
 def temperature(text):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from pagedkv import AllocStatus, BlockManager
+from pagedkv._cli import int_at_least
 
 
 @dataclass
@@ -128,18 +129,6 @@ def make_trace(args, rng):
         sid += 1
         trace.append(Request(-sid, rng.choice(systems) + user, rng.randrange(16, 256), arrival=i // args.arrivals_per_step))
     return trace
-
-
-def int_at_least(minimum):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    return parse
 
 
 def main(argv=None) -> int:
