@@ -130,18 +130,21 @@ def test_rotary_embedding_on_a_fused_qkv_view(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_rotary_embedding_matches_hf_llama_in_float32(device):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [F32, BF16])
+def test_rotary_embedding_matches_hf_llama_bit_exactly(device, dtype, cache_dtype):
+    # HF casts cos / sin to the tensor's dtype and rounds q * cos, rotate_half(q) * sin and their sum in it.
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    t, h, d = 5, 3, 64
-    cache = cos_sin_cache(64, d, device=device)
-    positions = torch.tensor([4, 0, 63, 17, 17], device=device)
-    q = torch.randn(t, h, d, device=device)
-    cos = torch.cat((cache[positions, :d // 2],) * 2, dim=-1)
-    sin = torch.cat((cache[positions, d // 2:],) * 2, dim=-1)
+    t, h, d = 37, 5, 128
+    cache = cos_sin_cache(4096, d, dtype=cache_dtype, device=device)
+    positions = torch.randint(0, 4096, (t,), device=device)
+    q = torch.randn(t, h, d, dtype=dtype, device=device) * 4
+    cos = torch.cat((cache[positions, :d // 2],) * 2, dim=-1).to(dtype)
+    sin = torch.cat((cache[positions, d // 2:],) * 2, dim=-1).to(dtype)
     expected, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos[None], sin[None])
     ops.rotary_embedding(positions, q, cache)
-    torch.testing.assert_close(q, expected[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    assert torch.equal(q, expected[0].transpose(0, 1))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -130,11 +130,7 @@ void rotary_embedding_cpu(const at::Tensor& positions_in, at::Tensor& x, const a
           for (int64_t h = 0; h < num_heads; ++h) {
             scalar_t* row = data + t * st + h * sh;
             for (int64_t i = 0; i < half; ++i) {
-              float y1, y2;
-              rotate_pair(static_cast<float>(row[i]), static_cast<float>(row[i + half]), static_cast<float>(cos[i]),
-                          static_cast<float>(sin[i]), &y1, &y2);
-              row[i] = static_cast<scalar_t>(y1);
-              row[i + half] = static_cast<scalar_t>(y2);
+              rope_rotate(row[i], row[i + half], static_cast<float>(cos[i]), static_cast<float>(sin[i]));
             }
           }
         }
