@@ -249,11 +249,13 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
                               double softcap) {
   const AttentionShape shape = check_paged_attention(query_in, key_cache, value_cache, block_tables_in, seq_lens_in,
                                                      query_start_loc_in, scale, sliding_window, softcap);
-  check_attention_metadata_values(shape, block_tables_in, seq_lens_in, query_start_loc_in, sliding_window);
+  // The kernel reads private copies of the metadata, so the values checked are the values used even
+  // if another thread writes the caller's tensors meanwhile (no read outside the cache, ever).
+  const at::Tensor block_tables = block_tables_in.clone(at::MemoryFormat::Contiguous);
+  const at::Tensor seq_lens = seq_lens_in.clone(at::MemoryFormat::Contiguous);
+  const at::Tensor query_start_loc = query_start_loc_in.clone(at::MemoryFormat::Contiguous);
+  check_attention_metadata_values(shape, block_tables, seq_lens, query_start_loc, sliding_window);
   const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
-  const at::Tensor block_tables = block_tables_in.contiguous();
-  const at::Tensor seq_lens = seq_lens_in.contiguous();
-  const at::Tensor query_start_loc = query_start_loc_in.contiguous();
   if (shape.num_tokens == 0) return;
 
   int64_t num_partial_rows = 0;

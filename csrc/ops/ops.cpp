@@ -390,8 +390,9 @@ void reshape_and_cache_cpu_typed(const at::Tensor& key, const at::Tensor& value,
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
-  check_slot_values(slot_mapping, key_cache.size(0) * key_cache.size(1));
-  const at::Tensor slots = slot_mapping.contiguous();
+  // A private copy: the kernel reads exactly the values checked, whatever another thread writes.
+  const at::Tensor slots = slot_mapping.clone(at::MemoryFormat::Contiguous);
+  check_slot_values(slots, key_cache.size(0) * key_cache.size(1));
   if (key.element_size() == 4) {
     reshape_and_cache_cpu_typed<uint32_t>(key, value, key_cache, value_cache, slots);
   } else {
@@ -404,8 +405,8 @@ void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, con
   check_copy_blocks(keys, values, block_mapping);
   if (keys.empty() || block_mapping.size(0) == 0) return;
   const int64_t num_blocks = keys[0].size(0);
-  check_block_mapping_values(block_mapping, num_blocks, num_blocks, /*same_pool=*/true);
-  const at::Tensor mapping = block_mapping.contiguous();
+  const at::Tensor mapping = block_mapping.clone(at::MemoryFormat::Contiguous);  // checked values = read values
+  check_block_mapping_values(mapping, num_blocks, num_blocks, /*same_pool=*/true);
   const int64_t* m = mapping.data_ptr<int64_t>();
   const int64_t num_pairs = mapping.size(0);
   const int64_t num_layers = static_cast<int64_t>(keys.size());
@@ -426,8 +427,8 @@ void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, con
 
 void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
   check_swap_blocks(src, dst, block_mapping);
-  check_block_mapping_values(block_mapping, src.size(0), dst.size(0), swap_within_one_pool(src, dst));
-  const at::Tensor mapping = block_mapping.contiguous();
+  const at::Tensor mapping = block_mapping.clone(at::MemoryFormat::Contiguous);  // checked values = read values
+  check_block_mapping_values(mapping, src.size(0), dst.size(0), swap_within_one_pool(src, dst));
   const int64_t* m = mapping.data_ptr<int64_t>();
   const int64_t block_bytes = src.numel() == 0 ? 0 : src.stride(0) * src.element_size();
   const auto* s = static_cast<const char*>(src.data_ptr());
