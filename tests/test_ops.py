@@ -527,6 +527,7 @@ def _bad_cache_calls(kc, vc):
         "slot_mapping\\[2\\]": lambda: ops.reshape_and_cache(key, key, kc, vc, torch.tensor([0, 1, kc.numel()])),
         "key shape": lambda: ops.reshape_and_cache(torch.randn(3, 4, 64), torch.randn(3, 4, 64), kc, vc, slots),
         "value shape": lambda: ops.reshape_and_cache(key, torch.randn(3, 2, 32), kc, vc, slots),
+        "are both slot 9": lambda: ops.reshape_and_cache(key, key, kc, vc, torch.tensor([9, -1, 9])),
         "block_mapping\\[1, 1\\]": lambda: ops.copy_blocks([kc], [vc], torch.tensor([[0, 1], [2, kc.shape[0]]])),
         "block_mapping must be \\[n, 2\\]": lambda: ops.copy_blocks([kc], [vc], torch.tensor([[0, 1, 2]])),
         "value_caches\\[0\\]": lambda: ops.copy_blocks([kc], [vc[:, :4]], torch.tensor([[0, 1]])),
@@ -665,6 +666,22 @@ def test_cache_ops_reject_aliasing_outputs(case):
     with pytest.raises(RuntimeError, match=message):
         fn()
     assert torch.equal(buf, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_sized_heads_are_rejected(device):
+    # A query without heads divided by zero in the CPU planner; a cache without KV heads has blocks of
+    # zero bytes but a nonzero stride, and copy_blocks copied from a null pointer.
+    b = _small_batch(device)
+    q, kc, vc, bt, sl, qsl, scale = b.args()
+    with pytest.raises(RuntimeError, match="num_q_heads 0 must be a positive multiple"):
+        ops.paged_attention(q[:, :0], kc, vc, bt, sl, qsl, scale)
+    empty = torch.empty(3, 4, 0, 8, device=device)
+    with pytest.raises(RuntimeError, match="num_kv_heads"):
+        ops.copy_blocks([empty], [empty.clone()], torch.tensor([[0, 2]]))
+    with pytest.raises(RuntimeError, match="num_kv_heads"):
+        ops.reshape_and_cache(torch.empty(2, 0, 8, device=device), torch.empty(2, 0, 8, device=device), empty,
+                              empty.clone(), torch.tensor([0, 5], device=device))
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

@@ -42,7 +42,7 @@ def run(op, check, array, entries, bad_values, n):
             try:
                 result = op()
             except RuntimeError as e:
-                assert "out of range" in str(e) or "seq_lens" in str(e), str(e)
+                assert any(m in str(e) for m in ("out of range", "seq_lens", "is outside")), str(e)
                 errors += 1
                 continue
             check(result)
@@ -72,6 +72,19 @@ elif case == "reshape_and_cache":
         assert torch.equal(kc, want_k) and torch.equal(vc, want_v), "wrong result"
     run(lambda: ops.reshape_and_cache(key, value, kc, vc, slots), check, slots.numpy(), list(range(50)),
         [512, 10**12, 2**62], 400)
+elif case == "rotary_embedding":
+    sys.path.insert(0, {tests!r})
+    from test_layer_ops import cos_sin_cache
+    x0, cache, positions = torch.randn(64, 8, 128), cos_sin_cache(256, 128), torch.randint(0, 256, (64,))
+    want = x0.clone()
+    ops.rotary_embedding(positions, want, cache)
+    x = x0.clone()
+    def rotate():
+        x.copy_(x0)
+        ops.rotary_embedding(positions, x, cache)
+    def check(_):
+        assert torch.equal(x, want), "wrong result"
+    run(rotate, check, positions.numpy(), list(range(64)), [256, -1, 10**12, -2**62], 400)
 else:  # copy_blocks and swap_blocks mappings
     kc, vc = torch.randn(40, 8, 2, 64), torch.randn(40, 8, 2, 64)
     mapping = torch.stack([torch.arange(0, 10), torch.arange(20, 30)], dim=1)
@@ -91,7 +104,7 @@ print("ok", calls, errors)
 """
 
 
-@pytest.mark.parametrize("case", ["paged_attention", "reshape_and_cache", "block_mappings"])
+@pytest.mark.parametrize("case", ["paged_attention", "reshape_and_cache", "block_mappings", "rotary_embedding"])
 def test_metadata_written_by_another_thread(case):
     result = subprocess.run([sys.executable, "-c", STRESS.format(tests=os.path.dirname(__file__), case=case)],
                             capture_output=True, text=True, timeout=600)

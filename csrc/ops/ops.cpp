@@ -38,8 +38,9 @@ void check_cache(const at::Tensor& cache, const std::string& name) {
               cache.sizes());
   check_float_dtype(cache, name);
   TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(cache.size(1) > 0 && cache.size(3) > 0, name, " must have positive block_size and head_dim, got shape ",
-              cache.sizes());
+  // A dimension of size 0 would leave a block with no bytes but a nonzero stride: copies from null.
+  TORCH_CHECK(cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, name,
+              " must have positive block_size, num_kv_heads and head_dim, got shape ", cache.sizes());
 }
 
 void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
@@ -143,8 +144,8 @@ AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK(query.size(2) == key_cache.size(3), "query head_dim ", query.size(2),
               " must equal key_cache head_dim ", key_cache.size(3));
   const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(num_kv_heads > 0 && query.size(1) % num_kv_heads == 0, "query num_q_heads ", query.size(1),
-              " must be a multiple of key_cache num_kv_heads ", num_kv_heads);
+  TORCH_CHECK(query.size(1) > 0 && query.size(1) % num_kv_heads == 0, "query num_q_heads ", query.size(1),
+              " must be a positive multiple of key_cache num_kv_heads ", num_kv_heads);
   check_index_tensor(block_tables, "block_tables", at::kInt, 2);
   check_index_tensor(seq_lens, "seq_lens", at::kInt, 1);
   check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1);
@@ -287,9 +288,17 @@ void check_rotary_embedding(const at::Tensor& positions, const at::Tensor& x, co
 void check_slot_values(const at::Tensor& slot_mapping, int64_t num_slots) {
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t* s = slots.data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, int64_t>> used;  // (slot, token): tokens are written in parallel
+  used.reserve(slots.numel());
   for (int64_t t = 0; t < slots.numel(); ++t) {
     TORCH_CHECK(s[t] < num_slots, "slot_mapping[", t, "] = ", s[t], " is out of range: the cache has ", num_slots,
                 " slots (num_blocks * block_size); use a negative slot for padding");
+    if (s[t] >= 0) used.emplace_back(s[t], t);
+  }
+  std::sort(used.begin(), used.end());
+  for (size_t i = 1; i < used.size(); ++i) {
+    TORCH_CHECK(used[i].first != used[i - 1].first, "slot_mapping[", used[i - 1].second, "] and slot_mapping[",
+                used[i].second, "] are both slot ", used[i].first, ": each slot takes one token per call");
   }
 }
 
