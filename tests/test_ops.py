@@ -710,3 +710,18 @@ def test_allocate_kv_cache_and_num_blocks_for():
     assert num_blocks_for(0, num_layers=1, block_size=16, num_kv_heads=1, head_dim=64, dtype=F32) == 0
     with pytest.raises(ValueError):
         allocate_kv_cache(0, 10, 16, 2, 64)
+
+
+@pytest.mark.parametrize("call,error", [
+    (lambda: num_blocks_for(10**6, num_layers=0, block_size=16, num_kv_heads=2, head_dim=64, dtype=F32), ValueError),
+    (lambda: num_blocks_for(float("nan"), num_layers=1, block_size=16, num_kv_heads=2, head_dim=64, dtype=F32),
+     TypeError),
+    (lambda: num_blocks_for(10**6, num_layers=1, block_size=16.5, num_kv_heads=2, head_dim=64, dtype=F32), TypeError),
+    (lambda: block_bytes(num_layers=1, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.int32), ValueError),
+    (lambda: allocate_kv_cache(1, 10, 16, 2, 64, dtype=torch.float64), ValueError),
+    (lambda: allocate_kv_cache(True, 10, 16, 2, 64), TypeError),
+    (lambda: allocate_kv_cache(1, 10, 16, 0, 64), ValueError),
+])
+def test_cache_sizing_rejects_bad_arguments(call, error):
+    with pytest.raises(error):
+        call()
