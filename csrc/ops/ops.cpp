@@ -3,7 +3,6 @@
 // in attention_cpu.cpp, the model-layer ops in layer_ops.cpp.
 #include "ops/ops.h"
 
-#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -157,8 +156,7 @@ AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& 
   // The kernels compute in fp32: the values must survive the cast.
   TORCH_CHECK(std::isfinite(static_cast<float>(scale)) && static_cast<float>(scale) > 0.f,
               "scale must be a finite number > 0 (as a float32), got ", scale);
-  TORCH_CHECK(std::isfinite(static_cast<float>(softcap)) && softcap >= 0.0 &&
-                  (softcap == 0.0 || static_cast<float>(softcap) > 0.f),
+  TORCH_CHECK(softcap == 0.0 || (std::isfinite(static_cast<float>(softcap)) && static_cast<float>(softcap) > 0.f),
               "softcap must be a finite number >= 0 (0 disables it), got ", softcap);
   TORCH_CHECK(sliding_window > 0 || sliding_window == -1, "sliding_window must be positive or -1 (disabled), got ",
               sliding_window);
@@ -193,18 +191,16 @@ void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vec
     check_same_device(block_mapping, "block_mapping", key_caches[0], "key_caches[0]");
   }
   // Every cache is written: no two may share memory (contiguous, so sorting by start finds any overlap).
-  std::vector<std::pair<std::pair<uintptr_t, uintptr_t>, std::string>> spans;
-  for (size_t i = 0; i < key_caches.size(); ++i) {
-    for (const bool is_key : {true, false}) {
-      const at::Tensor& cache = is_key ? key_caches[i] : value_caches[i];
-      if (cache.numel() == 0) continue;
-      spans.push_back({memory_span(cache), (is_key ? "key_caches[" : "value_caches[") + std::to_string(i) + "]"});
-    }
+  std::vector<std::pair<std::pair<uintptr_t, uintptr_t>, size_t>> spans;  // (byte range, 2 * layer + is_value)
+  for (size_t i = 0; i < 2 * key_caches.size(); ++i) {
+    const at::Tensor& cache = i % 2 == 0 ? key_caches[i / 2] : value_caches[i / 2];
+    if (cache.numel() > 0) spans.push_back({memory_span(cache), i});
   }
   std::sort(spans.begin(), spans.end());
+  auto name = [](size_t i) { return (i % 2 == 0 ? "key_caches[" : "value_caches[") + std::to_string(i / 2) + "]"; };
   for (size_t i = 1; i < spans.size(); ++i) {
-    TORCH_CHECK(spans[i].first.first >= spans[i - 1].first.second, spans[i - 1].second, " and ", spans[i].second,
-                " share memory; every cache is written in place, so they must be distinct tensors");
+    TORCH_CHECK(spans[i].first.first >= spans[i - 1].first.second, name(spans[i - 1].second), " and ",
+                name(spans[i].second), " share memory; every cache is written in place, so they must be distinct");
   }
 }
 
