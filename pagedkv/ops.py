@@ -4,7 +4,9 @@ The cache of one layer is a pair ``key_cache, value_cache``, each ``[num_blocks,
 num_kv_heads, head_dim]`` (NHD, as FlashAttention / FlashInfer / vLLM's flash layout). Token position
 ``p`` of a sequence lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
 Supported dtypes: float32, float16, bfloat16 (fp32 accumulation). Every op runs on CPU and CUDA,
-works under ``torch.compile(fullgraph=True)``, and CUDA kernels never synchronise the host.
+works under ``torch.compile(fullgraph=True)``, and CUDA kernels never synchronise the host. Bad
+arguments raise ``RuntimeError`` naming the argument before anything is written (a real meta tensor
+next to CPU / CUDA ones included: it would otherwise route the call to the fake kernel, a no-op).
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
         slot_mapping: ``[T]`` int64; token ``t`` goes to slot ``slot_mapping[t]``; a negative slot is
             padding and is skipped. On CPU an out-of-range slot raises before anything is written; CUDA
-            kernels cannot raise and skip such slots. The caches must not share memory with each other
-            or with the inputs.
+            kernels cannot raise and skip such slots. On CPU a slot given twice raises too. The caches
+            must not share memory with each other or with the inputs.
 
     Example::
 
