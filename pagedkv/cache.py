@@ -1,13 +1,38 @@
 """Allocation and sizing of per-layer paged KV caches ([num_blocks, block_size, num_kv_heads, head_dim])."""
 from __future__ import annotations
 
+import operator
+
 import torch
 
 __all__ = ["allocate_kv_cache", "num_blocks_for", "block_bytes"]
 
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # what the ops accept
+
+
+def _check_int(name: str, v) -> None:
+    """Python and numpy integers pass; floats, bools and strings raise TypeError."""
+    if isinstance(v, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}") from None
+
+
+def _check_cache_geometry(dtype, **sizes) -> None:
+    for name, v in sizes.items():
+        _check_int(name, v)
+        if v <= 0:
+            raise ValueError(f"{name} must be positive, got {v}")
+    if dtype not in _CACHE_DTYPES:
+        raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+
 
 def block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one physical block costs across all layers, keys and values together."""
+    _check_cache_geometry(dtype, num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim)
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
@@ -15,6 +40,7 @@ def block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim
 def num_blocks_for(memory_bytes: int, *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                    dtype: torch.dtype) -> int:
     """How many blocks fit in ``memory_bytes`` (keys + values of every layer); 0 when not even one."""
+    _check_int("memory_bytes", memory_bytes)
     if memory_bytes < 0:
         raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
     per_block = block_bytes(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
@@ -29,10 +55,8 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     head_dim]`` and contiguous. Contents are uninitialised: a slot is valid only once written by
     ``reshape_and_cache`` (or copied in by ``copy_blocks`` / ``swap_blocks``). ``pin_memory`` (CPU only)
     makes swaps with a GPU cache asynchronous."""
-    for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
-                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if v <= 0:
-            raise ValueError(f"{name} must be positive, got {v}")
+    _check_cache_geometry(dtype, num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                          num_kv_heads=num_kv_heads, head_dim=head_dim)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     pin = pin_memory and torch.device(device).type == "cpu"
 

@@ -4,7 +4,9 @@ The cache of one layer is a pair ``key_cache, value_cache``, each ``[num_blocks,
 num_kv_heads, head_dim]`` (NHD, as FlashAttention / FlashInfer / vLLM's flash layout). Token position
 ``p`` of a sequence lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
 Supported dtypes: float32, float16, bfloat16 (fp32 accumulation). Every op runs on CPU and CUDA,
-works under ``torch.compile(fullgraph=True)``, and CUDA kernels never synchronise the host.
+works under ``torch.compile(fullgraph=True)``, and CUDA kernels never synchronise the host. Bad
+arguments raise ``RuntimeError`` naming the argument before anything is written (a real meta tensor
+next to CPU / CUDA ones included: it would otherwise route the call to the fake kernel, a no-op).
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
         slot_mapping: ``[T]`` int64; token ``t`` goes to slot ``slot_mapping[t]``; a negative slot is
             padding and is skipped. On CPU an out-of-range slot raises before anything is written; CUDA
-            kernels cannot raise and skip such slots.
+            kernels cannot raise and skip such slots. On CPU a slot given twice raises too. The caches
+            must not share memory with each other or with the inputs.
 
     Example::
 
@@ -53,15 +56,19 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             ``reshape_and_cache`` has already written).
         query_start_loc: ``[B + 1]`` int32; sequence ``b`` owns query rows
             ``query_start_loc[b]:query_start_loc[b + 1]``.
-        scale: multiplies ``q . k`` (usually ``head_dim ** -0.5``).
+        scale: multiplies ``q . k`` (usually ``head_dim ** -0.5``); finite and > 0.
         max_seq_len: optional upper bound on ``seq_lens`` used by the CUDA kernel to size its split-K
             launch without reading ``seq_lens`` on the host (default: ``M * block_size``). A too small
             value only costs speed, never correctness. Ignored on CPU.
-        sliding_window: when > 0, a query at position ``p`` sees keys in ``(p - sliding_window, p]``.
-        softcap: when > 0, logits become ``softcap * tanh(logit / softcap)`` (after ``scale``).
+        sliding_window: when > 0, a query at position ``p`` sees keys in ``(p - sliding_window, p]``;
+            -1 disables it.
+        softcap: when > 0, logits become ``softcap * tanh(logit / softcap)`` (after ``scale``); finite
+            and >= 0.
 
     Masking is causal and bottom-right aligned: query ``j`` of sequence ``b`` with ``q_len`` queries
-    sits at position ``seq_lens[b] - q_len + j``. Decode is ``q_len == 1``.
+    sits at position ``seq_lens[b] - q_len + j``. Decode is ``q_len == 1``. A masked key contributes
+    nothing, even when its cached key or value is inf or NaN. On CPU the metadata is copied before it
+    is checked, so a caller's thread writing it meanwhile cannot make the kernel read outside the cache.
 
     Returns:
         ``[T, num_q_heads, head_dim]``, query's dtype, contiguous.
@@ -102,7 +109,9 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
         key_caches, value_caches: one cache per layer, all with the same ``num_blocks`` and device.
         block_mapping: ``[n, 2]`` int64 ``(src, dst)`` block pairs applied to every layer. Destinations
             must be distinct and must not be sources of other pairs. On CPU (or a CPU mapping with CUDA
-            caches) out-of-range ids raise; with a CUDA mapping they are skipped.
+            caches) out-of-range ids, repeated destinations and chains raise before anything is copied;
+            a CUDA mapping is not checked (out-of-range ids are skipped, the rest is undefined).
+        The caches must be distinct tensors that share no memory.
 
     Example::
 
@@ -117,7 +126,9 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     ``src`` and ``dst`` are caches (or any tensors blocked on dim 0) that agree in every dimension but
     the first and in dtype; they may be on different devices (GPU <-> CPU swap) or the same one. On CUDA
     the copies are ``cudaMemcpyAsync`` on the current stream; pin the CPU tensor for truly async copies.
-    ``block_mapping``: ``[n, 2]`` int64 on the CPU; ids are range-checked.
+    ``block_mapping``: ``[n, 2]`` int64 on the CPU; ids are range-checked and destinations must be
+    distinct; when ``src`` is ``dst`` (blocks moved within one pool) no destination may be a source.
+    Only CPU and CUDA tensors; ``src`` and ``dst`` are the same tensor or share no memory.
 
     Example::
 
@@ -143,7 +154,7 @@ def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torc
     """In place: ``residual += input``, then ``input = rms_norm(residual, weight, epsilon)``.
 
     The pre-norm residual stream of a decoder layer in one pass. ``input`` and ``residual`` are
-    contiguous, same shape and dtype, and distinct.
+    contiguous, same shape and dtype, and share no memory with each other or with ``weight``.
 
     Example::
 
@@ -165,7 +176,10 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
     Args:
         positions: ``[T]`` int64.
         x: ``[T, num_heads, head_dim]`` with a contiguous ``head_dim`` (other strides free, so the
-            query and key parts of a fused QKV projection can be rotated in one call).
+            query and key parts of a fused QKV projection can be rotated in one call), no two elements
+            in the same memory (not an ``expand``-ed view), sharing no memory with the other arguments.
+            Rounded where HF's Llama rounds: ``x * cos`` and ``rotate_half(x) * sin`` each in x's dtype
+            (cos / sin cast to it first), then their sum.
         cos_sin_cache: ``[max_position, head_dim]``: ``cos`` of the ``head_dim / 2`` frequencies, then
             their ``sin``; any float dtype, values used as stored. On CPU a position outside
             ``[0, max_position)`` raises before anything is written; CUDA kernels cannot raise and
@@ -177,40 +191,68 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
 # ---------------------------------------------------------------------------------------------------
 # Fake (meta) kernels: shapes only, for torch.compile and FakeTensor tracing.
 
+def _check_not_mixed_with_meta(op: str, **tensors) -> None:
+    """A real meta tensor next to CPU / CUDA ones routes the call here, to a kernel that computes and
+    writes nothing: refuse instead. (FakeTensors report the device they stand for, never meta.)"""
+    flat = []
+    for name, t in tensors.items():
+        if isinstance(t, (list, tuple)):
+            flat.extend((f"{name}[{i}]", x) for i, x in enumerate(t))
+        else:
+            flat.append((name, t))
+    meta = next((name for name, t in flat if t.device.type == "meta"), None)
+    real = next(((name, t.device) for name, t in flat if t.device.type != "meta"), None)
+    if meta is not None and real is not None:
+        raise RuntimeError(f"pagedkv.{op}: {meta} is on meta but {real[0]} is on {real[1]}; the ops run on CPU "
+                           f"and CUDA tensors (meta only when every tensor is meta)")
+
+
 @torch.library.register_fake("pagedkv::reshape_and_cache")
 def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping):
+    _check_not_mixed_with_meta("reshape_and_cache", key=key, value=value, key_cache=key_cache,
+                               value_cache=value_cache, slot_mapping=slot_mapping)
     return None
 
 
 @torch.library.register_fake("pagedkv::paged_attention")
 def _paged_attention_fake(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
                           max_seq_len=-1, sliding_window=-1, softcap=0.0):
+    _check_not_mixed_with_meta("paged_attention", query=query, key_cache=key_cache, value_cache=value_cache,
+                               block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
     return query.new_empty(query.shape)
 
 
 @torch.library.register_fake("pagedkv::paged_attention_with_lse")
 def _paged_attention_with_lse_fake(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                                    *, max_seq_len=-1, sliding_window=-1, softcap=0.0):
+    _check_not_mixed_with_meta("paged_attention_with_lse", query=query, key_cache=key_cache,
+                               value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens,
+                               query_start_loc=query_start_loc)
     return query.new_empty(query.shape), query.new_empty(query.shape[:2], dtype=torch.float32)
 
 
 @torch.library.register_fake("pagedkv::copy_blocks")
 def _copy_blocks_fake(key_caches, value_caches, block_mapping):
+    _check_not_mixed_with_meta("copy_blocks", key_caches=key_caches, value_caches=value_caches,
+                               block_mapping=block_mapping)
     return None
 
 
 @torch.library.register_fake("pagedkv::swap_blocks")
 def _swap_blocks_fake(src, dst, block_mapping):
+    _check_not_mixed_with_meta("swap_blocks", src=src, dst=dst)  # block_mapping always lives on the CPU
     return None
 
 
 @torch.library.register_fake("pagedkv::rms_norm")
 def _rms_norm_fake(input, weight, epsilon):
+    _check_not_mixed_with_meta("rms_norm", input=input, weight=weight)
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("pagedkv::fused_add_rms_norm")
 def _fused_add_rms_norm_fake(input, residual, weight, epsilon):
+    _check_not_mixed_with_meta("fused_add_rms_norm", input=input, residual=residual, weight=weight)
     return None
 
 
@@ -221,4 +263,5 @@ def _silu_and_mul_fake(input):
 
 @torch.library.register_fake("pagedkv::rotary_embedding")
 def _rotary_embedding_fake(positions, x, cos_sin_cache):
+    _check_not_mixed_with_meta("rotary_embedding", positions=positions, x=x, cos_sin_cache=cos_sin_cache)
     return None

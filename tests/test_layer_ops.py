@@ -130,18 +130,21 @@ def test_rotary_embedding_on_a_fused_qkv_view(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_rotary_embedding_matches_hf_llama_in_float32(device):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [F32, BF16])
+def test_rotary_embedding_matches_hf_llama_bit_exactly(device, dtype, cache_dtype):
+    # HF casts cos / sin to the tensor's dtype and rounds q * cos, rotate_half(q) * sin and their sum in it.
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    t, h, d = 5, 3, 64
-    cache = cos_sin_cache(64, d, device=device)
-    positions = torch.tensor([4, 0, 63, 17, 17], device=device)
-    q = torch.randn(t, h, d, device=device)
-    cos = torch.cat((cache[positions, :d // 2],) * 2, dim=-1)
-    sin = torch.cat((cache[positions, d // 2:],) * 2, dim=-1)
+    t, h, d = 37, 5, 128
+    cache = cos_sin_cache(4096, d, dtype=cache_dtype, device=device)
+    positions = torch.randint(0, 4096, (t,), device=device)
+    q = torch.randn(t, h, d, dtype=dtype, device=device) * 4
+    cos = torch.cat((cache[positions, :d // 2],) * 2, dim=-1).to(dtype)
+    sin = torch.cat((cache[positions, d // 2:],) * 2, dim=-1).to(dtype)
     expected, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos[None], sin[None])
     ops.rotary_embedding(positions, q, cache)
-    torch.testing.assert_close(q, expected[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    assert torch.equal(q, expected[0].transpose(0, 1))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -197,7 +200,7 @@ def _bad_cases():
                                  "residual shape"),
         "fused residual strided": (lambda: ops.fused_add_rms_norm(x.clone(), torch.randn(8, 4).t(), w, 1e-6),
                                    "contiguous"),
-        "fused aliasing": (lambda: ops.fused_add_rms_norm(x, x, w, 1e-6), "alias"),
+        "fused aliasing": (lambda: ops.fused_add_rms_norm(x, x, w, 1e-6), "share memory"),
         "silu odd width": (lambda: ops.silu_and_mul(torch.randn(3, 7)), "2 \\* d"),
         "rope odd head_dim": (lambda: ops.rotary_embedding(pos, torch.randn(3, 2, 7), cos_sin_cache(4, 8)), "even"),
         "rope positions dtype": (lambda: ops.rotary_embedding(pos.int(), qk, cache), "int64"),
@@ -229,6 +232,40 @@ def test_fused_add_rms_norm_bad_weight_leaves_inputs_unchanged():
     with pytest.raises(RuntimeError, match="weight must be"):
         ops.fused_add_rms_norm(x, residual, torch.randn(4), 1e-6)
     assert torch.equal(x, x0) and torch.equal(residual, r0)
+
+
+def _aliasing_layer_calls():
+    buf = torch.randn(5, 8)
+    pos, cache = torch.tensor([0, 1, 2]), cos_sin_cache(4, 8)
+    flat = torch.randn(64)
+    return buf, flat, {
+        "fused partial overlap": lambda: ops.fused_add_rms_norm(buf[0:4], buf[1:5], torch.randn(8), 1e-6),
+        "fused weight is a row of input": lambda: ops.fused_add_rms_norm(buf[0:2], buf[2:4], buf[1], 1e-6),
+        "fused weight is a row of residual": lambda: ops.fused_add_rms_norm(buf[0:2], buf[2:4], buf[3], 1e-6),
+        "rope expanded x": lambda: ops.rotary_embedding(pos, buf[:1].view(1, 1, 8).expand(3, 1, 8), cache),
+        "rope overlapping heads": lambda: ops.rotary_embedding(pos, flat.as_strided((3, 2, 8), (16, 4, 1)), cache),
+        "rope overlapping tokens": lambda: ops.rotary_embedding(pos, flat.as_strided((3, 2, 8), (8, 16, 1)), cache),
+        "rope cache inside x": lambda: ops.rotary_embedding(torch.tensor([0]), flat[:16].view(1, 2, 8),
+                                                            flat[8:40].view(4, 8)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_aliasing_layer_calls()[2]))
+def test_in_place_layer_ops_reject_aliasing(case):
+    buf, flat, calls = _aliasing_layer_calls()
+    before, flat_before = buf.clone(), flat.clone()
+    with pytest.raises(RuntimeError, match="share memory"):
+        calls[case]()
+    assert torch.equal(buf, before) and torch.equal(flat, flat_before)
+
+
+def test_rotary_embedding_accepts_strided_views_without_overlap():
+    # Every head of a padded buffer ([T, H, 2D] sliced to D) and of a token-major fused projection.
+    positions, cache = torch.randint(0, 64, (5,)), cos_sin_cache(64, 16)
+    for x in (torch.randn(5, 3, 32)[..., :16], torch.randn(3, 5, 16).transpose(0, 1)):
+        expected = rope_ref(positions, x, cache)
+        ops.rotary_embedding(positions, x, cache)
+        torch.testing.assert_close(x.double(), expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

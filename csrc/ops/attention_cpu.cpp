@@ -247,13 +247,15 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
                               const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
                               const at::Tensor& query_start_loc_in, double scale, int64_t sliding_window,
                               double softcap) {
-  const AttentionShape shape = check_paged_attention(query_in, key_cache, value_cache, block_tables_in,
-                                                     seq_lens_in, query_start_loc_in, sliding_window, softcap);
-  check_attention_metadata_values(shape, block_tables_in, seq_lens_in, query_start_loc_in, sliding_window);
+  const AttentionShape shape = check_paged_attention(query_in, key_cache, value_cache, block_tables_in, seq_lens_in,
+                                                     query_start_loc_in, scale, sliding_window, softcap);
+  // The kernel reads private copies of the metadata, so the values checked are the values used even
+  // if another thread writes the caller's tensors meanwhile (no read outside the cache, ever).
+  const at::Tensor block_tables = block_tables_in.clone(at::MemoryFormat::Contiguous);
+  const at::Tensor seq_lens = seq_lens_in.clone(at::MemoryFormat::Contiguous);
+  const at::Tensor query_start_loc = query_start_loc_in.clone(at::MemoryFormat::Contiguous);
+  check_attention_metadata_values(shape, block_tables, seq_lens, query_start_loc, sliding_window);
   const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
-  const at::Tensor block_tables = block_tables_in.contiguous();
-  const at::Tensor seq_lens = seq_lens_in.contiguous();
-  const at::Tensor query_start_loc = query_start_loc_in.contiguous();
   if (shape.num_tokens == 0) return;
 
   int64_t num_partial_rows = 0;
@@ -312,8 +314,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
                                const at::Tensor& query_start_loc, double scale, int64_t max_seq_len,
                                int64_t sliding_window, double softcap) {
   (void)max_seq_len;  // a CUDA launch-shape hint; the CPU reads seq_lens directly
-  check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sliding_window,
-                        softcap);
+  check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                        sliding_window, softcap);
   at::Tensor out = at::empty(query.sizes(), query.options().memory_format(at::MemoryFormat::Contiguous));
   paged_attention_cpu_into(out, at::Tensor(), query, key_cache, value_cache, block_tables, seq_lens,
                            query_start_loc, scale, sliding_window, softcap);
@@ -325,8 +327,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_with_lse_cpu(
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
     int64_t max_seq_len, int64_t sliding_window, double softcap) {
   (void)max_seq_len;
-  check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sliding_window,
-                        softcap);
+  check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                        sliding_window, softcap);
   at::Tensor out = at::empty(query.sizes(), query.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor lse = at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat));
   paged_attention_cpu_into(out, lse, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,

@@ -108,7 +108,10 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& input_in) {
 
 void rotary_embedding_cpu(const at::Tensor& positions_in, at::Tensor& x, const at::Tensor& cos_sin_cache_in) {
   check_rotary_embedding(positions_in, x, cos_sin_cache_in);
-  const at::Tensor positions = positions_in.contiguous(), cache = cos_sin_cache_in.contiguous();
+  // positions: a private copy, so the positions checked below are the ones used (another thread may
+  // write the caller's tensor meanwhile).
+  const at::Tensor positions = positions_in.clone(at::MemoryFormat::Contiguous);
+  const at::Tensor cache = cos_sin_cache_in.contiguous();
   const int64_t num_tokens = x.size(0), num_heads = x.size(1), head_dim = x.size(2), half = head_dim / 2;
   const int64_t max_position = cache.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -130,11 +133,7 @@ void rotary_embedding_cpu(const at::Tensor& positions_in, at::Tensor& x, const a
           for (int64_t h = 0; h < num_heads; ++h) {
             scalar_t* row = data + t * st + h * sh;
             for (int64_t i = 0; i < half; ++i) {
-              float y1, y2;
-              rotate_pair(static_cast<float>(row[i]), static_cast<float>(row[i + half]), static_cast<float>(cos[i]),
-                          static_cast<float>(sin[i]), &y1, &y2);
-              row[i] = static_cast<scalar_t>(y1);
-              row[i + half] = static_cast<scalar_t>(y2);
+              rope_rotate(row[i], row[i + half], static_cast<float>(cos[i]), static_cast<float>(sin[i]));
             }
           }
         }

@@ -6,9 +6,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "ops/paged_kv.h"
 
@@ -34,13 +37,52 @@ void check_cache(const at::Tensor& cache, const std::string& name) {
               cache.sizes());
   check_float_dtype(cache, name);
   TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(cache.size(1) > 0 && cache.size(3) > 0, name, " must have positive block_size and head_dim, got shape ",
-              cache.sizes());
+  // A dimension of size 0 would leave a block with no bytes but a nonzero stride: copies from null.
+  TORCH_CHECK(cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, name,
+              " must have positive block_size, num_kv_heads and head_dim, got shape ", cache.sizes());
 }
 
 void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
   TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimension(s), got shape ", t.sizes());
+}
+
+// Byte range [begin, end) that a tensor's elements span (strides are never negative in torch).
+std::pair<uintptr_t, uintptr_t> memory_span(const at::Tensor& t) {
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
+// True when a and b may share an element: same storage and intersecting spans (conservative for
+// strided views that interleave without touching, which nobody passes to these ops).
+bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.is_alias_of(b)) return false;
+  const auto sa = memory_span(a), sb = memory_span(b);
+  return sa.first < sb.second && sb.first < sa.second;
+}
+
+void check_no_overlap(const at::Tensor& written, const std::string& written_name, const at::Tensor& other,
+                      const std::string& other_name) {
+  TORCH_CHECK(!may_overlap(written, other), written_name, " and ", other_name,
+              " share memory; ", written_name, " is written in place, so they must not overlap (clone one)");
+}
+
+// An output whose elements alias each other (an expand()ed or as_strided view) would be updated twice.
+void check_no_internal_overlap(const at::Tensor& t, const std::string& name) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions with size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 1;  // elements spanned by the dimensions so far
+  for (const auto& [stride, size] : dims) {
+    TORCH_CHECK(stride >= extent, name, " has elements that share memory (strides ", t.strides(), ", shape ",
+                t.sizes(), "), e.g. an expand()ed view; it is written in place, so pass a tensor without "
+                "overlapping elements");
+    extent = stride * (size - 1) + extent;
+  }
 }
 
 void check_block_mapping_shape(const at::Tensor& block_mapping) {
@@ -76,12 +118,19 @@ void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, con
   check_same_device(key_cache, "key_cache", key, "key");
   check_same_device(value_cache, "value_cache", key, "key");
   check_same_device(slot_mapping, "slot_mapping", key, "key");
+  check_no_overlap(value_cache, "value_cache", key_cache, "key_cache");
+  for (const at::Tensor* cache : {&key_cache, &value_cache}) {
+    const char* name = cache == &key_cache ? "key_cache" : "value_cache";
+    check_no_overlap(*cache, name, key, "key");
+    check_no_overlap(*cache, name, value, "value");
+    check_no_overlap(*cache, name, slot_mapping, "slot_mapping");
+  }
 }
 
 AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                     int64_t sliding_window, double softcap) {
+                                     double scale, int64_t sliding_window, double softcap) {
   TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_q_heads, head_dim], got shape ", query.sizes());
   check_float_dtype(query, "query");
   check_cache(key_cache, "key_cache");
@@ -94,8 +143,8 @@ AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK(query.size(2) == key_cache.size(3), "query head_dim ", query.size(2),
               " must equal key_cache head_dim ", key_cache.size(3));
   const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(num_kv_heads > 0 && query.size(1) % num_kv_heads == 0, "query num_q_heads ", query.size(1),
-              " must be a multiple of key_cache num_kv_heads ", num_kv_heads);
+  TORCH_CHECK(query.size(1) > 0 && query.size(1) % num_kv_heads == 0, "query num_q_heads ", query.size(1),
+              " must be a positive multiple of key_cache num_kv_heads ", num_kv_heads);
   check_index_tensor(block_tables, "block_tables", at::kInt, 2);
   check_index_tensor(seq_lens, "seq_lens", at::kInt, 1);
   check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1);
@@ -104,8 +153,13 @@ AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& 
               " rows but seq_lens has ", num_seqs, " sequences");
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc must have num_seqs + 1 = ", num_seqs + 1,
               " entries, got ", query_start_loc.size(0));
-  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0 disables it), got ", softcap);
-  TORCH_CHECK(sliding_window != 0, "sliding_window must be positive or -1 (disabled), got 0");
+  // The kernels compute in fp32: the values must survive the cast.
+  TORCH_CHECK(std::isfinite(static_cast<float>(scale)) && static_cast<float>(scale) > 0.f,
+              "scale must be a finite number > 0 (as a float32), got ", scale);
+  TORCH_CHECK(softcap == 0.0 || (std::isfinite(static_cast<float>(softcap)) && static_cast<float>(softcap) > 0.f),
+              "softcap must be a finite number >= 0 (0 disables it), got ", softcap);
+  TORCH_CHECK(sliding_window > 0 || sliding_window == -1, "sliding_window must be positive or -1 (disabled), got ",
+              sliding_window);
   check_same_device(key_cache, "key_cache", query, "query");
   check_same_device(value_cache, "value_cache", query, "query");
   check_same_device(block_tables, "block_tables", query, "query");
@@ -136,6 +190,22 @@ void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vec
   if (!key_caches.empty() && !block_mapping.is_cpu()) {
     check_same_device(block_mapping, "block_mapping", key_caches[0], "key_caches[0]");
   }
+  // Every cache is written: no two may share memory (contiguous, so sorting by start finds any overlap).
+  std::vector<std::pair<std::pair<uintptr_t, uintptr_t>, size_t>> spans;  // (byte range, 2 * layer + is_value)
+  for (size_t i = 0; i < 2 * key_caches.size(); ++i) {
+    const at::Tensor& cache = i % 2 == 0 ? key_caches[i / 2] : value_caches[i / 2];
+    if (cache.numel() > 0) spans.push_back({memory_span(cache), i});
+  }
+  std::sort(spans.begin(), spans.end());
+  auto name = [](size_t i) { return (i % 2 == 0 ? "key_caches[" : "value_caches[") + std::to_string(i / 2) + "]"; };
+  for (size_t i = 1; i < spans.size(); ++i) {
+    TORCH_CHECK(spans[i].first.first >= spans[i - 1].first.second, name(spans[i - 1].second), " and ",
+                name(spans[i].second), " share memory; every cache is written in place, so they must be distinct");
+  }
+}
+
+bool swap_within_one_pool(const at::Tensor& src, const at::Tensor& dst) {
+  return src.numel() > 0 && src.data_ptr() == dst.data_ptr() && src.sizes() == dst.sizes() && src.is_alias_of(dst);
 }
 
 void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping) {
@@ -151,6 +221,11 @@ void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::T
   TORCH_CHECK(src.is_cpu() || src.is_cuda(), "src must be a CPU or CUDA tensor, got ", src.device());
   TORCH_CHECK(dst.is_cpu() || dst.is_cuda(), "dst must be a CPU or CUDA tensor, got ", dst.device());
   if (src.is_cuda() && dst.is_cuda()) check_same_device(dst, "dst", src, "src");
+  // The same tensor on both sides is a swap within one pool (block_mapping must then not chain);
+  // any other sharing of memory is rejected.
+  TORCH_CHECK(swap_within_one_pool(src, dst) || !may_overlap(src, dst),
+              "src and dst share memory but are not the same tensor; dst is written in place, so they must "
+              "not overlap");
 }
 
 // Model-layer ops
@@ -176,7 +251,9 @@ void check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residua
   check_same_device(residual, "residual", input, "input");
   TORCH_CHECK(input.is_contiguous() && residual.is_contiguous(),
               "input and residual must be contiguous (both are updated in place)");
-  TORCH_CHECK(input.numel() == 0 || input.data_ptr() != residual.data_ptr(), "input and residual must not alias");
+  check_no_overlap(input, "input", residual, "residual");
+  check_no_overlap(input, "input", weight, "weight");
+  check_no_overlap(residual, "residual", weight, "weight");
 }
 
 void check_silu_and_mul(const at::Tensor& input) {
@@ -199,14 +276,25 @@ void check_rotary_embedding(const at::Tensor& positions, const at::Tensor& x, co
               cos_sin_cache.sizes());
   check_same_device(positions, "positions", x, "x");
   check_same_device(cos_sin_cache, "cos_sin_cache", x, "x");
+  check_no_internal_overlap(x, "x");
+  check_no_overlap(x, "x", positions, "positions");
+  check_no_overlap(x, "x", cos_sin_cache, "cos_sin_cache");
 }
 
 void check_slot_values(const at::Tensor& slot_mapping, int64_t num_slots) {
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t* s = slots.data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, int64_t>> used;  // (slot, token): tokens are written in parallel
+  used.reserve(slots.numel());
   for (int64_t t = 0; t < slots.numel(); ++t) {
     TORCH_CHECK(s[t] < num_slots, "slot_mapping[", t, "] = ", s[t], " is out of range: the cache has ", num_slots,
                 " slots (num_blocks * block_size); use a negative slot for padding");
+    if (s[t] >= 0) used.emplace_back(s[t], t);
+  }
+  std::sort(used.begin(), used.end());
+  for (size_t i = 1; i < used.size(); ++i) {
+    TORCH_CHECK(used[i].first != used[i - 1].first, "slot_mapping[", used[i - 1].second, "] and slot_mapping[",
+                used[i].second, "] are both slot ", used[i].first, ": each slot takes one token per call");
   }
 }
 
@@ -241,14 +329,32 @@ void check_attention_metadata_values(const AttentionShape& shape, const at::Tens
   }
 }
 
-void check_block_mapping_values(const at::Tensor& block_mapping, int64_t num_src_blocks, int64_t num_dst_blocks) {
+void check_block_mapping_values(const at::Tensor& block_mapping, int64_t num_src_blocks, int64_t num_dst_blocks,
+                                bool same_pool) {
   const at::Tensor mapping = block_mapping.contiguous();
   const int64_t* m = mapping.data_ptr<int64_t>();
-  for (int64_t i = 0; i < mapping.size(0); ++i) {
+  const int64_t n = mapping.size(0);
+  std::vector<std::pair<int64_t, int64_t>> dsts(n);  // (destination, pair index), sorted
+  for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(m[2 * i] >= 0 && m[2 * i] < num_src_blocks, "block_mapping[", i, ", 0] = ", m[2 * i],
                 " is out of range [0, ", num_src_blocks, ")");
     TORCH_CHECK(m[2 * i + 1] >= 0 && m[2 * i + 1] < num_dst_blocks, "block_mapping[", i, ", 1] = ", m[2 * i + 1],
                 " is out of range [0, ", num_dst_blocks, ")");
+    dsts[i] = {m[2 * i + 1], i};
+  }
+  // Pairs run in parallel, so their order must not matter: one writer per block, no write to a block
+  // another pair reads.
+  std::sort(dsts.begin(), dsts.end());
+  for (int64_t i = 1; i < n; ++i) {
+    TORCH_CHECK(dsts[i].first != dsts[i - 1].first, "block_mapping[", dsts[i - 1].second, ", 1] and block_mapping[",
+                dsts[i].second, ", 1] are both block ", dsts[i].first, ": destinations must be distinct");
+  }
+  if (!same_pool) return;
+  for (int64_t j = 0; j < n; ++j) {
+    const auto it = std::lower_bound(dsts.begin(), dsts.end(), std::pair<int64_t, int64_t>{m[2 * j], 0});
+    TORCH_CHECK(it == dsts.end() || it->first != m[2 * j] || it->second == j, "block_mapping[", j, ", 0] = ",
+                m[2 * j], " is also the destination of block_mapping[", it == dsts.end() ? 0 : it->second,
+                "]: a block copied in one call must not also be written by it (no chains)");
   }
 }
 
@@ -289,8 +395,9 @@ void reshape_and_cache_cpu_typed(const at::Tensor& key, const at::Tensor& value,
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
-  check_slot_values(slot_mapping, key_cache.size(0) * key_cache.size(1));
-  const at::Tensor slots = slot_mapping.contiguous();
+  // A private copy: the kernel reads exactly the values checked, whatever another thread writes.
+  const at::Tensor slots = slot_mapping.clone(at::MemoryFormat::Contiguous);
+  check_slot_values(slots, key_cache.size(0) * key_cache.size(1));
   if (key.element_size() == 4) {
     reshape_and_cache_cpu_typed<uint32_t>(key, value, key_cache, value_cache, slots);
   } else {
@@ -303,8 +410,8 @@ void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, con
   check_copy_blocks(keys, values, block_mapping);
   if (keys.empty() || block_mapping.size(0) == 0) return;
   const int64_t num_blocks = keys[0].size(0);
-  check_block_mapping_values(block_mapping, num_blocks, num_blocks);
-  const at::Tensor mapping = block_mapping.contiguous();
+  const at::Tensor mapping = block_mapping.clone(at::MemoryFormat::Contiguous);  // checked values = read values
+  check_block_mapping_values(mapping, num_blocks, num_blocks, /*same_pool=*/true);
   const int64_t* m = mapping.data_ptr<int64_t>();
   const int64_t num_pairs = mapping.size(0);
   const int64_t num_layers = static_cast<int64_t>(keys.size());
@@ -325,8 +432,8 @@ void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, con
 
 void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
   check_swap_blocks(src, dst, block_mapping);
-  check_block_mapping_values(block_mapping, src.size(0), dst.size(0));
-  const at::Tensor mapping = block_mapping.contiguous();
+  const at::Tensor mapping = block_mapping.clone(at::MemoryFormat::Contiguous);  // checked values = read values
+  check_block_mapping_values(mapping, src.size(0), dst.size(0), swap_within_one_pool(src, dst));
   const int64_t* m = mapping.data_ptr<int64_t>();
   const int64_t block_bytes = src.numel() == 0 ? 0 : src.stride(0) * src.element_size();
   const auto* s = static_cast<const char*>(src.data_ptr());

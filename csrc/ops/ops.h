@@ -29,10 +29,12 @@ void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, con
 AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                     int64_t sliding_window, double softcap);
+                                     double scale, int64_t sliding_window, double softcap);
 void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
                        const at::Tensor& block_mapping);
 void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
+// src and dst are the same tensor (blocks move within one pool).
+bool swap_within_one_pool(const at::Tensor& src, const at::Tensor& dst);
 
 // Model-layer ops (kernels in layer_ops.cpp, cuda/layer_ops.cu): shape, dtype and device checks.
 void check_rms_norm(const at::Tensor& input, const at::Tensor& weight, double epsilon);
@@ -46,7 +48,10 @@ void check_slot_values(const at::Tensor& slot_mapping, int64_t num_slots);
 void check_attention_metadata_values(const AttentionShape& shape, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                      int64_t sliding_window);
-void check_block_mapping_values(const at::Tensor& block_mapping, int64_t num_src_blocks, int64_t num_dst_blocks);
+// Ids in range and destinations distinct; with same_pool (source and destination blocks in the same
+// tensors) also no chains: no destination may be the source of another pair.
+void check_block_mapping_values(const at::Tensor& block_mapping, int64_t num_src_blocks, int64_t num_dst_blocks,
+                                bool same_pool = false);
 
 // CPU paged attention (csrc/ops/attention_cpu.cpp): fills out [T, Hq, D] and, when defined, lse [T, Hq].
 void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& query,

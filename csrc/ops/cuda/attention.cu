@@ -365,7 +365,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
     const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in, const at::Tensor& query_start_loc_in,
     double scale, int64_t max_seq_len, int64_t sliding_window, double softcap, bool want_lse) {
   const AttentionShape shape = check_paged_attention(query, key_cache, value_cache, block_tables_in, seq_lens_in,
-                                                     query_start_loc_in, sliding_window, softcap);
+                                                     query_start_loc_in, scale, sliding_window, softcap);
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor for the CUDA paged_attention");
   const c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

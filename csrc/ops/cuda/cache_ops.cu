@@ -112,7 +112,7 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor mapping = block_mapping.contiguous();
   if (mapping.is_cpu()) {
-    check_block_mapping_values(mapping, num_blocks, num_blocks);
+    check_block_mapping_values(mapping, num_blocks, num_blocks, /*same_pool=*/true);
     mapping = mapping.to(keys[0].device(), /*non_blocking=*/true);
   }
   const int64_t num_pairs = mapping.size(0);
@@ -135,7 +135,7 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
 // (asynchronous w.r.t. the host when the CPU side is pinned).
 void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
   check_swap_blocks(src, dst, block_mapping);
-  check_block_mapping_values(block_mapping, src.size(0), dst.size(0));
+  check_block_mapping_values(block_mapping, src.size(0), dst.size(0), swap_within_one_pool(src, dst));
   const at::Device device = src.is_cuda() ? src.device() : dst.device();
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
