@@ -16,6 +16,7 @@
 #include "core/block_manager.h"
 #include "core/errors.h"
 #include "core/hashing.h"
+#include "ops/ops.h"
 
 // pybind11 hands a method called on an instance whose __init__ never ran (BlockManager.__new__(...))
 // freshly allocated, uninitialised memory. This caster refuses such an instance instead.
@@ -296,6 +297,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("cache_salt") = py::none(),
       "Hash of one block: xxh64(seed=0, parent as 8 little-endian bytes + tokens as int64 little-endian).");
   m.def("sha256_available", &sha256_available);
+  m.def("_set_cpu_attention_isa", &set_cpu_attention_isa, py::arg("isa"),
+        "Testing hook: 'baseline' forces the portable CPU attention kernel, 'auto' picks the fastest.");
+  m.def("_cpu_attention_isa", &cpu_attention_isa, "The CPU attention kernel copy in use: 'avx2' or 'baseline'.");
 
   py::class_<BlockManager> block_manager(m, "BlockManager");
   block_manager

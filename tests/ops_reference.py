@@ -1,9 +1,15 @@
-"""Plain-PyTorch float64 references for the paged-KV ops: gather by block table, masked causal softmax."""
+"""What the op tests share: plain-PyTorch float64 references for the paged-KV ops (gather by block
+table, masked causal softmax), the devices and tolerances, random paged batches, and a switch to the
+portable CPU attention kernel."""
 from __future__ import annotations
 
+import contextlib
 import math
 
+import pytest
 import torch
+
+from pagedkv import _C
 
 
 def gather_sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -72,3 +78,78 @@ def swap_blocks(src, dst, block_mapping):
     for s, d in block_mapping.tolist():
         dst[d] = src[s].to(dst.device)
     return dst
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared by the op tests: devices, tolerances, random paged batches
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"))]
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+TOLERANCE = {F32: 2e-5, F16: 3e-3, BF16: 2e-2}  # atol = rtol against the float64 reference
+
+
+LAYER_TOLERANCE = {F32: 2e-5, F16: 4e-3, BF16: 3e-2}  # model-layer ops (rounded where HF rounds)
+
+
+def assert_close(actual, expected, dtype, what="", tolerance=TOLERANCE):
+    tol = tolerance[dtype]
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=tol, rtol=tol,
+                               msg=lambda m: f"{what}: {m}")
+
+
+class PagedBatch:
+    """A random batch of sequences over a random paged cache: sequence b has prefix[b] cached tokens
+    and q_lens[b] new query tokens (all already in the cache). Block tables are padded with
+    out-of-range ids past each sequence's length, which the kernels must never read."""
+
+    def __init__(self, prefixes, q_lens, *, block_size, num_kv_heads, group, head_dim, dtype, device,
+                 query_layout="contiguous"):
+        self.seq_lens_list = [p + q for p, q in zip(prefixes, q_lens)]
+        blocks_per_seq = [-(-n // block_size) for n in self.seq_lens_list]
+        self.num_blocks = sum(blocks_per_seq) + 3
+        width = max(blocks_per_seq) + 2
+        perm = torch.randperm(self.num_blocks)
+        tables = torch.randint(self.num_blocks, self.num_blocks + 1000, (len(q_lens), width))
+        used = 0
+        for b, n in enumerate(blocks_per_seq):
+            tables[b, :n] = perm[used:used + n]
+            used += n
+        shape = (self.num_blocks, block_size, num_kv_heads, head_dim)
+        self.key_cache = torch.randn(shape, dtype=dtype, device=device)
+        self.value_cache = torch.randn(shape, dtype=dtype, device=device)
+        self.block_tables = tables.to(torch.int32).to(device)
+        self.seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
+                                            device=device)
+        num_tokens, num_q_heads = sum(q_lens), num_kv_heads * group
+        if query_layout == "contiguous":
+            self.query = torch.randn(num_tokens, num_q_heads, head_dim, dtype=dtype, device=device)
+        elif query_layout == "strided_tokens":  # head_dim contiguous, rows spaced apart
+            self.query = torch.randn(num_tokens, num_q_heads, 2 * head_dim, dtype=dtype, device=device)[..., :head_dim]
+        else:  # "transposed": head_dim not contiguous
+            self.query = torch.randn(num_tokens, head_dim, num_q_heads, dtype=dtype, device=device).transpose(1, 2)
+        self.scale = head_dim ** -0.5
+
+    def args(self):
+        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
+                self.query_start_loc, self.scale)
+
+    def reference(self, **kwargs):
+        return paged_attention(*self.args(), **kwargs)
+
+
+@contextlib.contextmanager
+def baseline_cpu_kernel():
+    """Runs the portable copy of the CPU attention kernel inside the block (the AVX2 one otherwise)."""
+    _C._set_cpu_attention_isa("baseline")
+    try:
+        yield
+    finally:
+        _C._set_cpu_attention_isa("auto")
+
+
+def cos_sin_cache(max_position, head_dim, dtype=torch.float32, device="cpu"):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype=dtype, device=device)

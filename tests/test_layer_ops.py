@@ -7,18 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ops_reference as ref
 import pagedkv.ops as ops
+from ops_reference import BF16, DEVICES, F16, F32, HAS_CUDA, LAYER_TOLERANCE, cos_sin_cache
 
-HAS_CUDA = torch.cuda.is_available()
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"))]
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 DTYPES = [F32, F16, BF16]
-TOLERANCE = {F32: 2e-5, F16: 4e-3, BF16: 3e-2}  # atol = rtol against the float64 reference
 
 
 def assert_close(actual, expected, dtype):
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=tol, rtol=tol)
+    ref.assert_close(actual, expected, dtype, tolerance=LAYER_TOLERANCE)
 
 
 def rms_norm_ref(x, w, eps):
@@ -31,12 +28,6 @@ def hf_rms_norm(x, w, eps):
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return w * h.to(x.dtype)
-
-
-def cos_sin_cache(max_position, head_dim, dtype=torch.float32, device="cpu"):
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype=dtype, device=device)
 
 
 def rope_ref(positions, x, cache):

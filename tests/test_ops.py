@@ -3,7 +3,6 @@ plus opcheck, torch.compile and bad-input checks. CUDA variants are skipped with
 from __future__ import annotations
 
 import os
-import sys
 
 import hypothesis
 import hypothesis.strategies as st
@@ -13,63 +12,8 @@ import torch
 import pagedkv.ops as ops
 from pagedkv.cache import allocate_kv_cache, block_bytes, num_blocks_for
 
-sys.path.insert(0, os.path.dirname(__file__))
-import ops_reference as ref  # noqa: E402
-
-HAS_CUDA = torch.cuda.is_available()
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"))]
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-TOLERANCE = {F32: 2e-5, F16: 3e-3, BF16: 2e-2}  # atol = rtol against the float64 reference
-
-
-def assert_close(actual, expected, dtype, what):
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
-
-
-# --------------------------------------------------------------------------------------------------
-# Batch construction
-
-class PagedBatch:
-    """A random batch of sequences over a random paged cache: sequence b has prefix[b] cached tokens
-    and q_lens[b] new query tokens (all already in the cache). Block tables are padded with
-    out-of-range ids past each sequence's length, which the kernels must never read."""
-
-    def __init__(self, prefixes, q_lens, *, block_size, num_kv_heads, group, head_dim, dtype, device,
-                 query_layout="contiguous"):
-        self.seq_lens_list = [p + q for p, q in zip(prefixes, q_lens)]
-        blocks_per_seq = [-(-n // block_size) for n in self.seq_lens_list]
-        self.num_blocks = sum(blocks_per_seq) + 3
-        width = max(blocks_per_seq) + 2
-        perm = torch.randperm(self.num_blocks)
-        tables = torch.randint(self.num_blocks, self.num_blocks + 1000, (len(q_lens), width))
-        used = 0
-        for b, n in enumerate(blocks_per_seq):
-            tables[b, :n] = perm[used:used + n]
-            used += n
-        shape = (self.num_blocks, block_size, num_kv_heads, head_dim)
-        self.key_cache = torch.randn(shape, dtype=dtype, device=device)
-        self.value_cache = torch.randn(shape, dtype=dtype, device=device)
-        self.block_tables = tables.to(torch.int32).to(device)
-        self.seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
-                                            device=device)
-        num_tokens, num_q_heads = sum(q_lens), num_kv_heads * group
-        if query_layout == "contiguous":
-            self.query = torch.randn(num_tokens, num_q_heads, head_dim, dtype=dtype, device=device)
-        elif query_layout == "strided_tokens":  # head_dim contiguous, rows spaced apart
-            self.query = torch.randn(num_tokens, num_q_heads, 2 * head_dim, dtype=dtype, device=device)[..., :head_dim]
-        else:  # "transposed": head_dim not contiguous
-            self.query = torch.randn(num_tokens, head_dim, num_q_heads, dtype=dtype, device=device).transpose(1, 2)
-        self.scale = head_dim ** -0.5
-
-    def args(self):
-        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
-                self.query_start_loc, self.scale)
-
-    def reference(self, **kwargs):
-        return ref.paged_attention(*self.args(), **kwargs)
-
+import ops_reference as ref
+from ops_reference import BF16, DEVICES, F16, F32, HAS_CUDA, PagedBatch, assert_close, baseline_cpu_kernel
 
 # dtype, block_size, num_kv_heads, group (Hq / Hkv), head_dim, query layout: every value of each axis
 # appears at least once without running the full product.
@@ -285,25 +229,14 @@ def test_paged_attention_random_batches_cpu(data, block_size, num_kv_heads, grou
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
 
 
-BASELINE_CHECK = """
-import sys, torch
-sys.path.insert(0, {tests!r})
-import test_ops as t
-for dtype in (t.F32, t.F16, t.BF16):
-    batch = t.PagedBatch([40, 0, 700, 90], [1, 9, 3, 20], block_size=16, num_kv_heads=2, group=4, head_dim=80,
-                         dtype=dtype, device="cpu")
-    t.assert_close(t.ops.paged_attention(*batch.args(), softcap=5.0), batch.reference(softcap=5.0)[0], dtype, str(dtype))
-print("baseline ok")
-"""
-
-
 def test_paged_attention_cpu_baseline_isa():
-    # The portable (non-AVX2) copy of the CPU kernel, forced by PAGEDKV_CPU_BASELINE in a fresh process.
-    import subprocess
-    env = dict(os.environ, PAGEDKV_CPU_BASELINE="1")
-    result = subprocess.run([sys.executable, "-c", BASELINE_CHECK.format(tests=os.path.dirname(__file__))],
-                            env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and "baseline ok" in result.stdout, result.stderr[-3000:]
+    """The portable (non-AVX2) copy of the CPU kernel."""
+    for dtype in (F32, F16, BF16):
+        batch = PagedBatch([40, 0, 700, 90], [1, 9, 3, 20], block_size=16, num_kv_heads=2, group=4, head_dim=80,
+                           dtype=dtype, device="cpu")
+        with baseline_cpu_kernel():
+            out = ops.paged_attention(*batch.args(), softcap=5.0)
+        assert_close(out, batch.reference(softcap=5.0)[0], dtype, str(dtype))
 
 
 # --------------------------------------------------------------------------------------------------

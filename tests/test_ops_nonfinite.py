@@ -3,17 +3,12 @@ sequence's length, in other sequences' blocks) must not reach that query's outpu
 attention path (single-query decode, per-row, micro-GEMM prefill, split-K, baseline ISA) and dtype."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import pagedkv.ops as ops
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_ops import BF16, F16, F32, PagedBatch, assert_close  # noqa: E402
+from ops_reference import BF16, F16, F32, PagedBatch, assert_close, baseline_cpu_kernel
 
 POISONS = [float("inf"), float("-inf"), float("nan")]
 
@@ -130,22 +125,11 @@ def test_masked_nonfinite_split_k(dtype, q_len, softcap):
         check_masked_poison(batch, sliding_window=window, softcap=softcap, num_threads=8)
 
 
-BASELINE_SCRIPT = """
-import sys, torch
-sys.path.insert(0, {tests!r})
-import test_ops_nonfinite as t
-for path, (prefixes, q_lens, bs, hkv, group, d) in t.PATH_SHAPES.items():
-    for dtype in (t.F32, t.F16, t.BF16):
-        for window in (-1, 6):
-            batch = t.PagedBatch(prefixes, q_lens, block_size=bs, num_kv_heads=hkv, group=group, head_dim=d,
-                                 dtype=dtype, device="cpu")
-            t.check_masked_poison(batch, sliding_window=window)
-print("baseline ok")
-"""
-
-
 def test_masked_nonfinite_baseline_isa():
-    env = dict(os.environ, PAGEDKV_CPU_BASELINE="1")
-    result = subprocess.run([sys.executable, "-c", BASELINE_SCRIPT.format(tests=os.path.dirname(__file__))],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "baseline ok" in result.stdout, result.stderr[-3000:]
+    with baseline_cpu_kernel():
+        for path, (prefixes, q_lens, bs, hkv, group, d) in PATH_SHAPES.items():
+            for dtype in (F32, F16, BF16):
+                for window in (-1, 6):
+                    batch = PagedBatch(prefixes, q_lens, block_size=bs, num_kv_heads=hkv, group=group, head_dim=d,
+                                       dtype=dtype, device="cpu")
+                    check_masked_poison(batch, sliding_window=window)

@@ -12,8 +12,7 @@ import pytest
 
 STRESS = r"""
 import sys, threading, torch
-sys.path.insert(0, {tests!r})
-from test_ops import PagedBatch
+from ops_reference import PagedBatch
 import pagedkv.ops as ops
 
 torch.set_num_threads(2)
@@ -73,8 +72,7 @@ elif case == "reshape_and_cache":
     run(lambda: ops.reshape_and_cache(key, value, kc, vc, slots), check, slots.numpy(), list(range(50)),
         [512, 10**12, 2**62], 400)
 elif case == "rotary_embedding":
-    sys.path.insert(0, {tests!r})
-    from test_layer_ops import cos_sin_cache
+    from ops_reference import cos_sin_cache
     x0, cache, positions = torch.randn(64, 8, 128), cos_sin_cache(256, 128), torch.randint(0, 256, (64,))
     want = x0.clone()
     ops.rotary_embedding(positions, want, cache)
@@ -106,8 +104,10 @@ print("ok", calls, errors)
 
 @pytest.mark.parametrize("case", ["paged_attention", "reshape_and_cache", "block_mappings", "rotary_embedding"])
 def test_metadata_written_by_another_thread(case):
-    result = subprocess.run([sys.executable, "-c", STRESS.format(tests=os.path.dirname(__file__), case=case)],
-                            capture_output=True, text=True, timeout=600)
+    tests = os.path.dirname(os.path.abspath(__file__))  # the stress script imports ops_reference from here
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", STRESS.format(case=case)],
+                            capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, f"exit {result.returncode}: {result.stdout[-2000:]} {result.stderr[-3000:]}"
     _, calls, errors = result.stdout.split()
     assert int(calls) > 0, result.stdout        # some calls ran on the right metadata

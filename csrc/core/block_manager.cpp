@@ -44,7 +44,7 @@ BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_c
     throw ValueError(cat("watermark must be in [0, 1), got ", watermark));
   watermark_blocks_ = static_cast<int32_t>(watermark * num_blocks);
   gpu_ref_.assign(num_blocks, 0);
-  block_node_.assign(num_blocks, PrefixCache::kNone);
+  block_node_.assign(num_blocks, PrefixCache::kNoNode);
   for (int32_t b = 0; b < num_blocks; ++b) gpu_free_.push_back(b);
   cpu_ref_.assign(num_cpu_blocks, 0);
   for (int32_t b = 0; b < num_cpu_blocks; ++b) cpu_free_.push_back(b);
@@ -72,27 +72,50 @@ const BlockManager::Sequence& BlockManager::get_resident(int64_t seq_id, const c
   return seq;
 }
 
-const std::vector<BlockManager::Sequence*>& BlockManager::resolve(const int64_t* seq_ids, size_t n, const char* what,
-                                                                  bool unique, Where where) const {
-  scratch_.clear();
-  scratch_.reserve(n);
-  const uint64_t stamp = ++stamp_;
-  for (size_t i = 0; i < n; ++i) {
-    auto it = seqs_.find(seq_ids[i]);
-    if (it == seqs_.end()) throw KeyError(cat(what, ": unknown ", seq_str(seq_ids[i])));
-    Sequence& seq = const_cast<Sequence&>(it->second);
-    if (where == Where::kResident && seq.swapped)
-      throw ValueError(cat(what, ": ", seq_str(seq_ids[i]), " is swapped out; swap it in first"));
-    if (where == Where::kSwapped && !seq.swapped)
-      throw ValueError(cat(what, ": ", seq_str(seq_ids[i]), " is not swapped out"));
-    if (unique && seq.stamp == stamp) throw ValueError(cat(what, ": ", seq_str(seq_ids[i]), " appears twice in seq_ids"));
-    seq.stamp = stamp;
-    scratch_.push_back(&seq);
+void BlockManager::check_distinct(const int64_t* seq_ids, size_t n, const char* what) {
+  const auto twice = [&](int64_t id) { throw ValueError(cat(what, ": ", seq_str(id), " appears twice in seq_ids")); };
+  if (n <= 16) {  // a decode batch of a few sequences: no allocation
+    for (size_t i = 1; i < n; ++i)
+      for (size_t j = 0; j < i; ++j)
+        if (seq_ids[i] == seq_ids[j]) twice(seq_ids[i]);
+    return;
   }
-  return scratch_;
+  std::vector<int64_t> sorted(seq_ids, seq_ids + n);
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup != sorted.end()) twice(*dup);
 }
 
-uint64_t BlockManager::block_hash(Sequence& seq, int32_t index) const {
+// Both resolve()s: Map is seqs_, const or not, so the result points at const or mutable sequences.
+template <typename Map>
+auto BlockManager::resolve_in(Map& seqs, const int64_t* seq_ids, size_t n, const char* what, bool unique, Where where)
+    -> std::vector<decltype(&seqs.begin()->second)> {
+  if (unique) check_distinct(seq_ids, n, what);
+  std::vector<decltype(&seqs.begin()->second)> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto it = seqs.find(seq_ids[i]);
+    if (it == seqs.end()) throw KeyError(cat(what, ": unknown ", seq_str(seq_ids[i])));
+    if (where == Where::kResident && it->second.swapped)
+      throw ValueError(cat(what, ": ", seq_str(seq_ids[i]), " is swapped out; swap it in first"));
+    if (where == Where::kSwapped && !it->second.swapped)
+      throw ValueError(cat(what, ": ", seq_str(seq_ids[i]), " is not swapped out"));
+    out.push_back(&it->second);
+  }
+  return out;
+}
+
+std::vector<BlockManager::Sequence*> BlockManager::resolve(const int64_t* seq_ids, size_t n, const char* what,
+                                                           bool unique, Where where) {
+  return resolve_in(seqs_, seq_ids, n, what, unique, where);
+}
+
+std::vector<const BlockManager::Sequence*> BlockManager::resolve(const int64_t* seq_ids, size_t n, const char* what,
+                                                                 bool unique, Where where) const {
+  return resolve_in(seqs_, seq_ids, n, what, unique, where);
+}
+
+uint64_t BlockManager::block_hash(Sequence& seq, int32_t index) {
   while (static_cast<int32_t>(seq.block_hashes.size()) <= index) {
     const int32_t i = static_cast<int32_t>(seq.block_hashes.size());
     std::optional<uint64_t> parent;
@@ -107,7 +130,7 @@ std::vector<int32_t> BlockManager::match_prefix(const int64_t* tokens, size_t nu
                                                 std::string_view salt, std::vector<uint64_t>* hashes) const {
   std::vector<int32_t> hit_blocks;
   if (!prefix_caching_) return hit_blocks;
-  const int32_t max_hits = num_blocks_for(static_cast<int64_t>(num_tokens)) - 1;  // last block: computed
+  const int32_t max_hits = blocks_for_tokens(static_cast<int64_t>(num_tokens)) - 1;  // last block: computed
   PrefixCache::NodeId parent = PrefixCache::kRoot;
   std::optional<uint64_t> parent_hash;
   for (int32_t i = 0; i < max_hits; ++i) {
@@ -115,7 +138,7 @@ std::vector<int32_t> BlockManager::match_prefix(const int64_t* tokens, size_t nu
     const uint64_t h = hash_block_tokens(block_tokens, block_size_, parent_hash, hash_algo_,
                                          i == 0 ? salt : std::string_view());
     const PrefixCache::NodeId node = cache_.find(h, parent, block_tokens, i == 0 ? salt : std::string_view());
-    if (node == PrefixCache::kNone || cache_.node(node).block == PrefixCache::kNone) break;
+    if (node == PrefixCache::kNoNode || cache_.node(node).block == PrefixCache::kNoBlock) break;
     hit_blocks.push_back(cache_.node(node).block);
     if (hashes) hashes->push_back(h);
     parent = node;
@@ -146,12 +169,12 @@ const std::vector<int32_t>& BlockManager::match_prefix_memo(const int64_t* token
 
 void BlockManager::untag_block(int32_t block) {
   const PrefixCache::NodeId node = block_node_[block];
-  if (node == PrefixCache::kNone) return;
+  if (node == PrefixCache::kNoNode) return;
   if (cache_.node(node).block == block) {
     if (events_enabled_) record_removed(node);
-    cache_.set_block(node, PrefixCache::kNone);
+    cache_.set_block(node, PrefixCache::kNoBlock);
   }
-  block_node_[block] = PrefixCache::kNone;
+  block_node_[block] = PrefixCache::kNoNode;
   cache_.release(node);
 }
 
@@ -177,7 +200,7 @@ void BlockManager::release_block(int32_t block) {
 
 bool BlockManager::holds_cached_kv(int32_t block) const {
   const PrefixCache::NodeId node = block_node_[block];
-  return node != PrefixCache::kNone && cache_.node(node).block == block;
+  return node != PrefixCache::kNoNode && cache_.node(node).block == block;
 }
 
 void BlockManager::return_to_free_list(int32_t block) {
@@ -229,7 +252,7 @@ void BlockManager::release_cpu_block(int32_t block) {
 
 AllocStatus BlockManager::can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt) const {
   if (num_tokens == 0) throw ValueError("can_allocate: token_ids is empty");
-  const int32_t needed = num_blocks_for(static_cast<int64_t>(num_tokens));
+  const int32_t needed = blocks_for_tokens(static_cast<int64_t>(num_tokens));
   if (needed > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
   const std::vector<int32_t>& hits = match_prefix_memo(tokens, num_tokens, salt, nullptr);
   int32_t from_free = needed;
@@ -240,7 +263,7 @@ AllocStatus BlockManager::can_allocate(const int64_t* tokens, size_t num_tokens,
 int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt) {
   if (seqs_.count(seq_id)) throw ValueError(cat("allocate: ", seq_str(seq_id), " already exists"));
   if (num_tokens == 0) throw ValueError("allocate: token_ids is empty");
-  const int32_t needed = num_blocks_for(static_cast<int64_t>(num_tokens));
+  const int32_t needed = blocks_for_tokens(static_cast<int64_t>(num_tokens));
   const std::vector<uint64_t>* memo_hashes = nullptr;
   const std::vector<int32_t> hits = match_prefix_memo(tokens, num_tokens, salt, &memo_hashes);
   std::vector<uint64_t> hashes = *memo_hashes;
@@ -308,7 +331,7 @@ void BlockManager::register_computed_blocks(Sequence& seq) {
   bool parent_is_new = false;  // a node created in this loop has no children yet: skip the lookup
   for (int32_t i = seq.num_registered; i < full; ++i) {
     const PrefixCache::NodeId parent = i == 0 ? PrefixCache::kRoot : block_node_[seq.block_table[i - 1]];
-    if (i > 0 && parent == PrefixCache::kNone) break;  // the prefix lost its content tag (cache reset)
+    if (parent == PrefixCache::kNoNode) break;  // the prefix lost its content tag (cache reset)
     const uint64_t h = block_hash(seq, i);
     const int32_t block = seq.block_table[i];
     const int64_t* block_tokens = seq.tokens.data() + int64_t(i) * block_size_;
@@ -321,8 +344,8 @@ void BlockManager::register_computed_blocks(Sequence& seq) {
       cache_.add_ref(node);
     }
     const int32_t previous = cache_.node(node).block;
-    if (events_enabled_ && previous == PrefixCache::kNone) record_stored(node, block_tokens, salt);
-    if (previous != PrefixCache::kNone && previous != block && gpu_free_.contains(previous))
+    if (events_enabled_ && previous == PrefixCache::kNoBlock) record_stored(node, block_tokens, salt);
+    if (previous != PrefixCache::kNoBlock && previous != block && gpu_free_.contains(previous))
       --cached_free_blocks_;  // a free copy of this content is superseded: no longer a hit
     cache_.set_block(node, block);  // the latest registration wins
     seq.num_registered = i + 1;
@@ -352,22 +375,22 @@ void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std:
 bool BlockManager::must_copy_before_write(int32_t block) const {
   // Shared with another sequence, or holding cached KV (a block left partial by truncate): writing into
   // it in place would change KV someone else reads.
-  return gpu_ref_[block] > 1 || block_node_[block] != PrefixCache::kNone;
+  return gpu_ref_[block] > 1 || block_node_[block] != PrefixCache::kNoNode;
 }
 
-int32_t BlockManager::blocks_needed_to_append(const std::vector<Sequence*>& seqs, const int64_t* counts,
+int32_t BlockManager::blocks_needed_to_append(const Sequence* const* seqs, size_t n, const int64_t* counts,
                                               int64_t extra) const {
   int32_t needed = 0;
   std::unordered_map<int32_t, int32_t> appenders_of_shared;  // shared last block -> appenders in batch
-  for (size_t i = 0; i < seqs.size(); ++i) {
+  for (size_t i = 0; i < n; ++i) {
     const Sequence* seq = seqs[i];
     const int64_t len = static_cast<int64_t>(seq->tokens.size());
     const int64_t count = (counts ? counts[i] : 1) + extra;
     if (count <= 0) continue;
-    needed += num_blocks_for(len + count) - num_blocks_for(len);
+    needed += blocks_for_tokens(len + count) - blocks_for_tokens(len);
     if (len % block_size_ == 0) continue;
     const int32_t last = seq->block_table.back();
-    if (block_node_[last] != PrefixCache::kNone)
+    if (block_node_[last] != PrefixCache::kNoNode)
       ++needed;  // cached KV: every appender copies
     else if (gpu_ref_[last] > 1)
       ++appenders_of_shared[last];
@@ -381,8 +404,8 @@ bool BlockManager::can_append(const int64_t* seq_ids, size_t n, int64_t num_look
   if (num_lookahead_slots < 0 || num_lookahead_slots > kMaxTokensPerAppend)
     throw ValueError(cat("can_append: num_lookahead_slots must be in [0, ", kMaxTokensPerAppend, "], got ",
                          num_lookahead_slots));
-  const std::vector<Sequence*>& seqs = resolve(seq_ids, n, "can_append", /*unique=*/true);
-  return blocks_needed_to_append(seqs, nullptr, num_lookahead_slots) <= gpu_free_.size();
+  const std::vector<const Sequence*> seqs = resolve(seq_ids, n, "can_append", /*unique=*/true);
+  return blocks_needed_to_append(seqs.data(), seqs.size(), nullptr, num_lookahead_slots) <= gpu_free_.size();
 }
 
 int64_t BlockManager::append_token(int64_t seq_id, int64_t token_id) {
@@ -408,8 +431,8 @@ size_t BlockManager::append_count_total(const int64_t* counts, size_t n) const {
 void BlockManager::append_tokens(const int64_t* seq_ids, size_t n, const int64_t* token_ids, const int64_t* counts,
                                  int64_t* slots_out) {
   if (counts) append_count_total(counts, n);
-  const std::vector<Sequence*>& seqs = resolve(seq_ids, n, "append_tokens", /*unique=*/true);
-  const int32_t needed = blocks_needed_to_append(seqs, counts, 0);
+  const std::vector<Sequence*> seqs = resolve(seq_ids, n, "append_tokens", /*unique=*/true);
+  const int32_t needed = blocks_needed_to_append(seqs.data(), seqs.size(), counts, 0);
   if (needed > gpu_free_.size())
     throw OutOfBlocks(cat("append_tokens: needs ", needed, " free blocks but only ", gpu_free_.size(),
                           " are free (check can_append first)"));
@@ -448,7 +471,7 @@ void BlockManager::truncate(const std::vector<int64_t>& seq_ids, const std::vect
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence& seq = *seqs[i];
     const int64_t n = num_tokens[i];
-    const size_t keep = static_cast<size_t>(num_blocks_for(n));
+    const size_t keep = static_cast<size_t>(blocks_for_tokens(n));
     while (seq.block_table.size() > keep) {  // tail first; cached blocks stay cached
       release_block(seq.block_table.back());
       seq.block_table.pop_back();
@@ -552,7 +575,7 @@ AllocStatus BlockManager::can_swap_in(const std::vector<int64_t>& seq_ids, int64
   int32_t needed = distinct_blocks(seq_ids, "swap_in", Where::kSwapped);
   for (const int64_t id : seq_ids) {  // room to append that many tokens once back
     const int64_t len = static_cast<int64_t>(get(id).tokens.size());
-    needed += num_blocks_for(len + num_lookahead_slots) - num_blocks_for(len);
+    needed += blocks_for_tokens(len + num_lookahead_slots) - blocks_for_tokens(len);
   }
   if (needed > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
   return gpu_free_.size() - needed >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
@@ -573,7 +596,7 @@ const std::vector<int32_t>& BlockManager::block_table(int64_t seq_id) const { re
 
 int32_t BlockManager::block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
                                    std::vector<int32_t>* out) const {
-  const std::vector<Sequence*>& seqs = resolve(seq_ids, n, "block_tables", /*unique=*/false);
+  const std::vector<const Sequence*> seqs = resolve(seq_ids, n, "block_tables", /*unique=*/false);
   size_t longest = 0;
   for (const Sequence* seq : seqs) longest = std::max(longest, seq->block_table.size());
   const int32_t width = max_blocks ? *max_blocks : static_cast<int32_t>(longest);
@@ -605,7 +628,7 @@ void BlockManager::slot_mapping(int64_t seq_id, int64_t start, int64_t end, int6
 
 void BlockManager::slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
                                  std::vector<int64_t>* out, const char* what) const {
-  const std::vector<Sequence*>& seqs = resolve(seq_ids, n, what, /*unique=*/false);
+  const std::vector<const Sequence*> seqs = resolve(seq_ids, n, what, /*unique=*/false);
   size_t total = 0;
   for (size_t i = 0; i < n; ++i) {
     const int64_t len = static_cast<int64_t>(seqs[i]->tokens.size());
@@ -684,7 +707,7 @@ std::vector<std::pair<uint64_t, std::optional<uint64_t>>> BlockManager::cached_b
   std::vector<std::pair<uint64_t, std::optional<uint64_t>>> out;
   out.reserve(static_cast<size_t>(cache_.num_registered()));
   for (PrefixCache::NodeId id : cache_.live_nodes())
-    if (cache_.node(id).block != PrefixCache::kNone) out.emplace_back(cache_.node(id).hash, parent_hash(id));
+    if (cache_.node(id).block != PrefixCache::kNoBlock) out.emplace_back(cache_.node(id).hash, parent_hash(id));
   return out;
 }
 
@@ -724,7 +747,7 @@ void BlockManager::reset_prefix_cache() {
     cleared.kind = KvEvent::Kind::kCleared;
     record_event(std::move(cleared));
   }
-  for (int32_t b = 0; b < num_blocks_; ++b) block_node_[b] = PrefixCache::kNone;
+  for (int32_t b = 0; b < num_blocks_; ++b) block_node_[b] = PrefixCache::kNoNode;
   cache_.clear();
   cached_free_blocks_ = 0;
   for (auto& kv : seqs_) kv.second.num_registered = 0;
@@ -740,7 +763,7 @@ void BlockManager::check_invariants() const {
   std::vector<int32_t> gpu_uses(num_blocks_, 0), cpu_uses(num_cpu_blocks_, 0);
   for (const auto& [id, seq] : seqs_) {
     const int64_t len = static_cast<int64_t>(seq.tokens.size());
-    if (static_cast<int64_t>(seq.block_table.size()) != num_blocks_for(len))
+    if (static_cast<int64_t>(seq.block_table.size()) != blocks_for_tokens(len))
       fail(cat(seq_str(id), " has ", seq.block_table.size(), " blocks for ", len, " tokens"));
     if (seq.num_computed < 0 || seq.num_computed > len)
       fail(cat(seq_str(id), " has num_computed=", seq.num_computed, " outside [0, ", len, "]"));
@@ -755,7 +778,7 @@ void BlockManager::check_invariants() const {
     PrefixCache::NodeId parent = PrefixCache::kRoot;
     for (int32_t i = 0; i < seq.num_registered && !seq.swapped; ++i) {
       const PrefixCache::NodeId node = block_node_[seq.block_table[i]];
-      if (node == PrefixCache::kNone) fail(cat(seq_str(id), " block ", i, " is registered but has no content tag"));
+      if (node == PrefixCache::kNoNode) fail(cat(seq_str(id), " block ", i, " is registered but has no content tag"));
       const auto& n = cache_.node(node);
       const int64_t* block_tokens = seq.tokens.data() + int64_t(i) * block_size_;
       if (n.parent != parent || !std::equal(block_tokens, block_tokens + block_size_, cache_.tokens(node)) ||
@@ -788,7 +811,7 @@ void BlockManager::check_invariants() const {
   std::unordered_map<PrefixCache::NodeId, int32_t> refs;
   const std::unordered_set<PrefixCache::NodeId> live_set(live.begin(), live.end());
   for (int32_t b = 0; b < num_blocks_; ++b) {
-    if (block_node_[b] == PrefixCache::kNone) continue;
+    if (block_node_[b] == PrefixCache::kNoNode) continue;
     if (!live_set.count(block_node_[b])) fail(cat("block ", b, " is tagged with a freed prefix-cache node"));
     ++refs[block_node_[b]];
   }
@@ -797,7 +820,7 @@ void BlockManager::check_invariants() const {
     const auto& n = cache_.node(id);
     if (n.parent != PrefixCache::kRoot) ++refs[n.parent];
     if (!cache_.indexed(id)) fail(cat("prefix-cache node ", id, " is missing from the hash index"));
-    if (n.block != PrefixCache::kNone) {
+    if (n.block != PrefixCache::kNoBlock) {
       ++registered;
       if (block_node_[n.block] != id) fail(cat("prefix-cache node ", id, " names block ", n.block, " which holds other content"));
     }

@@ -156,19 +156,24 @@ class BlockManager {
     int32_t num_registered = 0;         // leading full blocks registered in the prefix cache
     std::string salt;
     bool swapped = false;
-    mutable uint64_t stamp = 0;         // duplicate detection in batched calls
   };
   enum class Where { kResident, kSwapped };
 
   Sequence& get(int64_t seq_id);
   const Sequence& get(int64_t seq_id) const;
   const Sequence& get_resident(int64_t seq_id, const char* what) const;
-  // Looks up a batch of ids once (KeyError if unknown, ValueError if in the wrong place or, when
-  // `unique`, repeated). Returns a scratch vector valid until the next call.
-  const std::vector<Sequence*>& resolve(const int64_t* seq_ids, size_t n, const char* what, bool unique,
-                                        Where where = Where::kResident) const;
+  // Looks up a batch of ids once: KeyError if unknown, ValueError if in the wrong place or, when `unique`,
+  // repeated.
+  std::vector<Sequence*> resolve(const int64_t* seq_ids, size_t n, const char* what, bool unique,
+                                 Where where = Where::kResident);
+  std::vector<const Sequence*> resolve(const int64_t* seq_ids, size_t n, const char* what, bool unique,
+                                       Where where = Where::kResident) const;
+  template <typename Map>
+  static auto resolve_in(Map& seqs, const int64_t* seq_ids, size_t n, const char* what, bool unique, Where where)
+      -> std::vector<decltype(&seqs.begin()->second)>;
+  static void check_distinct(const int64_t* seq_ids, size_t n, const char* what);
 
-  int32_t num_blocks_for(int64_t num_tokens) const {
+  int32_t blocks_for_tokens(int64_t num_tokens) const {
     return static_cast<int32_t>((num_tokens + block_size_ - 1) / block_size_);
   }
   // Longest run of leading blocks (at most ceil(n/bs) - 1) whose content is cached.
@@ -177,11 +182,11 @@ class BlockManager {
   // Cached: allocate() right after can_allocate() for the same prompt reuses the lookup.
   const std::vector<int32_t>& match_prefix_memo(const int64_t* tokens, size_t num_tokens, std::string_view salt,
                                                 const std::vector<uint64_t>** hashes) const;
-  int32_t blocks_needed_to_append(const std::vector<Sequence*>& seqs, const int64_t* counts, int64_t extra) const;
+  int32_t blocks_needed_to_append(const Sequence* const* seqs, size_t n, const int64_t* counts, int64_t extra) const;
   bool must_copy_before_write(int32_t block) const;
   int32_t distinct_blocks(const std::vector<int64_t>& seq_ids, const char* what, Where where) const;
   std::vector<BlockPair> move_blocks(const std::vector<int64_t>& seq_ids, bool to_cpu);  // swap out / in
-  uint64_t block_hash(Sequence& seq, int32_t index) const;
+  uint64_t block_hash(Sequence& seq, int32_t index);  // computed lazily, kept in seq
   void register_computed_blocks(Sequence& seq);
 
   int32_t take_free_block();         // pops the LRU free block, evicting its cached content
@@ -202,7 +207,7 @@ class BlockManager {
   HashAlgo hash_algo_;
 
   std::vector<int32_t> gpu_ref_;
-  std::vector<PrefixCache::NodeId> block_node_;  // content of each GPU block, or kNone
+  std::vector<PrefixCache::NodeId> block_node_;  // content of each GPU block, or kNoNode
   FreeList gpu_free_;
   std::vector<int32_t> cpu_ref_;
   FreeList cpu_free_;
@@ -210,8 +215,6 @@ class BlockManager {
 
   std::unordered_map<int64_t, Sequence> seqs_;
   std::vector<BlockPair> pending_copies_;
-  mutable std::vector<Sequence*> scratch_;
-  mutable uint64_t stamp_ = 0;
   struct MatchMemo {
     uint64_t cache_version = ~uint64_t(0);
     std::vector<int64_t> tokens;

@@ -23,16 +23,16 @@ bool PrefixCache::matches(NodeId id, NodeId parent, const int64_t* block_tokens,
 
 PrefixCache::NodeId PrefixCache::find(uint64_t hash, NodeId parent, const int64_t* block_tokens,
                                       std::string_view salt) const {
-  for (NodeId id = bucket(hash); id != kNone; id = nodes_[id].next)
+  for (NodeId id = bucket(hash); id != kNoNode; id = nodes_[id].next)
     if (nodes_[id].hash == hash && matches(id, parent, block_tokens, salt)) return id;
-  return kNone;
+  return kNoNode;
 }
 
 PrefixCache::NodeId PrefixCache::find_or_create(uint64_t hash, NodeId parent, const int64_t* block_tokens,
                                                 std::string_view salt, bool* created) {
   const NodeId id = find(hash, parent, block_tokens, salt);
-  if (created) *created = id == kNone;
-  return id != kNone ? id : create(hash, parent, block_tokens, salt);
+  if (created) *created = id == kNoNode;
+  return id != kNoNode ? id : create(hash, parent, block_tokens, salt);
 }
 
 PrefixCache::NodeId PrefixCache::create(uint64_t hash, NodeId parent, const int64_t* block_tokens,
@@ -54,7 +54,7 @@ PrefixCache::NodeId PrefixCache::create(uint64_t hash, NodeId parent, const int6
   n.parent = parent;
   std::copy(block_tokens, block_tokens + block_size_, token_pool_.begin() + int64_t(id) * block_size_);
   n.salt.assign(salt);
-  n.block = kNone;
+  n.block = kNoBlock;
   n.refs = 0;
   live_[id] = true;
   if (parent != kRoot) add_ref(parent);
@@ -68,7 +68,7 @@ PrefixCache::NodeId PrefixCache::create(uint64_t hash, NodeId parent, const int6
 void PrefixCache::set_block(NodeId id, int32_t block) {
   Node& n = nodes_[id];
   ++version_;
-  num_registered_ += (block != kNone) - (n.block != kNone);
+  num_registered_ += (block != kNoBlock) - (n.block != kNoBlock);
   n.block = block;
 }
 
@@ -77,7 +77,7 @@ void PrefixCache::release(NodeId id) {
     Node& n = nodes_[id];
     unlink(id);
     --num_live_;
-    set_block(id, kNone);
+    set_block(id, kNoBlock);
     const NodeId parent = n.parent;
     n.salt.clear();
     live_[id] = false;
@@ -91,7 +91,7 @@ void PrefixCache::clear() {
   num_created_ = 0;  // storage is kept for reuse
   free_ids_.clear();
   std::fill(live_.begin(), live_.end(), false);
-  std::fill(buckets_.begin(), buckets_.end(), kNone);
+  std::fill(buckets_.begin(), buckets_.end(), kNoNode);
   num_live_ = 0;
   num_registered_ = 0;
   ++version_;
@@ -105,7 +105,7 @@ std::vector<PrefixCache::NodeId> PrefixCache::live_nodes() const {
 }
 
 bool PrefixCache::indexed(NodeId id) const {
-  for (NodeId i = bucket(nodes_[id].hash); i != kNone; i = nodes_[i].next)
+  for (NodeId i = bucket(nodes_[id].hash); i != kNoNode; i = nodes_[i].next)
     if (i == id) return true;
   return false;
 }
@@ -114,11 +114,11 @@ void PrefixCache::unlink(NodeId id) {
   NodeId* link = &bucket(nodes_[id].hash);
   while (*link != id) link = &nodes_[*link].next;  // id is in its bucket's chain
   *link = nodes_[id].next;
-  nodes_[id].next = kNone;
+  nodes_[id].next = kNoNode;
 }
 
 void PrefixCache::rehash(size_t num_buckets) {
-  buckets_.assign(num_buckets, kNone);
+  buckets_.assign(num_buckets, kNoNode);
   for (NodeId id = 0; id < num_created_; ++id) {
     if (!live_[id]) continue;
     NodeId& head = bucket(nodes_[id].hash);

@@ -14,22 +14,23 @@ namespace pagedkv {
 class PrefixCache {
  public:
   using NodeId = int32_t;
-  static constexpr NodeId kRoot = -1;   // parent of block 0
-  static constexpr NodeId kNone = -1;   // "no node" / "no block"
+  static constexpr NodeId kNoNode = -1;   // no node (an empty bucket, an untagged block)
+  static constexpr NodeId kRoot = -2;     // the parent of every block 0: not a node
+  static constexpr int32_t kNoBlock = -1; // no physical block holds a node's KV
 
   struct Node {
     uint64_t hash = 0;
     NodeId parent = kRoot;
     std::string salt;        // block 0 only
-    int32_t block = kNone;   // physical block registered for this content, or kNone
+    int32_t block = kNoBlock;  // physical block registered for this content, or kNoBlock
     int32_t refs = 0;        // blocks tagged with this node + child nodes; freed at 0
-    NodeId next = kNone;     // next node in the same hash bucket
+    NodeId next = kNoNode;     // next node in the same hash bucket
   };
 
   // Every node holds one full block of `block_size` tokens; `capacity` sizes the hash index.
   PrefixCache(int32_t block_size, int32_t capacity);
 
-  // The node with exactly this content (one full block of tokens), or kNone.
+  // The node with exactly this content (one full block of tokens), or kNoNode.
   NodeId find(uint64_t hash, NodeId parent, const int64_t* tokens, std::string_view salt) const;
   NodeId find_or_create(uint64_t hash, NodeId parent, const int64_t* tokens, std::string_view salt,
                         bool* created = nullptr);

@@ -129,12 +129,18 @@ namespace baseline {
 #undef PAGEDKV_CPU_AVX2
 }  // namespace baseline
 
-// AVX2 + FMA + F16C when the CPU has them, unless PAGEDKV_CPU_BASELINE=1 (tests the portable copy).
-bool use_avx2_kernel() {
-  static const bool use = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c") && std::getenv("PAGEDKV_CPU_BASELINE") == nullptr;
-  return use;
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
 }
+
+// The portable copy instead of the AVX2 one: PAGEDKV_CPU_BASELINE=1 at start-up, or
+// set_cpu_attention_isa("baseline") (tests run both copies in one process).
+std::atomic<bool> force_baseline{std::getenv("PAGEDKV_CPU_BASELINE") != nullptr};
+
+// AVX2 + FMA + F16C when the CPU has them and the portable copy is not forced.
+bool use_avx2_kernel() { return cpu_has_avx2() && !force_baseline.load(std::memory_order_relaxed); }
 
 // Single-query items of one sequence fold into one item over all its KV heads when there are
 // enough sequences to keep the threads busy (at least target_items of them).
@@ -337,6 +343,13 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_with_lse_cpu(
 }
 
 }  // namespace
+void set_cpu_attention_isa(const std::string& isa) {
+  TORCH_CHECK_VALUE(isa == "auto" || isa == "baseline", "cpu attention isa must be 'auto' or 'baseline', got '", isa, "'");
+  force_baseline.store(isa == "baseline");
+}
+
+std::string cpu_attention_isa() { return use_avx2_kernel() ? "avx2" : "baseline"; }
+
 }  // namespace pagedkv
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {

@@ -6,6 +6,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -69,5 +70,10 @@ void dispatch_float(at::ScalarType dtype, Fn&& fn) {
     default: fn(c10::BFloat16{}); break;
   }
 }
+
+// Which copy of the CPU attention kernel runs: "auto" (the fastest this CPU has) or "baseline" (the
+// portable one); cpu_attention_isa() says which runs now ("avx2" or "baseline").
+void set_cpu_attention_isa(const std::string& isa);
+std::string cpu_attention_isa();
 
 }  // namespace pagedkv

@@ -34,8 +34,8 @@ TEST(PrefixCache, FindsExactContentThroughCollisionsAndGrowth) {
   for (int64_t i = 0; i < 400; ++i) {
     const auto t = block_tokens(i);
     EXPECT_EQ(cache.find(uint64_t(i % 5), PrefixCache::kRoot, t.data(), ""), ids[i]);
-    EXPECT_EQ(cache.find(uint64_t(i % 5), PrefixCache::kRoot, t.data(), "other salt"), PrefixCache::kNone);
-    EXPECT_EQ(cache.find(uint64_t((i + 1) % 5), PrefixCache::kRoot, t.data(), ""), PrefixCache::kNone);
+    EXPECT_EQ(cache.find(uint64_t(i % 5), PrefixCache::kRoot, t.data(), "other salt"), PrefixCache::kNoNode);
+    EXPECT_EQ(cache.find(uint64_t((i + 1) % 5), PrefixCache::kRoot, t.data(), ""), PrefixCache::kNoNode);
     EXPECT_TRUE(cache.indexed(ids[i]));
   }
   // Release in random order: released nodes disappear from their chains, the others stay findable.
@@ -48,7 +48,7 @@ TEST(PrefixCache, FindsExactContentThroughCollisionsAndGrowth) {
     for (size_t j = 0; j < order.size(); ++j) {
       const int64_t i = order[j];
       const auto t = block_tokens(i);
-      EXPECT_EQ(cache.find(uint64_t(i % 5), PrefixCache::kRoot, t.data(), ""), j <= k ? PrefixCache::kNone : ids[i]);
+      EXPECT_EQ(cache.find(uint64_t(i % 5), PrefixCache::kRoot, t.data(), ""), j <= k ? PrefixCache::kNoNode : ids[i]);
     }
   }
   EXPECT_EQ(cache.num_nodes(), 0);
@@ -61,16 +61,16 @@ TEST(PrefixCache, ChildKeepsParentAliveAndClearForgetsEverything) {
   const NodeId child = cache.create(11, parent, b.data(), "");  // same hash as its parent
   cache.add_ref(child);
   EXPECT_EQ(cache.find(11, parent, b.data(), ""), child);
-  EXPECT_EQ(cache.find(11, PrefixCache::kRoot, b.data(), ""), PrefixCache::kNone);  // other prefix
+  EXPECT_EQ(cache.find(11, PrefixCache::kRoot, b.data(), ""), PrefixCache::kNoNode);  // other prefix
   cache.release(child);  // the child's last reference also drops the parent's (its only one)
   EXPECT_EQ(cache.num_nodes(), 0);
-  EXPECT_EQ(cache.find(11, PrefixCache::kRoot, a.data(), ""), PrefixCache::kNone);
+  EXPECT_EQ(cache.find(11, PrefixCache::kRoot, a.data(), ""), PrefixCache::kNoNode);
 
   const NodeId again = cache.create(3, PrefixCache::kRoot, a.data(), "s");
   cache.add_ref(again);
   cache.clear();
   EXPECT_EQ(cache.num_nodes(), 0);
-  EXPECT_EQ(cache.find(3, PrefixCache::kRoot, a.data(), "s"), PrefixCache::kNone);
+  EXPECT_EQ(cache.find(3, PrefixCache::kRoot, a.data(), "s"), PrefixCache::kNoNode);
   const NodeId fresh = cache.create(3, PrefixCache::kRoot, a.data(), "s");
   EXPECT_EQ(cache.find(3, PrefixCache::kRoot, a.data(), "s"), fresh);
 }
