@@ -305,6 +305,23 @@ void run_blocks(dim3 grid, dim3 block_dim, size_t dynamic_smem, const std::funct
   t_worker = nullptr;
 }
 
+// The launch fails with this message (the first one recorded in the block wins).
+void record_error(const char* file, int line, const char* what) {
+  Fiber* f = t_worker->running;
+  Block& b = *t_worker->block;
+  if (b.error.empty()) {
+    b.error = block_name(b) + " " + describe_thread(*f) + " at " + file + ":" + std::to_string(line) + ": " + what;
+  }
+}
+
+// Leaves the running fiber for good (the scheduler ends the block on its error).
+[[noreturn]] void abandon_fiber() {
+  Fiber* f = t_worker->running;
+  f->state = State::kFailed;
+  fiber_to_scheduler(f, false);
+  std::abort();  // a failed fiber is never resumed
+}
+
 }  // namespace
 
 void set_schedule(Schedule schedule) { g_schedule = schedule; }
@@ -351,9 +368,12 @@ WarpSnapshot warp_collective(const char* file, int line, const char* op, unsigne
   const int lane = f->linear % kWarpSize;
   const unsigned effective = mask & existing_lanes(f->linear / kWarpSize, num_threads);
   if (!(effective >> lane & 1u)) {
-    std::ostringstream s;
-    s << op << " called by lane " << lane << " whose own bit is not in mask 0x" << std::hex << mask;
-    collective_error(file, line, s.str().c_str());
+    {  // no heap object may stay alive in the frames of a fiber that is abandoned
+      std::ostringstream s;
+      s << op << " called by lane " << lane << " whose own bit is not in mask 0x" << std::hex << mask;
+      record_error(file, line, s.str().c_str());
+    }
+    abandon_fiber();
   }
   f->state = State::kAtCollective;
   f->file = file;
@@ -366,14 +386,8 @@ WarpSnapshot warp_collective(const char* file, int line, const char* op, unsigne
 }
 
 void collective_error(const char* file, int line, const char* what) {
-  Fiber* f = current().fiber;
-  Block& b = *const_cast<Block*>(f->thread.block);
-  if (b.error.empty()) {
-    b.error = block_name(b) + " " + describe_thread(*f) + " at " + file + ":" + std::to_string(line) + ": " + what;
-  }
-  f->state = State::kFailed;
-  fiber_to_scheduler(f, false);
-  std::abort();  // a failed fiber is never resumed
+  record_error(file, line, what);
+  abandon_fiber();
 }
 
 unsigned ballot(const char* file, int line, unsigned mask, bool predicate) {
