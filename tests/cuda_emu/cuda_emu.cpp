@@ -249,11 +249,10 @@ std::string run_block(Worker& w, Block& b, int num_threads, Schedule schedule) {
         if (!b.error.empty()) return b.error;
       }
     }
-    int done = 0, at_barrier = 0, at_collective = 0, runnable = 0;
+    int done = 0, at_collective = 0, runnable = 0;
     for (Fiber* f : all) {
       runnable += f->state == State::kRunnable;
       done += f->state == State::kDone;
-      at_barrier += f->state == State::kAtBarrier;
       at_collective += f->state == State::kAtCollective;
     }
     if (done == num_threads) return "";

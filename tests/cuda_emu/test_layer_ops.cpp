@@ -31,6 +31,7 @@ bool close(double got, double want, double ulps = 2.0) {
   return std::abs(got - want) <= ulps * eps_of<T>() * std::max(std::abs(want), 1e-3) + 1e-6;
 }
 
+// Tolerance 4 units: the float32 sum of squares may move a rounding of x * inv_rms by one unit.
 template <typename T>
 double rms_reference(const T* x, const T* w, int64_t hidden, double eps, int64_t i) {
   double ss = 0;
@@ -56,7 +57,7 @@ TYPED_TEST(CudaLayerOps, RmsNorm) {
       for (int r = 0; r < rows; ++r) {
         for (int64_t i = 0; i < hidden; ++i) {
           const double want = rms_reference(x.data() + r * hidden, w.data(), hidden, eps, i);
-          ASSERT_TRUE(close<T>(to_double(out[r * hidden + i]), want)) << r << "," << i << ": " << to_double(out[r * hidden + i]) << " vs " << want;
+          ASSERT_TRUE(close<T>(to_double(out[r * hidden + i]), want, 4.0)) << r << "," << i << ": " << to_double(out[r * hidden + i]) << " vs " << want;
         }
       }
     }
@@ -85,7 +86,7 @@ TYPED_TEST(CudaLayerOps, FusedAddRmsNormInPlace) {
         for (int64_t i = 0; i < hidden; ++i) {
           ASSERT_EQ(to_double(residual[r * hidden + i]), to_double(want_residual[r * hidden + i]));
           const double want = rms_reference(want_residual.data() + r * hidden, w.data(), hidden, eps, i);
-          ASSERT_TRUE(close<T>(to_double(x[r * hidden + i]), want)) << r << "," << i;
+          ASSERT_TRUE(close<T>(to_double(x[r * hidden + i]), want, 4.0)) << r << "," << i;
         }
       }
     }
