@@ -223,16 +223,14 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
       const int vecs = D / kPerVec;
       for (int i = tid; i < n * vecs; i += kThreads) {
         const int j = i / vecs, c = (i % vecs) * kPerVec;
-        uint4* k_dst = reinterpret_cast<uint4*>(k_s + j * L.row_stride + c);
-        uint4* v_dst = reinterpret_cast<uint4*>(v_s + j * L.row_stride + c);
+        uint4 k_raw = make_uint4(0u, 0u, 0u, 0u), v_raw = k_raw;
         if (slots_s[j] >= 0) {
           const int64_t src = cache_row_offset(slots_s[j], kv_head, p.num_kv_heads, D) + c;
-          *k_dst = *reinterpret_cast<const uint4*>(key_cache + src);
-          *v_dst = *reinterpret_cast<const uint4*>(value_cache + src);
-        } else {
-          *k_dst = make_uint4(0u, 0u, 0u, 0u);
-          *v_dst = make_uint4(0u, 0u, 0u, 0u);
+          k_raw = *reinterpret_cast<const uint4*>(key_cache + src);
+          v_raw = *reinterpret_cast<const uint4*>(value_cache + src);
         }
+        *reinterpret_cast<uint4*>(k_s + j * L.row_stride + c) = k_raw;
+        *reinterpret_cast<uint4*>(v_s + j * L.row_stride + c) = v_raw;
       }
     } else {
       for (int i = tid; i < n * D; i += kThreads) {
