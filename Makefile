@@ -21,9 +21,12 @@ env:
 build: env
 	PY=$(PY) scripts/build.sh
 
-# C++ core under AddressSanitizer + UndefinedBehaviorSanitizer.
+# C++ core and the CUDA kernels on the CPU emulator (tests/cuda_emu), under AddressSanitizer +
+# UndefinedBehaviorSanitizer. The emulated kernel tests need torch's c10 headers (no libtorch).
+TORCH_INCLUDES = $(shell $(PY) -c "from torch.utils.cpp_extension import include_paths; print(';'.join(include_paths()))" 2>/dev/null)
 test-cpp: env
-	cmake -S . -B build/cpp-asan -G Ninja -DPAGEDKV_SANITIZE=ON -DCMAKE_MAKE_PROGRAM=$(CURDIR)/.venv/bin/ninja >/dev/null
+	cmake -S . -B build/cpp-asan -G Ninja -DPAGEDKV_SANITIZE=ON -DCMAKE_MAKE_PROGRAM=$(CURDIR)/.venv/bin/ninja \
+	  "-DPAGEDKV_TORCH_INCLUDE_DIRS=$(TORCH_INCLUDES)" >/dev/null
 	cmake --build build/cpp-asan
 	ctest --test-dir build/cpp-asan --output-on-failure
 

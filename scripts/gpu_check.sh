@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The one prepared command for a lent GPU machine (H200: python3, torch + CUDA 13, nvcc, ninja; headers
 # such as xxhash.h carried in build_deps/include/): builds pagedkv in place for sm_90, runs the CUDA
-# tests, compute-sanitizer memcheck + racecheck on scripts/cuda_ops_smoke.py, both benchmarks, and
-# prints a summary table last. Logs go to $OUT (or /tmp/pagedkv_gpu_check). Usage: scripts/gpu_check.sh
+# tests, the PAGEDKV_CHECK_INDICES=1 device flag once, compute-sanitizer memcheck + racecheck on
+# scripts/cuda_ops_smoke.py, both benchmarks, and prints a summary table last. (The kernels' results,
+# barriers and bounds are also checked without a GPU by the emulated tests in tests/cuda_emu.)
+# Logs go to $OUT (or /tmp/pagedkv_gpu_check). Usage: scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -41,6 +43,19 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cu
 
 if step build 420 $PY setup.py build_ext --inplace; then
   step pytest_cuda 300 $PY -m pytest tests/test_ops.py tests/test_layer_ops.py tests/test_engine.py -k cuda -q
+  step check_indices 120 env PAGEDKV_CHECK_INDICES=1 $PY -c "
+import torch, pagedkv
+from pagedkv import ops
+kc = torch.zeros(4, 16, 2, 64, device='cuda'); vc = torch.zeros_like(kc)
+k = torch.randn(3, 2, 64, device='cuda'); v = torch.randn_like(k)
+try:
+    ops.reshape_and_cache(k, v, kc, vc, torch.tensor([0, 999, 5], device='cuda'))
+except RuntimeError as e:
+    assert 'slot_mapping holds 999 at flat index 1' in str(e), e
+    print('PAGEDKV_CHECK_INDICES=1 raised:', str(e).splitlines()[0])
+else:
+    raise SystemExit('PAGEDKV_CHECK_INDICES=1 did not raise on slot 999')
+"
   step memcheck 240 "$SANITIZER" --tool memcheck --error-exitcode 3 $PY scripts/cuda_ops_smoke.py
   step racecheck 300 "$SANITIZER" --tool racecheck --error-exitcode 3 $PY scripts/cuda_ops_smoke.py
   step bench_attention 180 $PY benchmarks/bench_attention.py --no-flex   # Flex compiles per shape: too slow here

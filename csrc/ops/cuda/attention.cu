@@ -1,11 +1,8 @@
-// CUDA paged attention. One kernel serves decode and prefill: a CTA takes a tile of rows
-// (queries of one sequence x query heads of one KV-head group) and one split-K partition of their
-// keys, stages each KV tile in shared memory once for all its rows (16-byte loads), and keeps an
-// online softmax per row. With more than one partition a small merge kernel folds the partials by
-// log-sum-exp. Launch shapes come from tensor shapes (and the max_seq_len hint) only: no host sync,
-// so a decode step can be captured in a CUDA graph.
+// Torch glue of the CUDA paged attention: argument checks, output allocation, launch on the current
+// stream. Kernels and launch planning are in attention.cuh.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -14,303 +11,18 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <tuple>
 
+#include "ops/cuda/attention.cuh"
+#include "ops/cuda/index_check.h"
 #include "ops/ops.h"
 #include "ops/paged_kv.h"
 
 namespace pagedkv {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kWarps = kThreads / 32;
-constexpr int kMaxRows = 16;          // rows (query x head) per CTA
-constexpr int kMaxKeyTile = 64;       // keys staged per step (phase 2 assumes <= 64)
-constexpr int64_t kMinPartitionKeys = 256;
-constexpr int kMaxPartitions = 64;
-constexpr size_t kSmemBudget = 96 * 1024;
-
-__device__ __forceinline__ int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
-__device__ __forceinline__ int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
-
-// Shared-memory layout of one CTA (byte offsets, each section 16-byte aligned).
-struct SmemLayout {
-  size_t q, acc, logits, state, alpha, slots, k_tile, v_tile, total;
-  int row_stride;  // elements per staged KV row (head_dim + padding against bank conflicts)
-
-  PAGEDKV_HD static size_t align16(size_t x) { return (x + 15) / 16 * 16; }
-  PAGEDKV_HD static SmemLayout make(int head_dim, int key_tile, int elem_size, bool vec16) {
-    SmemLayout s{};
-    s.row_stride = head_dim + (vec16 ? 16 / elem_size : 1);
-    size_t off = 0;
-    s.q = off, off = align16(off + sizeof(float) * kMaxRows * head_dim);
-    s.acc = off, off = align16(off + sizeof(float) * kMaxRows * head_dim);
-    s.logits = off, off = align16(off + sizeof(float) * kMaxRows * key_tile);
-    s.state = off, off = align16(off + sizeof(OnlineSoftmax) * kMaxRows);
-    s.alpha = off, off = align16(off + sizeof(float) * kMaxRows);
-    s.slots = off, off = align16(off + sizeof(int64_t) * key_tile);
-    s.k_tile = off, off = align16(off + size_t(elem_size) * key_tile * s.row_stride);
-    s.v_tile = off, off = align16(off + size_t(elem_size) * key_tile * s.row_stride);
-    s.total = off;
-    return s;
-  }
-};
-
-struct AttentionParams {
-  const void* query;
-  int64_t q_stride_token, q_stride_head, q_stride_dim;
-  const void* key_cache;
-  const void* value_cache;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  const int32_t* query_start_loc;
-  void* out;           // [T, Hq, D]
-  float* lse;          // [T, Hq] or nullptr
-  float* partial_out;  // [P, T, Hq, D] when P > 1
-  float* partial_lse;  // [P, T, Hq]
-  int num_seqs, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
-  int heads_per_cta, head_chunks, queries_per_cta, key_tile;
-  int64_t sliding_window;
-  float scale, softcap;
-};
-
-// Which (sequence, query tile) linear tile `tile` is: sequences own ceil(q_len / queries_per_cta)
-// consecutive tiles. Warp 0 scans query_start_loc 32 sequences at a time; -1 when past the end.
-__device__ void find_query_tile(const AttentionParams& p, int tile, int* seq_out, int* tile_out) {
-  const int lane = threadIdx.x % 32;
-  int carry = 0;
-  for (int base = 0; base < p.num_seqs; base += 32) {
-    const int b = base + lane;
-    const int tiles = b < p.num_seqs
-                          ? int(ceil_div(p.query_start_loc[b + 1] - p.query_start_loc[b], p.queries_per_cta))
-                          : 0;
-    int inclusive = tiles;
-#pragma unroll
-    for (int offset = 1; offset < 32; offset *= 2) {
-      const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
-      if (lane >= offset) inclusive += other;
-    }
-    const int first = carry + inclusive - tiles;
-    if (tiles > 0 && tile >= first && tile < first + tiles) {
-      *seq_out = b;
-      *tile_out = tile - first;
-    }
-    carry += __shfl_sync(0xffffffffu, inclusive, 31);
-    if (carry > tile) break;
-  }
-}
-
-template <typename scalar_t, bool kVec16>
-__global__ void __launch_bounds__(kThreads) paged_attention_kernel(const AttentionParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  const SmemLayout L = SmemLayout::make(p.head_dim, p.key_tile, sizeof(scalar_t), kVec16);
-  float* q_s = reinterpret_cast<float*>(smem + L.q);
-  float* acc_s = reinterpret_cast<float*>(smem + L.acc);
-  float* logits_s = reinterpret_cast<float*>(smem + L.logits);
-  OnlineSoftmax* state_s = reinterpret_cast<OnlineSoftmax*>(smem + L.state);
-  float* alpha_s = reinterpret_cast<float*>(smem + L.alpha);
-  int64_t* slots_s = reinterpret_cast<int64_t*>(smem + L.slots);
-  scalar_t* k_s = reinterpret_cast<scalar_t*>(smem + L.k_tile);
-  scalar_t* v_s = reinterpret_cast<scalar_t*>(smem + L.v_tile);
-  __shared__ int seq_s, tile_s;
-
-  // --- which rows and keys this CTA owns
-  if (threadIdx.x == 0) seq_s = -1;
-  __syncthreads();
-  if (threadIdx.x < 32) find_query_tile(p, blockIdx.x, &seq_s, &tile_s);
-  __syncthreads();
-  const int seq = seq_s;
-  if (seq < 0) return;
-  const int D = p.head_dim, KT = p.key_tile, tid = threadIdx.x;
-  const int kv_head = blockIdx.y / p.head_chunks;
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int head0 = kv_head * group + (blockIdx.y % p.head_chunks) * p.heads_per_cta;
-  const int num_heads = min(p.heads_per_cta, kv_head * group + group - head0);
-  const int64_t q_start = p.query_start_loc[seq];
-  const int64_t q_len = p.query_start_loc[seq + 1] - q_start;
-  const int64_t seq_len = p.seq_lens[seq];
-  const int64_t q_begin = int64_t(tile_s) * p.queries_per_cta;
-  const int q_count = int(min_i64(p.queries_per_cta, q_len - q_begin));
-  const int rows = q_count * num_heads;  // row r: query q_begin + r / num_heads, head head0 + r % num_heads
-  const int32_t* block_table = p.block_tables + int64_t(seq) * p.max_blocks;
-  const KeyRange cta_keys{visible_keys(query_position(seq_len, q_len, q_begin), p.sliding_window).begin,
-                          query_position(seq_len, q_len, q_begin + q_count - 1) + 1};
-  const int num_parts = gridDim.z;
-  const int64_t part_size = max_i64(ceil_div(cta_keys.end - cta_keys.begin, num_parts), kMinPartitionKeys);
-  const KeyRange keys = partition_keys(cta_keys, blockIdx.z, num_parts, part_size);
-
-  // --- queries (pre-scaled, fp32) and fresh softmax state
-  const auto* query = static_cast<const scalar_t*>(p.query);
-  for (int i = tid; i < rows * D; i += kThreads) {
-    const int r = i / D, d = i % D;
-    const int64_t token = q_start + q_begin + r / num_heads, head = head0 + r % num_heads;
-    q_s[i] = static_cast<float>(query[token * p.q_stride_token + head * p.q_stride_head + d * p.q_stride_dim]) *
-             p.scale;
-    acc_s[i] = 0.f;
-  }
-  if (tid < rows) state_s[tid] = OnlineSoftmax{};
-
-  const auto* key_cache = static_cast<const scalar_t*>(p.key_cache);
-  const auto* value_cache = static_cast<const scalar_t*>(p.value_cache);
-  constexpr int kPerVec = 16 / sizeof(scalar_t);
-  for (int64_t tile = keys.begin; tile < keys.end; tile += KT) {
-    const int n = int(min_i64(KT, keys.end - tile));
-    __syncthreads();  // previous tile's readers are done with slots, KV and logits
-    if (tid < n) slots_s[tid] = slot_of_position(block_table, tile + tid, p.block_size);
-    __syncthreads();
-
-    // --- stage K and V rows of this tile (each read once for all rows of the CTA)
-    if constexpr (kVec16) {
-      const int vecs = D / kPerVec;
-      for (int i = tid; i < n * vecs; i += kThreads) {
-        const int j = i / vecs, c = (i % vecs) * kPerVec;
-        const int64_t src = cache_row_offset(slots_s[j], kv_head, p.num_kv_heads, D) + c;
-        *reinterpret_cast<uint4*>(k_s + j * L.row_stride + c) = *reinterpret_cast<const uint4*>(key_cache + src);
-        *reinterpret_cast<uint4*>(v_s + j * L.row_stride + c) = *reinterpret_cast<const uint4*>(value_cache + src);
-      }
-    } else {
-      for (int i = tid; i < n * D; i += kThreads) {
-        const int j = i / D, d = i % D;
-        const int64_t src = cache_row_offset(slots_s[j], kv_head, p.num_kv_heads, D) + d;
-        k_s[j * L.row_stride + d] = key_cache[src];
-        v_s[j * L.row_stride + d] = value_cache[src];
-      }
-    }
-    __syncthreads();
-
-    // --- logits: one (row, key) dot product per item; masked keys get -inf
-    for (int i = tid; i < rows * KT; i += kThreads) {
-      const int r = i / KT, j = i % KT;
-      float s = kNegInf;
-      const KeyRange visible =
-          visible_keys(query_position(seq_len, q_len, q_begin + r / num_heads), p.sliding_window);
-      const int64_t pos = tile + j;
-      if (j < n && pos >= visible.begin && pos < visible.end) {
-        const float* q = q_s + r * D;
-        const scalar_t* k = k_s + j * L.row_stride;
-        float dot = 0.f;
-        if constexpr (kVec16) {
-          for (int d = 0; d < D; d += kPerVec) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(k + d);
-            const scalar_t* e = reinterpret_cast<const scalar_t*>(&raw);
-#pragma unroll
-            for (int x = 0; x < kPerVec; ++x) dot += q[d + x] * static_cast<float>(e[x]);
-          }
-        } else {
-          for (int d = 0; d < D; ++d) dot += q[d] * static_cast<float>(k[d]);
-        }
-        s = apply_softcap(dot, p.softcap);
-      }
-      logits_s[i] = s;
-    }
-    __syncthreads();
-
-    // --- online softmax update, one warp per row: logits -> probabilities, alpha for the accumulator
-    for (int r = tid / 32; r < rows; r += kWarps) {
-      const int lane = tid % 32;
-      float* s = logits_s + r * KT;
-      const float s0 = lane < KT ? s[lane] : kNegInf;
-      const float s1 = lane + 32 < KT ? s[lane + 32] : kNegInf;
-      float tile_max = fmaxf(s0, s1);
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
-      }
-      OnlineSoftmax st = state_s[r];
-      const float alpha = st.rescale_to(tile_max);
-      const float p0 = s0 == kNegInf ? 0.f : expf(s0 - st.m);
-      const float p1 = s1 == kNegInf ? 0.f : expf(s1 - st.m);
-      if (lane < KT) s[lane] = p0;
-      if (lane + 32 < KT) s[lane + 32] = p1;
-      float sum = p0 + p1;
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-      if (lane == 0) {
-        st.l += sum;
-        state_s[r] = st;
-        alpha_s[r] = alpha;
-      }
-    }
-    __syncthreads();
-
-    // --- acc = alpha * acc + P V; each thread owns fixed (row, dims) items across tiles
-    if constexpr (kVec16) {
-      const int quads = D / 4;
-      for (int i = tid; i < rows * quads; i += kThreads) {
-        const int r = i / quads, d = (i % quads) * 4;
-        const float alpha = alpha_s[r];
-        const float* prob = logits_s + r * KT;
-        float4 a = *reinterpret_cast<float4*>(acc_s + r * D + d);
-        a.x *= alpha, a.y *= alpha, a.z *= alpha, a.w *= alpha;
-        for (int j = 0; j < n; ++j) {
-          const float pj = prob[j];
-          const scalar_t* v = v_s + j * L.row_stride + d;
-          a.x += pj * static_cast<float>(v[0]);
-          a.y += pj * static_cast<float>(v[1]);
-          a.z += pj * static_cast<float>(v[2]);
-          a.w += pj * static_cast<float>(v[3]);
-        }
-        *reinterpret_cast<float4*>(acc_s + r * D + d) = a;
-      }
-    } else {
-      for (int i = tid; i < rows * D; i += kThreads) {
-        const int r = i / D, d = i % D;
-        const float* prob = logits_s + r * KT;
-        float a = acc_s[i] * alpha_s[r];
-        for (int j = 0; j < n; ++j) a += prob[j] * static_cast<float>(v_s[j * L.row_stride + d]);
-        acc_s[i] = a;
-      }
-    }
-  }
-  __syncthreads();
-
-  // --- normalise and write the final output, or this partition's partial (out, lse)
-  for (int i = tid; i < rows * D; i += kThreads) {
-    const int r = i / D, d = i % D;
-    const int64_t token = q_start + q_begin + r / num_heads, head = head0 + r % num_heads;
-    const int64_t row = token * p.num_q_heads + head;
-    const float o = acc_s[i] * state_s[r].inv_sum();
-    if (num_parts == 1) {
-      static_cast<scalar_t*>(p.out)[row * D + d] = static_cast<scalar_t>(o);
-    } else {
-      p.partial_out[(int64_t(blockIdx.z) * p.num_tokens * p.num_q_heads + row) * D + d] = o;
-    }
-  }
-  if (tid < rows) {
-    const int64_t token = q_start + q_begin + tid / num_heads, head = head0 + tid % num_heads;
-    const int64_t row = token * p.num_q_heads + head;
-    const float lse = state_s[tid].lse();
-    if (num_parts > 1) {
-      p.partial_lse[int64_t(blockIdx.z) * p.num_tokens * p.num_q_heads + row] = lse;
-    } else if (p.lse != nullptr) {
-      p.lse[row] = lse;
-    }
-  }
-}
-
-// One CTA per (token, query head) row: folds the split-K partials with the shared lse merge.
-template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads)
-    merge_partitions_kernel(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
-                            scalar_t* __restrict__ out, float* __restrict__ lse, int num_parts, int64_t num_rows,
-                            int head_dim) {
-  const int64_t row = blockIdx.x;
-  float max_lse = kNegInf;
-  for (int part = 0; part < num_parts; ++part) max_lse = fmaxf(max_lse, partial_lse[part * num_rows + row]);
-  float weight_sum = 0.f;
-  for (int part = 0; part < num_parts; ++part) weight_sum += lse_merge_weight(partial_lse[part * num_rows + row], max_lse);
-  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float o = 0.f;
-    for (int part = 0; part < num_parts; ++part) {
-      const float w = lse_merge_weight(partial_lse[part * num_rows + row], max_lse);
-      if (w > 0.f) o += w * partial_out[(part * num_rows + row) * head_dim + d];
-    }
-    out[row * head_dim + d] = static_cast<scalar_t>(o * inv);
-  }
-  if (lse != nullptr && threadIdx.x == 0) lse[row] = lse_merged(max_lse, weight_sum);
-}
+using attention_cuda::AttentionLaunch;
+using attention_cuda::AttentionParams;
 
 int multiprocessor_count(int device) {
   int count = 0;
@@ -318,44 +30,33 @@ int multiprocessor_count(int device) {
   return count;
 }
 
-template <typename scalar_t>
-void launch_paged_attention(AttentionParams p, const AttentionShape& shape, int64_t max_seq_len, int device,
-                            cudaStream_t stream, const at::TensorOptions& float_options) {
-  const bool vec16 = (p.head_dim * sizeof(scalar_t)) % 16 == 0 && reinterpret_cast<uintptr_t>(p.key_cache) % 16 == 0 &&
-                     reinterpret_cast<uintptr_t>(p.value_cache) % 16 == 0;
-  int key_tile = kMaxKeyTile;
-  while (key_tile > 8 && SmemLayout::make(p.head_dim, key_tile, sizeof(scalar_t), vec16).total > kSmemBudget) {
-    key_tile /= 2;
-  }
-  p.key_tile = key_tile;
-  const size_t smem = SmemLayout::make(p.head_dim, key_tile, sizeof(scalar_t), vec16).total;
-  TORCH_CHECK(smem <= kSmemBudget, "paged_attention: head_dim ", p.head_dim, " needs too much shared memory");
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-  // Tiles: an upper bound from shapes (every sequence wastes at most one partial tile).
-  const int64_t num_tiles = ceil_div(p.num_tokens, p.queries_per_cta) + p.num_seqs;
-  // Split-K when the CTAs (query tiles x KV heads x head chunks) would not fill the GPU twice over,
-  // e.g. decode at small batch and long context; partials cost parts x T x Hq x D floats.
-  const int64_t max_len = max_seq_len > 0 ? max_seq_len : shape.max_blocks * shape.block_size;
-  const int64_t ctas = std::max<int64_t>(1, num_tiles * p.num_kv_heads * p.head_chunks);
-  int64_t parts = std::min<int64_t>(ceil_div(max_len, kMinPartitionKeys),
-                                    ceil_div(2 * int64_t(multiprocessor_count(device)), ctas));
-  parts = std::clamp<int64_t>(parts, 1, kMaxPartitions);
+template <typename scalar_t>
+void launch_paged_attention(AttentionParams p, int64_t max_seq_len, int device, cudaStream_t stream,
+                            const at::TensorOptions& float_options) {
+  const AttentionLaunch launch =
+      attention_cuda::plan_paged_attention(p, sizeof(scalar_t), aligned16(p.key_cache) && aligned16(p.value_cache),
+                                           max_seq_len, multiprocessor_count(device));
+  TORCH_CHECK(launch.smem_fits, "paged_attention: head_dim ", p.head_dim, " needs too much shared memory");
   at::Tensor partial_out, partial_lse;
-  if (parts > 1) {
-    partial_out = at::empty({parts, p.num_tokens, p.num_q_heads, p.head_dim}, float_options);
-    partial_lse = at::empty({parts, p.num_tokens, p.num_q_heads}, float_options);
+  if (launch.grid_z > 1) {
+    partial_out = at::empty({int64_t(launch.grid_z), p.num_tokens, p.num_q_heads, p.head_dim}, float_options);
+    partial_lse = at::empty({int64_t(launch.grid_z), p.num_tokens, p.num_q_heads}, float_options);
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();
   }
-  const auto kernel = vec16 ? paged_attention_kernel<scalar_t, true> : paged_attention_kernel<scalar_t, false>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  const dim3 grid(unsigned(num_tiles), unsigned(p.num_kv_heads * p.head_chunks), unsigned(parts));
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+  const auto kernel = launch.vec16 ? attention_cuda::paged_attention_kernel<scalar_t, true>
+                                   : attention_cuda::paged_attention_kernel<scalar_t, false>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(launch.smem)));
+  const dim3 grid(launch.grid_x, launch.grid_y, launch.grid_z);
+  kernel<<<grid, attention_cuda::kThreads, launch.smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (parts > 1) {
+  if (launch.grid_z > 1) {
     const int64_t num_rows = int64_t(p.num_tokens) * p.num_q_heads;
-    merge_partitions_kernel<scalar_t><<<unsigned(num_rows), kThreads, 0, stream>>>(
-        p.partial_out, p.partial_lse, static_cast<scalar_t*>(p.out), p.lse, int(parts), num_rows, p.head_dim);
+    attention_cuda::merge_partitions_kernel<scalar_t><<<unsigned(num_rows), attention_cuda::kThreads, 0, stream>>>(
+        p.partial_out, p.partial_lse, static_cast<scalar_t*>(p.out), p.lse, int(launch.grid_z), num_rows,
+        p.head_dim);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -376,6 +77,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
   const at::Tensor block_tables = block_tables_in.contiguous();
   const at::Tensor seq_lens = seq_lens_in.contiguous();
   const at::Tensor query_start_loc = query_start_loc_in.contiguous();
+  DeviceIndexCheck index_check(query.device());
 
   AttentionParams p{};
   p.query = query.data_ptr();
@@ -389,6 +91,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
   p.query_start_loc = query_start_loc.data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.lse = want_lse ? lse.data_ptr<float>() : nullptr;
+  p.index_error = index_check.error();
   p.num_seqs = int(shape.num_seqs);
   p.num_tokens = int(shape.num_tokens);
   p.num_q_heads = int(shape.num_q_heads);
@@ -396,20 +99,20 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
   p.head_dim = int(shape.head_dim);
   p.block_size = int(shape.block_size);
   p.max_blocks = int(shape.max_blocks);
-  const int group = p.num_q_heads / p.num_kv_heads;
-  p.heads_per_cta = std::min(group, kMaxRows);
-  p.head_chunks = int(ceil_div(group, p.heads_per_cta));
-  p.queries_per_cta = std::max(1, kMaxRows / p.heads_per_cta);
+  p.num_blocks = shape.num_blocks;
   p.sliding_window = sliding_window;
   p.scale = float(scale);
   p.softcap = float(softcap);
   const at::TensorOptions float_options = query.options().dtype(at::kFloat);
   const int device = query.get_device();
   switch (query.scalar_type()) {
-    case at::kFloat: launch_paged_attention<float>(p, shape, max_seq_len, device, stream, float_options); break;
-    case at::kHalf: launch_paged_attention<c10::Half>(p, shape, max_seq_len, device, stream, float_options); break;
-    default: launch_paged_attention<c10::BFloat16>(p, shape, max_seq_len, device, stream, float_options); break;
+    case at::kFloat: launch_paged_attention<float>(p, max_seq_len, device, stream, float_options); break;
+    case at::kHalf: launch_paged_attention<c10::Half>(p, max_seq_len, device, stream, float_options); break;
+    default: launch_paged_attention<c10::BFloat16>(p, max_seq_len, device, stream, float_options); break;
   }
+  const char* names[] = {"block_tables", "seq_lens"};
+  const int64_t bounds[] = {shape.num_blocks, shape.max_blocks * shape.block_size + 1};
+  index_check.raise_if_any("paged_attention", names, bounds);
   return {out, lse};
 }
 

@@ -1,5 +1,6 @@
-// CUDA kernels of the cache ops: reshape_and_cache (16-byte vector stores when aligned), copy_blocks
-// and swap_blocks (cudaMemcpyAsync). All launch on the current stream and never sync the host.
+// Torch glue of the CUDA cache ops: reshape_and_cache and copy_blocks (kernels in cache_ops.cuh) and
+// swap_blocks (cudaMemcpyAsync). All launch on the current stream and never sync the host (except
+// to read the index flag under PAGEDKV_CHECK_INDICES=1).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -7,69 +8,36 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include "ops/cuda/cache_ops.cuh"
+#include "ops/cuda/index_check.h"
 #include "ops/ops.h"
-#include "ops/paged_kv.h"
 
 namespace pagedkv {
 namespace {
 
-constexpr int kThreads = 256;
+using cache_cuda::kThreads;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// One CTA per token. Elements move as raw bits (bits_t has the element's width); with kVec16 each
-// thread moves 16-byte chunks (head_dim contiguous, rows and pointers 16-byte aligned).
-template <typename bits_t, bool kVec16>
-__global__ void __launch_bounds__(kThreads)
-    reshape_and_cache_kernel(const bits_t* __restrict__ key, const bits_t* __restrict__ value,
-                             bits_t* __restrict__ key_cache, bits_t* __restrict__ value_cache,
-                             const int64_t* __restrict__ slot_mapping, int64_t key_stride_token,
-                             int64_t key_stride_head, int64_t key_stride_dim, int64_t value_stride_token,
-                             int64_t value_stride_head, int64_t value_stride_dim, int num_heads, int head_dim,
-                             int64_t num_slots) {
-  const int64_t token = blockIdx.x;
-  const int64_t slot = slot_mapping[token];
-  if (slot < 0 || slot >= num_slots) return;  // padding (or out of range: cannot raise on the device)
-  const bits_t* k = key + token * key_stride_token;
-  const bits_t* v = value + token * value_stride_token;
-  if constexpr (kVec16) {
-    constexpr int kPerVec = 16 / sizeof(bits_t);
-    const int vecs_per_head = head_dim / kPerVec;
-    for (int i = threadIdx.x; i < num_heads * vecs_per_head; i += blockDim.x) {
-      const int h = i / vecs_per_head, c = (i % vecs_per_head) * kPerVec;
-      const int64_t dst = cache_row_offset(slot, h, num_heads, head_dim) + c;
-      *reinterpret_cast<uint4*>(key_cache + dst) = *reinterpret_cast<const uint4*>(k + h * key_stride_head + c);
-      *reinterpret_cast<uint4*>(value_cache + dst) =
-          *reinterpret_cast<const uint4*>(v + h * value_stride_head + c);
-    }
-  } else {
-    for (int i = threadIdx.x; i < num_heads * head_dim; i += blockDim.x) {
-      const int h = i / head_dim, d = i % head_dim;
-      const int64_t dst = cache_row_offset(slot, h, num_heads, head_dim) + d;
-      key_cache[dst] = k[h * key_stride_head + d * key_stride_dim];
-      value_cache[dst] = v[h * value_stride_head + d * value_stride_dim];
-    }
-  }
-}
-
 bool rows_16b_aligned(const at::Tensor& t) {
-  const int64_t per_vec = 16 / t.element_size();
-  return t.stride(2) == 1 && t.size(2) % per_vec == 0 && t.stride(0) % per_vec == 0 && t.stride(1) % per_vec == 0 &&
-         aligned16(t.data_ptr());
+  return cache_cuda::rows_16b_aligned(t.data_ptr(), t.element_size(), t.size(2), t.stride(0), t.stride(1),
+                                      t.stride(2));
 }
 
 template <typename bits_t>
 void launch_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                              const at::Tensor& value_cache, const at::Tensor& slots, cudaStream_t stream) {
+                              const at::Tensor& value_cache, const at::Tensor& slots, cudaStream_t stream,
+                              IndexError* index_error) {
   const bool vec = rows_16b_aligned(key) && rows_16b_aligned(value) && aligned16(key_cache.data_ptr()) &&
                    aligned16(value_cache.data_ptr());
-  const auto kernel = vec ? reshape_and_cache_kernel<bits_t, true> : reshape_and_cache_kernel<bits_t, false>;
+  const auto kernel = vec ? cache_cuda::reshape_and_cache_kernel<bits_t, true>
+                          : cache_cuda::reshape_and_cache_kernel<bits_t, false>;
   kernel<<<key.size(0), kThreads, 0, stream>>>(
       static_cast<const bits_t*>(key.data_ptr()), static_cast<const bits_t*>(value.data_ptr()),
       static_cast<bits_t*>(key_cache.data_ptr()), static_cast<bits_t*>(value_cache.data_ptr()),
       slots.data_ptr<int64_t>(), key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1),
       value.stride(2), static_cast<int>(key.size(1)), static_cast<int>(key.size(2)),
-      key_cache.size(0) * key_cache.size(1));
+      key_cache.size(0) * key_cache.size(1), index_error);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -80,26 +48,15 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   const c10::cuda::CUDAGuard guard(key.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor slots = slot_mapping.contiguous();
+  DeviceIndexCheck index_check(key.device());
   if (key.element_size() == 4) {
-    launch_reshape_and_cache<uint32_t>(key, value, key_cache, value_cache, slots, stream);
+    launch_reshape_and_cache<uint32_t>(key, value, key_cache, value_cache, slots, stream, index_check.error());
   } else {
-    launch_reshape_and_cache<uint16_t>(key, value, key_cache, value_cache, slots, stream);
+    launch_reshape_and_cache<uint16_t>(key, value, key_cache, value_cache, slots, stream, index_check.error());
   }
-}
-
-// One CTA per (src, dst) pair of one layer: copies the key block and the value block in chunks of
-// Chunk (uint4 = 16 bytes when the blocks are aligned, else bytes). Out-of-range ids (only possible with
-// a device-side mapping) are skipped.
-template <typename Chunk>
-__global__ void __launch_bounds__(kThreads)
-    copy_blocks_kernel(Chunk* __restrict__ key_cache, Chunk* __restrict__ value_cache,
-                       const int64_t* __restrict__ block_mapping, int64_t chunks_per_block, int64_t num_blocks) {
-  const int64_t src = block_mapping[2 * blockIdx.x], dst = block_mapping[2 * blockIdx.x + 1];
-  if (src < 0 || src >= num_blocks || dst < 0 || dst >= num_blocks) return;
-  for (int64_t i = threadIdx.x; i < chunks_per_block; i += blockDim.x) {
-    key_cache[dst * chunks_per_block + i] = key_cache[src * chunks_per_block + i];
-    value_cache[dst * chunks_per_block + i] = value_cache[src * chunks_per_block + i];
-  }
+  const char* names[] = {"slot_mapping"};
+  const int64_t bounds[] = {key_cache.size(0) * key_cache.size(1)};
+  index_check.raise_if_any("reshape_and_cache", names, bounds);
 }
 
 void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
@@ -116,19 +73,25 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, co
     mapping = mapping.to(keys[0].device(), /*non_blocking=*/true);
   }
   const int64_t num_pairs = mapping.size(0);
+  DeviceIndexCheck index_check(keys[0].device());
   for (size_t layer = 0; layer < keys.size(); ++layer) {
     const int64_t bytes = keys[layer].stride(0) * keys[layer].element_size();
     void* k = keys[layer].data_ptr();
     void* v = values[layer].data_ptr();
     if (bytes % 16 == 0 && aligned16(k) && aligned16(v)) {
-      copy_blocks_kernel<uint4><<<num_pairs, kThreads, 0, stream>>>(
-          static_cast<uint4*>(k), static_cast<uint4*>(v), mapping.data_ptr<int64_t>(), bytes / 16, num_blocks);
+      cache_cuda::copy_blocks_kernel<uint4><<<num_pairs, kThreads, 0, stream>>>(
+          static_cast<uint4*>(k), static_cast<uint4*>(v), mapping.data_ptr<int64_t>(), bytes / 16, num_blocks,
+          index_check.error());
     } else {
-      copy_blocks_kernel<uint8_t><<<num_pairs, kThreads, 0, stream>>>(
-          static_cast<uint8_t*>(k), static_cast<uint8_t*>(v), mapping.data_ptr<int64_t>(), bytes, num_blocks);
+      cache_cuda::copy_blocks_kernel<uint8_t><<<num_pairs, kThreads, 0, stream>>>(
+          static_cast<uint8_t*>(k), static_cast<uint8_t*>(v), mapping.data_ptr<int64_t>(), bytes, num_blocks,
+          index_check.error());
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+  const char* names[] = {"block_mapping"};
+  const int64_t bounds[] = {num_blocks};
+  index_check.raise_if_any("copy_blocks", names, bounds);
 }
 
 // Whole blocks between any two of {this GPU, host}: one cudaMemcpyAsync per pair on the current stream

@@ -1,0 +1,393 @@
+// Device code and launch planning of the CUDA paged attention (torch-free: the GPU build includes it
+// from attention.cu, the CPU-emulated tests from tests/cuda_emu). One kernel serves decode and
+// prefill: a CTA takes a tile of rows (queries of one sequence x query heads of one KV-head group)
+// and one split-K partition of their keys, stages each KV tile in shared memory once for all its rows
+// (16-byte loads), and keeps an online softmax per row. With more than one partition a small merge
+// kernel folds the partials by log-sum-exp. Launch shapes come from tensor shapes (and the
+// max_seq_len hint) only: no host sync, so a decode step can be captured in a CUDA graph.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "ops/cuda/device_compat.cuh"
+#include "ops/paged_kv.h"
+
+namespace pagedkv {
+namespace attention_cuda {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxRows = 16;          // rows (query x head) per CTA
+constexpr int kMaxKeyTile = 64;       // keys staged per step (the softmax step assumes <= 64)
+constexpr int64_t kMinPartitionKeys = 256;
+constexpr int kMaxPartitions = 64;
+constexpr size_t kSmemBudget = 96 * 1024;
+
+// Index arguments named in an IndexError (see index_error_message).
+constexpr int kBadBlockId = 0;  // a block_tables entry outside [0, num_blocks)
+constexpr int kBadSeqLen = 1;   // a seq_lens entry beyond the block table's max_blocks * block_size keys
+
+__device__ __forceinline__ int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// Shared-memory layout of one CTA (byte offsets, each section 16-byte aligned).
+struct SmemLayout {
+  size_t q, acc, logits, state, alpha, slots, k_tile, v_tile, total;
+  int row_stride;  // elements per staged KV row (head_dim + padding against bank conflicts)
+
+  PAGEDKV_HD static size_t align16(size_t x) { return (x + 15) / 16 * 16; }
+  PAGEDKV_HD static SmemLayout make(int head_dim, int key_tile, int elem_size, bool vec16) {
+    SmemLayout s{};
+    s.row_stride = head_dim + (vec16 ? 16 / elem_size : 1);
+    size_t off = 0;
+    s.q = off, off = align16(off + sizeof(float) * kMaxRows * head_dim);
+    s.acc = off, off = align16(off + sizeof(float) * kMaxRows * head_dim);
+    s.logits = off, off = align16(off + sizeof(float) * kMaxRows * key_tile);
+    s.state = off, off = align16(off + sizeof(OnlineSoftmax) * kMaxRows);
+    s.alpha = off, off = align16(off + sizeof(float) * kMaxRows);
+    s.slots = off, off = align16(off + sizeof(int64_t) * key_tile);
+    s.k_tile = off, off = align16(off + size_t(elem_size) * key_tile * s.row_stride);
+    s.v_tile = off, off = align16(off + size_t(elem_size) * key_tile * s.row_stride);
+    s.total = off;
+    return s;
+  }
+};
+
+struct AttentionParams {
+  const void* query;
+  int64_t q_stride_token, q_stride_head, q_stride_dim;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  void* out;           // [T, Hq, D]
+  float* lse;          // [T, Hq] or nullptr
+  float* partial_out;  // [P, T, Hq, D] when P > 1
+  float* partial_lse;  // [P, T, Hq]
+  IndexError* index_error;  // non-null under PAGEDKV_CHECK_INDICES=1
+  int num_seqs, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t num_blocks;
+  int heads_per_cta, head_chunks, queries_per_cta, key_tile;
+  int64_t sliding_window;
+  float scale, softcap;
+};
+
+// What launch_paged_attention needs beyond the params: grid, dynamic shared memory, kernel variant.
+struct AttentionLaunch {
+  unsigned grid_x, grid_y, grid_z;  // query tiles, KV heads x head chunks, split-K partitions
+  size_t smem;
+  bool vec16;      // 16-byte staging of K/V rows
+  bool smem_fits;  // false: head_dim too large for kSmemBudget
+};
+
+// Launch planning (host, torch-free). Fills p's tiling fields (heads_per_cta, head_chunks,
+// queries_per_cta, key_tile) from its shapes. caches_aligned16: both cache pointers are 16-byte
+// aligned; max_seq_len: the caller's hint (<= 0: the block tables' capacity); multiprocessors: SMs of
+// the device.
+inline AttentionLaunch plan_paged_attention(AttentionParams& p, int elem_size, bool caches_aligned16,
+                                            int64_t max_seq_len, int multiprocessors) {
+  AttentionLaunch launch{};
+  const int group = p.num_q_heads / p.num_kv_heads;
+  p.heads_per_cta = std::min(group, kMaxRows);
+  p.head_chunks = int(ceil_div(group, p.heads_per_cta));
+  p.queries_per_cta = std::max(1, kMaxRows / p.heads_per_cta);
+  launch.vec16 = (p.head_dim * elem_size) % 16 == 0 && caches_aligned16;
+  int key_tile = kMaxKeyTile;
+  while (key_tile > 8 && SmemLayout::make(p.head_dim, key_tile, elem_size, launch.vec16).total > kSmemBudget) {
+    key_tile /= 2;
+  }
+  p.key_tile = key_tile;
+  launch.smem = SmemLayout::make(p.head_dim, key_tile, elem_size, launch.vec16).total;
+  launch.smem_fits = launch.smem <= kSmemBudget;
+  // Tiles: an upper bound from shapes (every sequence wastes at most one partial tile).
+  const int64_t num_tiles = ceil_div(p.num_tokens, p.queries_per_cta) + p.num_seqs;
+  // Split-K when the CTAs (query tiles x KV heads x head chunks) would not fill the GPU twice over,
+  // e.g. decode at small batch and long context; partials cost parts x T x Hq x D floats.
+  const int64_t max_len = max_seq_len > 0 ? max_seq_len : int64_t(p.max_blocks) * p.block_size;
+  const int64_t ctas = std::max<int64_t>(1, num_tiles * p.num_kv_heads * p.head_chunks);
+  const int64_t parts = std::min<int64_t>(ceil_div(max_len, kMinPartitionKeys),
+                                          ceil_div(2 * int64_t(multiprocessors), ctas));
+  launch.grid_x = unsigned(num_tiles);
+  launch.grid_y = unsigned(p.num_kv_heads * p.head_chunks);
+  launch.grid_z = unsigned(std::clamp<int64_t>(parts, 1, kMaxPartitions));
+  return launch;
+}
+
+// Which (sequence, query tile) linear tile `tile` is: sequences own ceil(q_len / queries_per_cta)
+// consecutive tiles. Warp 0 scans query_start_loc 32 sequences at a time; -1 when past the end.
+__device__ inline void find_query_tile(const AttentionParams& p, int tile, int* seq_out, int* tile_out) {
+  const int lane = threadIdx.x % 32;
+  int carry = 0;
+  for (int base = 0; base < p.num_seqs; base += 32) {
+    const int b = base + lane;
+    const int tiles = b < p.num_seqs
+                          ? int(ceil_div(p.query_start_loc[b + 1] - p.query_start_loc[b], p.queries_per_cta))
+                          : 0;
+    int inclusive = tiles;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= offset) inclusive += other;
+    }
+    const int first = carry + inclusive - tiles;
+    if (tiles > 0 && tile >= first && tile < first + tiles) {
+      *seq_out = b;
+      *tile_out = tile - first;
+    }
+    carry += __shfl_sync(0xffffffffu, inclusive, 31);
+    if (carry > tile) break;
+  }
+}
+
+// Slot of key position pos of sequence seq, or -1 when the metadata points outside the cache
+// (recorded in p.index_error when checking is on): the key then takes part in nothing.
+__device__ __forceinline__ int64_t checked_slot(const AttentionParams& p, int seq, int64_t pos) {
+  const int64_t column = pos / p.block_size;
+  if (column >= p.max_blocks) {
+    report_bad_index(p.index_error, kBadSeqLen, p.seq_lens[seq], seq);
+    return -1;
+  }
+  const int64_t block = p.block_tables[int64_t(seq) * p.max_blocks + column];
+  if (block < 0 || block >= p.num_blocks) {
+    report_bad_index(p.index_error, kBadBlockId, block, int64_t(seq) * p.max_blocks + column);
+    return -1;
+  }
+  return block * p.block_size + pos % p.block_size;
+}
+
+template <typename scalar_t, bool kVec16>
+__global__ void __launch_bounds__(kThreads) paged_attention_kernel(const AttentionParams p) {
+  PAGEDKV_DYNAMIC_SHARED(smem);
+  const SmemLayout L = SmemLayout::make(p.head_dim, p.key_tile, sizeof(scalar_t), kVec16);
+  float* q_s = reinterpret_cast<float*>(smem + L.q);
+  float* acc_s = reinterpret_cast<float*>(smem + L.acc);
+  float* logits_s = reinterpret_cast<float*>(smem + L.logits);
+  OnlineSoftmax* state_s = reinterpret_cast<OnlineSoftmax*>(smem + L.state);
+  float* alpha_s = reinterpret_cast<float*>(smem + L.alpha);
+  int64_t* slots_s = reinterpret_cast<int64_t*>(smem + L.slots);
+  scalar_t* k_s = reinterpret_cast<scalar_t*>(smem + L.k_tile);
+  scalar_t* v_s = reinterpret_cast<scalar_t*>(smem + L.v_tile);
+  PAGEDKV_SHARED(int, seq_s);
+  PAGEDKV_SHARED(int, tile_s);
+
+  // --- which rows and keys this CTA owns
+  if (threadIdx.x == 0) seq_s = -1;
+  __syncthreads();
+  if (threadIdx.x < 32) find_query_tile(p, blockIdx.x, &seq_s, &tile_s);
+  __syncthreads();
+  const int seq = seq_s;
+  if (seq < 0) return;
+  const int D = p.head_dim, KT = p.key_tile, tid = threadIdx.x;
+  const int kv_head = blockIdx.y / p.head_chunks;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int head0 = kv_head * group + (blockIdx.y % p.head_chunks) * p.heads_per_cta;
+  const int num_heads = min(p.heads_per_cta, kv_head * group + group - head0);
+  const int64_t q_start = p.query_start_loc[seq];
+  const int64_t q_len = p.query_start_loc[seq + 1] - q_start;
+  const int64_t seq_len = p.seq_lens[seq];
+  const int64_t q_begin = int64_t(tile_s) * p.queries_per_cta;
+  const int q_count = int(min_i64(p.queries_per_cta, q_len - q_begin));
+  const int rows = q_count * num_heads;  // row r: query q_begin + r / num_heads, head head0 + r % num_heads
+  const KeyRange cta_keys{visible_keys(query_position(seq_len, q_len, q_begin), p.sliding_window).begin,
+                          query_position(seq_len, q_len, q_begin + q_count - 1) + 1};
+  const int num_parts = gridDim.z;
+  const int64_t part_size = max_i64(ceil_div(cta_keys.end - cta_keys.begin, num_parts), kMinPartitionKeys);
+  const KeyRange keys = partition_keys(cta_keys, blockIdx.z, num_parts, part_size);
+
+  // --- queries (pre-scaled, fp32) and fresh softmax state
+  const auto* query = static_cast<const scalar_t*>(p.query);
+  for (int i = tid; i < rows * D; i += kThreads) {
+    const int r = i / D, d = i % D;
+    const int64_t token = q_start + q_begin + r / num_heads, head = head0 + r % num_heads;
+    q_s[i] = static_cast<float>(query[token * p.q_stride_token + head * p.q_stride_head + d * p.q_stride_dim]) *
+             p.scale;
+    acc_s[i] = 0.f;
+  }
+  if (tid < rows) state_s[tid] = OnlineSoftmax{};
+
+  const auto* key_cache = static_cast<const scalar_t*>(p.key_cache);
+  const auto* value_cache = static_cast<const scalar_t*>(p.value_cache);
+  constexpr int kPerVec = 16 / sizeof(scalar_t);
+  for (int64_t tile = keys.begin; tile < keys.end; tile += KT) {
+    const int n = int(min_i64(KT, keys.end - tile));
+    __syncthreads();  // previous tile's readers are done with slots, KV and logits
+    if (tid < n) slots_s[tid] = checked_slot(p, seq, tile + tid);
+    __syncthreads();
+
+    // --- stage K and V rows of this tile (each read once for all rows of the CTA); the rows of
+    // keys outside the cache are zeros
+    if constexpr (kVec16) {
+      const int vecs = D / kPerVec;
+      for (int i = tid; i < n * vecs; i += kThreads) {
+        const int j = i / vecs, c = (i % vecs) * kPerVec;
+        uint4 k_raw = make_uint4(0u, 0u, 0u, 0u), v_raw = k_raw;
+        if (slots_s[j] >= 0) {
+          const int64_t src = cache_row_offset(slots_s[j], kv_head, p.num_kv_heads, D) + c;
+          k_raw = *reinterpret_cast<const uint4*>(key_cache + src);
+          v_raw = *reinterpret_cast<const uint4*>(value_cache + src);
+        }
+        *reinterpret_cast<uint4*>(k_s + j * L.row_stride + c) = k_raw;
+        *reinterpret_cast<uint4*>(v_s + j * L.row_stride + c) = v_raw;
+      }
+    } else {
+      for (int i = tid; i < n * D; i += kThreads) {
+        const int j = i / D, d = i % D;
+        scalar_t k = static_cast<scalar_t>(0.f), v = k;
+        if (slots_s[j] >= 0) {
+          const int64_t src = cache_row_offset(slots_s[j], kv_head, p.num_kv_heads, D) + d;
+          k = key_cache[src];
+          v = value_cache[src];
+        }
+        k_s[j * L.row_stride + d] = k;
+        v_s[j * L.row_stride + d] = v;
+      }
+    }
+    __syncthreads();
+
+    // --- logits: one (row, key) dot product per item; masked keys get -inf
+    for (int i = tid; i < rows * KT; i += kThreads) {
+      const int r = i / KT, j = i % KT;
+      float s = kNegInf;
+      const KeyRange visible =
+          visible_keys(query_position(seq_len, q_len, q_begin + r / num_heads), p.sliding_window);
+      const int64_t pos = tile + j;
+      if (j < n && pos >= visible.begin && pos < visible.end && slots_s[j] >= 0) {
+        const float* q = q_s + r * D;
+        const scalar_t* k = k_s + j * L.row_stride;
+        float dot = 0.f;
+        if constexpr (kVec16) {
+          for (int d = 0; d < D; d += kPerVec) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(k + d);
+            const scalar_t* e = reinterpret_cast<const scalar_t*>(&raw);
+#pragma unroll
+            for (int x = 0; x < kPerVec; ++x) dot += q[d + x] * static_cast<float>(e[x]);
+          }
+        } else {
+          for (int d = 0; d < D; ++d) dot += q[d] * static_cast<float>(k[d]);
+        }
+        s = apply_softcap(dot, p.softcap);
+      }
+      logits_s[i] = s;
+    }
+    __syncthreads();
+
+    // --- online softmax update, one warp per row: logits -> probabilities, alpha for the accumulator
+    for (int r = tid / 32; r < rows; r += kWarps) {
+      const int lane = tid % 32;
+      float* s = logits_s + r * KT;
+      const float s0 = lane < KT ? s[lane] : kNegInf;
+      const float s1 = lane + 32 < KT ? s[lane + 32] : kNegInf;
+      float tile_max = fmaxf(s0, s1);
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
+      }
+      OnlineSoftmax st = state_s[r];
+      const float alpha = st.rescale_to(tile_max);
+      const float p0 = s0 == kNegInf ? 0.f : expf(s0 - st.m);
+      const float p1 = s1 == kNegInf ? 0.f : expf(s1 - st.m);
+      if (lane < KT) s[lane] = p0;
+      if (lane + 32 < KT) s[lane + 32] = p1;
+      float sum = p0 + p1;
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      if (lane == 0) {
+        st.l += sum;
+        state_s[r] = st;
+        alpha_s[r] = alpha;
+      }
+    }
+    __syncthreads();
+
+    // --- acc = alpha * acc + P V over the row's visible keys only: masked keys are never touched,
+    // so inf/NaN in their V cannot reach the row. Each thread owns fixed (row, dims) items.
+    if constexpr (kVec16) {
+      const int quads = D / 4;
+      for (int i = tid; i < rows * quads; i += kThreads) {
+        const int r = i / quads, d = (i % quads) * 4;
+        const KeyRange visible =
+            visible_keys(query_position(seq_len, q_len, q_begin + r / num_heads), p.sliding_window);
+        const int j_end = int(min_i64(n, visible.end - tile));
+        const float alpha = alpha_s[r];
+        const float* prob = logits_s + r * KT;
+        float4 a = *reinterpret_cast<float4*>(acc_s + r * D + d);
+        a.x *= alpha, a.y *= alpha, a.z *= alpha, a.w *= alpha;
+        for (int j = int(max_i64(0, visible.begin - tile)); j < j_end; ++j) {
+          const float pj = prob[j];
+          const scalar_t* v = v_s + j * L.row_stride + d;
+          a.x += pj * static_cast<float>(v[0]);
+          a.y += pj * static_cast<float>(v[1]);
+          a.z += pj * static_cast<float>(v[2]);
+          a.w += pj * static_cast<float>(v[3]);
+        }
+        *reinterpret_cast<float4*>(acc_s + r * D + d) = a;
+      }
+    } else {
+      for (int i = tid; i < rows * D; i += kThreads) {
+        const int r = i / D, d = i % D;
+        const KeyRange visible =
+            visible_keys(query_position(seq_len, q_len, q_begin + r / num_heads), p.sliding_window);
+        const int j_end = int(min_i64(n, visible.end - tile));
+        const float* prob = logits_s + r * KT;
+        float a = acc_s[i] * alpha_s[r];
+        for (int j = int(max_i64(0, visible.begin - tile)); j < j_end; ++j) {
+          a += prob[j] * static_cast<float>(v_s[j * L.row_stride + d]);
+        }
+        acc_s[i] = a;
+      }
+    }
+  }
+  __syncthreads();
+
+  // --- normalise and write the final output, or this partition's partial (out, lse)
+  for (int i = tid; i < rows * D; i += kThreads) {
+    const int r = i / D, d = i % D;
+    const int64_t token = q_start + q_begin + r / num_heads, head = head0 + r % num_heads;
+    const int64_t row = token * p.num_q_heads + head;
+    const float o = acc_s[i] * state_s[r].inv_sum();
+    if (num_parts == 1) {
+      static_cast<scalar_t*>(p.out)[row * D + d] = static_cast<scalar_t>(o);
+    } else {
+      p.partial_out[(int64_t(blockIdx.z) * p.num_tokens * p.num_q_heads + row) * D + d] = o;
+    }
+  }
+  if (tid < rows) {
+    const int64_t token = q_start + q_begin + tid / num_heads, head = head0 + tid % num_heads;
+    const int64_t row = token * p.num_q_heads + head;
+    const float lse = state_s[tid].lse();
+    if (num_parts > 1) {
+      p.partial_lse[int64_t(blockIdx.z) * p.num_tokens * p.num_q_heads + row] = lse;
+    } else if (p.lse != nullptr) {
+      p.lse[row] = lse;
+    }
+  }
+}
+
+// One CTA per (token, query head) row: folds the split-K partials with the shared lse merge.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    merge_partitions_kernel(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
+                            scalar_t* __restrict__ out, float* __restrict__ lse, int num_parts, int64_t num_rows,
+                            int head_dim) {
+  const int64_t row = blockIdx.x;
+  float max_lse = kNegInf;
+  for (int part = 0; part < num_parts; ++part) max_lse = fmaxf(max_lse, partial_lse[part * num_rows + row]);
+  float weight_sum = 0.f;
+  for (int part = 0; part < num_parts; ++part) weight_sum += lse_merge_weight(partial_lse[part * num_rows + row], max_lse);
+  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float o = 0.f;
+    for (int part = 0; part < num_parts; ++part) {
+      const float w = lse_merge_weight(partial_lse[part * num_rows + row], max_lse);
+      if (w > 0.f) o += w * partial_out[(part * num_rows + row) * head_dim + d];
+    }
+    out[row * head_dim + d] = static_cast<scalar_t>(o * inv);
+  }
+  if (lse != nullptr && threadIdx.x == 0) lse[row] = lse_merged(max_lse, weight_sum);
+}
+
+}  // namespace attention_cuda
+}  // namespace pagedkv

@@ -1,0 +1,89 @@
+// Device code of the CUDA cache ops (torch-free; included by cache_ops.cu and by tests/cuda_emu):
+// reshape_and_cache (16-byte vector stores when aligned) and copy_blocks.
+#pragma once
+
+#include <cstdint>
+
+#include "ops/cuda/device_compat.cuh"
+#include "ops/paged_kv.h"
+
+namespace pagedkv {
+namespace cache_cuda {
+
+constexpr int kThreads = 256;
+
+// One CTA per token. Elements move as raw bits (bits_t has the element's width); with kVec16 each
+// thread moves 16-byte chunks (head_dim contiguous, rows and pointers 16-byte aligned). Padding
+// (slot < 0) is skipped; a slot >= num_slots is skipped too and recorded in index_error (argument 0,
+// at its token) when checking is on.
+template <typename bits_t, bool kVec16>
+__global__ void __launch_bounds__(kThreads)
+    reshape_and_cache_kernel(const bits_t* __restrict__ key, const bits_t* __restrict__ value,
+                             bits_t* __restrict__ key_cache, bits_t* __restrict__ value_cache,
+                             const int64_t* __restrict__ slot_mapping, int64_t key_stride_token,
+                             int64_t key_stride_head, int64_t key_stride_dim, int64_t value_stride_token,
+                             int64_t value_stride_head, int64_t value_stride_dim, int num_heads, int head_dim,
+                             int64_t num_slots, IndexError* index_error) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = slot_mapping[token];
+  if (slot < 0) return;  // padding
+  if (slot >= num_slots) {
+    if (threadIdx.x == 0) report_bad_index(index_error, 0, slot, token);
+    return;
+  }
+  const bits_t* k = key + token * key_stride_token;
+  const bits_t* v = value + token * value_stride_token;
+  if constexpr (kVec16) {
+    constexpr int kPerVec = 16 / sizeof(bits_t);
+    const int vecs_per_head = head_dim / kPerVec;
+    for (int i = threadIdx.x; i < num_heads * vecs_per_head; i += blockDim.x) {
+      const int h = i / vecs_per_head, c = (i % vecs_per_head) * kPerVec;
+      const int64_t dst = cache_row_offset(slot, h, num_heads, head_dim) + c;
+      *reinterpret_cast<uint4*>(key_cache + dst) = *reinterpret_cast<const uint4*>(k + h * key_stride_head + c);
+      *reinterpret_cast<uint4*>(value_cache + dst) =
+          *reinterpret_cast<const uint4*>(v + h * value_stride_head + c);
+    }
+  } else {
+    for (int i = threadIdx.x; i < num_heads * head_dim; i += blockDim.x) {
+      const int h = i / head_dim, d = i % head_dim;
+      const int64_t dst = cache_row_offset(slot, h, num_heads, head_dim) + d;
+      key_cache[dst] = k[h * key_stride_head + d * key_stride_dim];
+      value_cache[dst] = v[h * value_stride_head + d * value_stride_dim];
+    }
+  }
+}
+
+// Whether the 16-byte kernel may move a [T, H, D] tensor with these strides (in elements of
+// elem_size bytes) and this base address: contiguous rows of whole 16-byte chunks, all aligned.
+inline bool rows_16b_aligned(const void* data, int64_t elem_size, int64_t head_dim, int64_t stride_token,
+                             int64_t stride_head, int64_t stride_dim) {
+  const int64_t per_vec = 16 / elem_size;
+  return stride_dim == 1 && head_dim % per_vec == 0 && stride_token % per_vec == 0 && stride_head % per_vec == 0 &&
+         reinterpret_cast<uintptr_t>(data) % 16 == 0;
+}
+
+// One CTA per (src, dst) pair of one layer: copies the key block and the value block in chunks of
+// Chunk (uint4 = 16 bytes when the blocks are aligned, else bytes). Out-of-range ids (only possible
+// with a device-side mapping) are skipped, and recorded in index_error (argument 0, at the flat index
+// of the mapping entry) when checking is on.
+template <typename Chunk>
+__global__ void __launch_bounds__(kThreads)
+    copy_blocks_kernel(Chunk* __restrict__ key_cache, Chunk* __restrict__ value_cache,
+                       const int64_t* __restrict__ block_mapping, int64_t chunks_per_block, int64_t num_blocks,
+                       IndexError* index_error) {
+  const int64_t src = block_mapping[2 * blockIdx.x], dst = block_mapping[2 * blockIdx.x + 1];
+  if (src < 0 || src >= num_blocks || dst < 0 || dst >= num_blocks) {
+    if (threadIdx.x == 0) {
+      const bool src_bad = src < 0 || src >= num_blocks;
+      report_bad_index(index_error, 0, src_bad ? src : dst, 2 * int64_t(blockIdx.x) + (src_bad ? 0 : 1));
+    }
+    return;
+  }
+  for (int64_t i = threadIdx.x; i < chunks_per_block; i += blockDim.x) {
+    key_cache[dst * chunks_per_block + i] = key_cache[src * chunks_per_block + i];
+    value_cache[dst * chunks_per_block + i] = value_cache[src * chunks_per_block + i];
+  }
+}
+
+}  // namespace cache_cuda
+}  // namespace pagedkv
