@@ -52,11 +52,4 @@ PAGEDKV_LAYER_HD void rope_rotate(T& x, T& y, float cos, float sin) {
   y = static_cast<T>(y_c + x_s);
 }
 
-// fp32 rotation of the pair (x1, x2) without intermediate rounding; kept for cuda/layer_ops.cu
-// until it moves to rope_rotate.
-PAGEDKV_LAYER_HD void rotate_pair(float x1, float x2, float c, float s, float* y1, float* y2) {
-  *y1 = x1 * c - x2 * s;
-  *y2 = x2 * c + x1 * s;
-}
-
 }  // namespace pagedkv

@@ -59,23 +59,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// x rounded to scalar_t and back (identity for float).
-template <typename scalar_t>
-__device__ __forceinline__ float round_to(float x) {
-  return static_cast<float>(static_cast<scalar_t>(x));
-}
-
-// Half-split rotation of (x1, x2) = (x[i], x[i + D/2]) rounded as Hugging Face's Llama does in the
-// tensor's dtype: cos and sin rounded to it, each product rounded, then the sum:
-// y1 = x1 c - x2 s, y2 = x2 c + x1 s.
-template <typename scalar_t>
-__device__ __forceinline__ void rotate_pair_rounded(float x1, float x2, float cos_in, float sin_in, float* y1,
-                                                    float* y2) {
-  const float c = round_to<scalar_t>(cos_in), s = round_to<scalar_t>(sin_in);
-  *y1 = round_to<scalar_t>(round_to<scalar_t>(x1 * c) - round_to<scalar_t>(x2 * s));
-  *y2 = round_to<scalar_t>(round_to<scalar_t>(x2 * c) + round_to<scalar_t>(x1 * s));
-}
-
 // Out-of-range positions cannot raise on the device: such tokens are left unrotated, and recorded in
 // index_error (argument 0, at the token) when checking is on.
 template <typename scalar_t, typename cache_t>
@@ -94,11 +77,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = threadIdx.x; i < num_heads * half; i += blockDim.x) {
     const int h = i / half, d = i % half;
     scalar_t* row = x + token * stride_token + h * stride_head;
-    float y1, y2;
-    rotate_pair_rounded<scalar_t>(static_cast<float>(row[d]), static_cast<float>(row[d + half]),
-                                  static_cast<float>(cos[d]), static_cast<float>(sin[d]), &y1, &y2);
-    row[d] = static_cast<scalar_t>(y1);
-    row[d + half] = static_cast<scalar_t>(y2);
+    rope_rotate<scalar_t>(row[d], row[d + half], static_cast<float>(cos[d]), static_cast<float>(sin[d]));
   }
 }
 
