@@ -1,8 +1,9 @@
 """pagedkv: a paged KV cache for LLM inference.
 
 - ``pagedkv.BlockManager``: where every token's KV lives (C++; prefix caching, CoW, fork, swap).
-- ``pagedkv.ops``: ``reshape_and_cache``, ``paged_attention``, ``copy_blocks``, ``swap_blocks``
-  (``torch.ops.pagedkv.*``, CPU and CUDA).
+- ``pagedkv.ops``: ``reshape_and_cache``, ``paged_attention`` (and ``paged_attention_with_lse``),
+  ``copy_blocks``, ``swap_blocks``, and the model-layer ops ``rms_norm``, ``fused_add_rms_norm``,
+  ``silu_and_mul``, ``rotary_embedding`` (``torch.ops.pagedkv.*``, CPU and CUDA).
 - ``pagedkv.allocate_kv_cache`` / ``pagedkv.num_blocks_for``: cache tensors and pool sizing.
 - ``pagedkv.engine``: a small reference engine for Llama-family models.
 """
