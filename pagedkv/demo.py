@@ -11,7 +11,7 @@ import time
 import torch
 
 from pagedkv.engine import LLM, SamplingParams
-from pagedkv._cli import int_at_least
+from pagedkv._cli import HelpFormatter, int_at_least
 
 TINY_LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=2048, max_position_embeddings=1024, initializer_range=0.2)
@@ -74,23 +74,24 @@ def temperature(text):
 
 def main(argv=None) -> int:
     """Runs the demo; returns the exit status: 0, or 1 when some request failed."""
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", help="Hugging Face Llama directory (default: a built-in tiny random Llama)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the model and KV cache live")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: float32 on CPU, the checkpoint's dtype on CUDA")
-    p.add_argument("--num-requests", type=int_at_least(1), default=64)
-    p.add_argument("--num-system-prompts", type=int_at_least(1), default=4)
+    p.add_argument("--num-requests", type=int_at_least(1), default=64, help="requests to generate for")
+    p.add_argument("--num-system-prompts", type=int_at_least(1), default=4,
+                   help="distinct system prompts the requests share (what the prefix cache reuses)")
     p.add_argument("--system-len", type=int_at_least(1), default=192, help="system prompt tokens (token-id prompts)")
-    p.add_argument("--max-tokens", type=int_at_least(1), default=64)
-    p.add_argument("--temperature", type=temperature, default=0.0)
-    p.add_argument("--block-size", type=int_at_least(1), default=16)
+    p.add_argument("--max-tokens", type=int_at_least(1), default=64, help="tokens generated per request")
+    p.add_argument("--temperature", type=temperature, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int_at_least(1), default=None,
                    help="KV pool size (default: from a memory budget; 160 for the built-in model, to show eviction)")
     p.add_argument("--num-cpu-blocks", type=int_at_least(0), default=256, help="CPU blocks for swapping (0: recompute)")
-    p.add_argument("--max-num-seqs", type=int_at_least(1), default=32)
+    p.add_argument("--max-num-seqs", type=int_at_least(1), default=32, help="sequences decoded together at most")
     p.add_argument("--plot", default="pagedkv_demo.png", help="where to save the plot ('' for none)")
-    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the prompts, the tiny model and sampling")
     p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="torch CPU threads (default: 1 for the built-in model, whose ops are too small to gain "
                         "from threads and slow down badly on a busy machine; torch's choice otherwise)")

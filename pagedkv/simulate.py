@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from pagedkv import AllocStatus, BlockManager
-from pagedkv._cli import int_at_least
+from pagedkv._cli import HelpFormatter, int_at_least
 
 
 @dataclass
@@ -133,15 +133,15 @@ def make_trace(args, rng):
 
 def main(argv=None) -> int:
     """Runs the simulation; returns the exit status: 0, or 1 when some request failed."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int_at_least(1), default=2000)
-    ap.add_argument("--system-prompts", type=int_at_least(1), default=8)
-    ap.add_argument("--arrivals-per-step", type=int_at_least(1), default=4)
-    ap.add_argument("--num-blocks", type=int_at_least(1), default=2048)
-    ap.add_argument("--cpu-blocks", type=int_at_least(0), default=512)
-    ap.add_argument("--block-size", type=int_at_least(1), default=16)
-    ap.add_argument("--max-batch", type=int_at_least(1), default=256)
-    ap.add_argument("--seed", type=int_at_least(0), default=0)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--requests", type=int_at_least(1), default=2000, help="requests in the trace")
+    ap.add_argument("--system-prompts", type=int_at_least(1), default=8, help="distinct shared system prompts")
+    ap.add_argument("--arrivals-per-step", type=int_at_least(1), default=4, help="requests arriving per step")
+    ap.add_argument("--num-blocks", type=int_at_least(1), default=2048, help="GPU KV blocks")
+    ap.add_argument("--cpu-blocks", type=int_at_least(0), default=512, help="CPU blocks for swapping (0: recompute)")
+    ap.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per block")
+    ap.add_argument("--max-batch", type=int_at_least(1), default=256, help="sequences decoded per step at most")
+    ap.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the trace")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     trace = deque(make_trace(args, rng))
