@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
         const int j_end = int(min_i64(n, visible.end - tile));
         const float* prob = logits_s + r * KT;
         float a = acc_s[i] * alpha_s[r];
-        for (int j = 0; j < n; ++j) {
+        for (int j = int(max_i64(0, visible.begin - tile)); j < j_end; ++j) {
           a += prob[j] * static_cast<float>(v_s[j * L.row_stride + d]);
         }
         acc_s[i] = a;
