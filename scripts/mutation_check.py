@@ -3,19 +3,23 @@
 
 Plants one-line bugs in the kernel headers (csrc/ops/cuda/*.cuh) one at a time -- a removed barrier, a
 changed shuffle offset, a wrong lane, an off-by-one bound, a skipped mask -- rebuilds the emulated tests
-(build/mutation, no sanitizers), runs them, restores the file, and prints a table: mutation, caught.
+(no sanitizers), runs them, and prints a table: mutation, caught. It works on a private copy of the
+sources in a temporary folder, so the working tree is never touched (it is safe to commit meanwhile).
 Every planted bug must make the tests fail. Exit status 1 if one survives.
 Usage: scripts/mutation_check.py [--only SUBSTRING]
 """
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUILD = os.path.join(ROOT, "build", "mutation")
 PY = os.path.join(ROOT, ".venv", "bin", "python")
+COPIED = ["CMakeLists.txt", "csrc", "tests/cpp", "tests/cuda_emu", "build_deps"]  # what the C++ build reads
+SRC = BUILD = ""  # the private copy and its build folder, set in main()
 ATTN, CACHE, LAYER = "csrc/ops/cuda/attention.cuh", "csrc/ops/cuda/cache_ops.cuh", "csrc/ops/cuda/layer_ops.cuh"
 
 # (name, file, original text, mutated text): the original must occur exactly once.
@@ -75,7 +79,19 @@ MUTATIONS = [
 
 
 def run(cmd, timeout=None):
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=SRC, capture_output=True, text=True, timeout=timeout)
+
+
+def copy_sources():
+    global SRC, BUILD
+    SRC = tempfile.mkdtemp(prefix="pagedkv-mutation-")
+    BUILD = os.path.join(SRC, "build")
+    for rel in COPIED:
+        src = os.path.join(ROOT, rel)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(SRC, rel))
+        elif os.path.exists(src):
+            shutil.copy2(src, os.path.join(SRC, rel))
 
 
 def configure():
@@ -101,6 +117,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="run the mutations whose name contains this")
     args = parser.parse_args()
+    copy_sources()
+    try:
+        check(args)
+    finally:
+        shutil.rmtree(SRC, ignore_errors=True)
+
+
+def check(args):
     configure()
     baseline = build_and_test()
     if baseline != "pass":
@@ -109,7 +133,7 @@ def main():
     for name, path, original, mutated in MUTATIONS:
         if args.only not in name:
             continue
-        full = os.path.join(ROOT, path)
+        full = os.path.join(SRC, path)
         with open(full) as f:
             source = f.read()
         if source.count(original) != 1:
@@ -125,7 +149,6 @@ def main():
         caught = {"fail": "yes", "timeout": "yes (hang)", "build": "NO (did not compile)", "pass": "NO"}[result]
         rows.append((name, caught))
         print(f"{name}: {caught} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-    build_and_test()  # leave the build matching the restored sources
     width = max(len(r[0]) for r in rows)
     print(f"| {'mutation':<{width}} | caught |")
     print(f"|{'-' * (width + 2)}|--------|")
