@@ -5,18 +5,19 @@ PAGEDKV_CUDA=0. The default arch list covers sm_80 and sm_90 (override with TORC
 """
 import glob
 import os
+import runpy
 
 from setuptools import find_packages, setup
 
-# torch derives CUDA_HOME when cpp_extension is imported; the nvcc first on PATH may be a wrapper
-# outside the toolkit, so prefer the standard toolkit location when CUDA_HOME is not set.
-if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
-    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# torch derives CUDA_HOME when cpp_extension is imported: set it first, by the project's one rule.
+_cuda_home = runpy.run_path(os.path.join(ROOT, "scripts", "cuda_toolkit.py"))["find_cuda_home"]()
+if _cuda_home:
+    os.environ["CUDA_HOME"] = _cuda_home
 
 import torch  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def _rel(pattern):
@@ -82,6 +83,6 @@ setup(
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.11",
-    install_requires=["torch>=2.11", "numpy", "tqdm"],
+    install_requires=["torch>=2.11", "tqdm"],
     extras_require={"engine": ["safetensors", "tokenizers", "matplotlib"]},
 )

@@ -1,6 +1,7 @@
 """Demo: `python -m pagedkv.demo` generates for many requests that share a few system prompts, on a
 built-in tiny random Llama (offline) or `--model PATH`, then prints a summary and plots block usage."""
 import argparse
+import json
 import math
 import os
 import random
@@ -17,12 +18,40 @@ TINY_LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, n
                   num_key_value_heads=4, vocab_size=2048, max_position_embeddings=1024, initializer_range=0.2)
 
 
-def build_tiny_llama(path: str) -> None:
-    """A random Llama checkpoint written with transformers (no download)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_tiny_llama(path: str, seed: int = 0, **overrides) -> None:
+    """Writes a random Llama checkpoint (Hugging Face layout: config.json + model.safetensors) to `path`,
+    without transformers: weights ~ N(0, initializer_range), norms 1, as transformers initialises them.
+    `overrides` replace entries of TINY_LLAMA."""
+    from safetensors.torch import save_file
 
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(path, safe_serialization=True)
+    c = {**TINY_LLAMA, **overrides}
+    hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    head_dim = hidden // c["num_attention_heads"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(rows, cols):
+        return torch.randn(rows, cols, generator=generator) * c["initializer_range"]
+
+    tensors = {"model.embed_tokens.weight": normal(vocab, hidden), "model.norm.weight": torch.ones(hidden),
+               "lm_head.weight": normal(vocab, hidden)}
+    shapes = {"self_attn.q_proj": (c["num_attention_heads"] * head_dim, hidden),
+              "self_attn.k_proj": (c["num_key_value_heads"] * head_dim, hidden),
+              "self_attn.v_proj": (c["num_key_value_heads"] * head_dim, hidden),
+              "self_attn.o_proj": (hidden, c["num_attention_heads"] * head_dim),
+              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+    for layer in range(c["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        tensors.update({f"{prefix}{name}.weight": normal(*shape) for name, shape in shapes.items()})
+        tensors[prefix + "input_layernorm.weight"] = torch.ones(hidden)
+        tensors[prefix + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config = {k: v for k, v in c.items() if k != "initializer_range"}
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama", head_dim=head_dim, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32", bos_token_id=1,
+                  eos_token_id=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def make_workload(args, vocab_size: int, has_tokenizer: bool):

@@ -14,7 +14,26 @@ if [ -z "${PAGEDKV_CUDA:-}" ]; then
   fi
 fi
 echo "build: compiling pagedkv._C (PAGEDKV_CUDA=$PAGEDKV_CUDA; incremental; a first build takes a few minutes)"
-if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0}
 export MAX_JOBS=${MAX_JOBS:-2}
-"$py" setup.py -q build_ext --inplace
+# Objects go to build/inplace, apart from pip's build/temp.*, so a `pip install .` does not force a rebuild.
+cmd=("$py" setup.py build_ext --inplace --build-temp build/inplace)
+if [ "${PAGEDKV_VERBOSE:-0}" = 1 ]; then
+  exec "${cmd[@]}"
+fi
+# Quiet: one line per compiled file; the full log (compiler command lines and warnings) in build/build.log.
+mkdir -p build
+log=build/build.log
+if ! "${cmd[@]}" 2>&1 | tee "$log" | while IFS= read -r line; do
+    case $line in
+      "["[0-9]*/[0-9]*"]"*)
+        src=$(grep -oE -- ' -c /[^ ]+' <<<"$line" | head -n 1 | cut -c5-)
+        if [ -n "$src" ]; then what="compiling ${src#"$PWD"/}"; else what="linking pagedkv/_C"; fi
+        echo "build: ${line%%]*}] $what" ;;
+    esac
+  done; then
+  echo "build: FAILED; the errors (full log: $log, or rerun with PAGEDKV_VERBOSE=1):" >&2
+  grep -E -A 12 "error|Error" "$log" | head -n 80 >&2
+  exit 1
+fi
+echo "build: done (log: $log)"

@@ -2,11 +2,12 @@
 # No-GPU compile gate for the CUDA kernels: compiles csrc/ops/cuda/*.cu with nvcc for sm_80 and sm_90
 # (the flags setup.py uses) with `-Xptxas -v`, and prints registers, spill stores/loads and stack per
 # kernel and arch, so a change that starts spilling is visible without a GPU. Exits 1 if any kernel
-# spills. Usage: scripts/cuda_compile_gate.sh   (CUDA_HOME defaults to /usr/local/cuda; PY to .venv)
+# spills. Usage: scripts/cuda_compile_gate.sh   (the toolkit as setup.py finds it; PY defaults to .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 PY=${PY:-.venv/bin/python}
+CUDA_HOME=$("$PY" scripts/cuda_toolkit.py)
+[ -n "$CUDA_HOME" ] || { echo "no CUDA toolkit found (set CUDA_HOME)"; exit 2; }
 NVCC=$CUDA_HOME/bin/nvcc
 includes=$("$PY" -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))" 2>/dev/null)
 logs=build/compile_gate  # nvcc's -Xptxas -v output per source, kept for a look

@@ -11,16 +11,9 @@ PY=${PYTHON:-python3}
 LOGS=${OUT:-/tmp/pagedkv_gpu_check}
 mkdir -p "$LOGS"
 export TORCH_CUDA_ARCH_LIST=9.0 PAGEDKV_CUDA=1 MAX_JOBS=${MAX_JOBS:-16}
-if [ -z "${CUDA_HOME:-}" ]; then  # the toolkit root, not a bin/ symlink farm such as /usr/local/bin
-  if [ -x /usr/local/cuda/bin/nvcc ]; then
-    CUDA_HOME=/usr/local/cuda
-  elif command -v nvcc >/dev/null; then
-    root=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
-    [ -f "$root/include/cuda_runtime.h" ] && CUDA_HOME=$root  # else let torch find the toolkit
-  fi
-fi
-export CUDA_HOME
-echo "CUDA_HOME=${CUDA_HOME:-unset}"
+CUDA_HOME=$($PY scripts/cuda_toolkit.py)  # the rule setup.py applies too
+[ -n "$CUDA_HOME" ] && export CUDA_HOME
+echo "CUDA_HOME=${CUDA_HOME:-unset (torch will guess)}"
 SANITIZER=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
 declare -a NAMES STATUS SECONDS_TAKEN
 

@@ -12,7 +12,7 @@ command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
-  echo "installing Debian packages: ${missing[*]}"
+  echo "setup: the build needs Debian packages: ${missing[*]}; installing them with ${sudo:-root} apt-get"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
@@ -21,6 +21,11 @@ python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 stamp=.venv/.requirements-installed
 if [ ! -f "$stamp" ] || ! cmp -s requirements-dev.txt "$stamp"; then
-  .venv/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt
+  echo "setup: installing requirements-dev.txt into .venv (torch is large: one to a few minutes)"
+  if ! .venv/bin/pip install --disable-pip-version-check -r requirements-dev.txt 2>&1 |
+      { grep --line-buffered -E "^(Collecting|Installing|Successfully|ERROR)" || true; } | sed -u 's/^/  pip: /'; then
+    echo "setup: pip install failed (see its output: .venv/bin/pip install -r requirements-dev.txt)" >&2
+    exit 1
+  fi
   cp requirements-dev.txt "$stamp"
 fi

@@ -44,6 +44,16 @@ def test_hash_accepts_tensors_and_salts_change_block0_only():
     assert pagedkv.hash_block_tokens(block, 7, cache_salt="x") == seeds_hash(block, 7)
 
 
+def test_salted_block0_hash_follows_the_documented_rule():
+    """README: a salt is block 0's parent, xxh64(b"\\xa5" + salt); a router can recompute it."""
+    rng_start = random.randrange(10**6)
+    block = toks(16, start=rng_start)
+    for salt in (b"tenant-a", "t\u00e9nant"):
+        raw = salt.encode() if isinstance(salt, str) else salt
+        parent = xxhash.xxh64_intdigest(b"\xa5" + raw)
+        assert pagedkv.hash_block_tokens(block, cache_salt=salt) == seeds_hash(block, parent), rng_start
+
+
 @pytest.mark.skipif(not pagedkv._C.sha256_available(), reason="built without OpenSSL")
 def test_sha256_and_weak8():
     import hashlib

@@ -145,3 +145,20 @@ def test_generation_config_eos_token_id_is_read(tiny, tmp_path):
     out = LLM(path).generate(prompt, SamplingParams(max_tokens=12))[0]
     assert out.token_ids == greedy[:cut] == reference[:cut]
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_demo_checkpoint_is_a_hugging_face_llama(tmp_path):
+    """The demo writes its built-in model without transformers; transformers must read it as the same
+    Llama the engine runs (same greedy tokens)."""
+    from transformers import LlamaForCausalLM
+
+    from pagedkv.demo import build_tiny_llama
+
+    build_tiny_llama(str(tmp_path), seed=3, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     vocab_size=300)
+    model = LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    prompt = [5, 17, 200, 3, 9, 41, 77]
+    out = LLM(str(tmp_path), device="cpu").generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(model, prompt, 10)
