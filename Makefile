@@ -42,14 +42,16 @@ bench: build
 	$(RUN) benchmarks/bench_cache_ops.py
 	$(RUN) benchmarks/bench_engine.py
 
-# The wheel installs into a fresh venv that has torch, and imports.
+# The wheel installs into a fresh venv that has torch, imports, and with the [engine] extra runs the demo
+# (no transformers needed).
 wheel-check: export PAGEDKV_CUDA ?= auto
 wheel-check: build
 	rm -rf dist /tmp/pagedkv-wheel-venv
 	$(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
 	$(PY) -m venv /tmp/pagedkv-wheel-venv
-	/tmp/pagedkv-wheel-venv/bin/pip install -q --disable-pip-version-check torch==2.14.1 numpy tqdm dist/pagedkv-*.whl
+	/tmp/pagedkv-wheel-venv/bin/pip install -q --disable-pip-version-check torch==2.14.1 "$$(ls dist/pagedkv-*.whl)[engine]"
 	cd /tmp && /tmp/pagedkv-wheel-venv/bin/python -c "import pagedkv, torch; assert \"site-packages\" in pagedkv.__file__; bm = pagedkv.BlockManager(8, 4); print(\"wheel OK:\", pagedkv.__file__, bm, torch.ops.pagedkv.paged_attention)"
+	cd /tmp && /tmp/pagedkv-wheel-venv/bin/python -m pagedkv.demo --num-requests 4 --max-tokens 4 --plot ""
 
 clean:
 	rm -rf build dist pagedkv/*.so
