@@ -7,7 +7,9 @@ import torch
 
 __all__ = ["allocate_kv_cache", "num_blocks_for", "block_bytes"]
 
-_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # what the ops accept
+# What the ops accept (float8 caches store quantised KV: reshape_and_cache's k_scale / v_scale).
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 
 def _check_int(name: str, v) -> None:
@@ -26,7 +28,8 @@ def _check_cache_geometry(dtype, **sizes) -> None:
         if v <= 0:
             raise ValueError(f"{name} must be positive, got {v}")
     if dtype not in _CACHE_DTYPES:
-        raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
+        raise ValueError("dtype must be torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn or "
+                         f"torch.float8_e5m2, got {dtype}")
 
 
 def block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -21,12 +21,22 @@ _ops = torch.ops.pagedkv
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
     """Writes this step's keys and values into their cache slots, in place.
 
     Args:
-        key, value: ``[T, num_kv_heads, head_dim]``, same dtype as the caches; any strides.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
+        key, value: ``[T, num_kv_heads, head_dim]``, same dtype as the caches (or any of float32 /
+            float16 / bfloat16 for a float8 cache); any strides.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous;
+            float32, float16, bfloat16, or ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (then each
+            element is stored as ``fp8(x / scale)``, saturated at the format's largest finite value,
+            rounded to nearest even; NaN stays NaN; bit-identical to ``(x.float() / scale).clamp(-max,
+            max).to(dtype)``).
+        k_scale, v_scale: float8 caches only: float32 tensors of shape ``[]`` (one scale) or
+            ``[num_kv_heads]``, on the inputs' device; None means 1. Tensors, not floats, so a captured
+            or compiled graph need not change when they do. On CPU they must be finite and > 0 (a GPU
+            check would sync: there a bad scale stores inf/NaN).
         slot_mapping: ``[T]`` int64; token ``t`` goes to slot ``slot_mapping[t]``; a negative slot is
             padding and is skipped. On CPU an out-of-range slot raises before anything is written; CUDA
             kernels cannot raise and skip such slots. On CPU a slot given twice raises too. The caches
@@ -37,7 +47,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         slots = torch.tensor([0, 1, 17, -1])            # block 0 offsets 0, 1; block 1 offset 1 (bs=16)
         reshape_and_cache(k, v, key_cache, value_cache, slots)
     """
-    _ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    _ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

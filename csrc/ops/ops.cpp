@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops/fp8.h"
 #include "ops/paged_kv.h"
 
 namespace pagedkv {
@@ -35,7 +36,8 @@ void check_same_device(const at::Tensor& t, const std::string& name, const at::T
 void check_cache(const at::Tensor& cache, const std::string& name) {
   TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
               cache.sizes());
-  check_float_dtype(cache, name);
+  TORCH_CHECK(is_supported_float(cache.scalar_type()) || is_fp8(cache.scalar_type()), name,
+              " must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", cache.scalar_type());
   TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
   // A dimension of size 0 would leave a block with no bytes but a nonzero stride: copies from null.
   TORCH_CHECK(cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, name,
@@ -96,8 +98,35 @@ void check_block_mapping_shape(const at::Tensor& block_mapping) {
 // ------------------------------------------------------------------------------------------------
 // Checks
 
+void check_kv_scale(const std::optional<at::Tensor>& scale, const char* name, const at::Tensor& cache,
+                    const at::Tensor& key) {
+  if (!scale.has_value()) return;
+  const at::Tensor& s = *scale;
+  TORCH_CHECK(is_fp8(cache.scalar_type()), name, " is given but the cache dtype is ", cache.scalar_type(),
+              ": scales apply to float8_e4m3fn / float8_e5m2 caches only");
+  TORCH_CHECK(s.scalar_type() == at::kFloat, name, " must be float32, got ", s.scalar_type());
+  TORCH_CHECK(s.dim() == 0 || (s.dim() == 1 && s.size(0) == cache.size(2)), name,
+              " must have shape [] (one scale) or [num_kv_heads] = [", cache.size(2), "], got ", s.sizes());
+  check_same_device(s, name, key, "key");
+}
+
+void check_kv_scale_values(const at::Tensor& scale, const char* name) {
+  const float* v = scale.data_ptr<float>();
+  for (int64_t i = 0; i < scale.numel(); ++i) {
+    TORCH_CHECK(std::isfinite(v[i]) && v[i] > 0.f, name, " must hold finite numbers > 0, got ", v[i],
+                scale.dim() ? " at kv head " + std::to_string(i) : std::string());
+  }
+}
+
+bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+KvFormat kv_format(at::ScalarType cache_dtype) {
+  return cache_dtype == at::kFloat8_e5m2 ? KvFormat::kE5M2 : KvFormat::kE4M3;
+}
+
 void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                             const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+                             const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   check_cache(key_cache, "key_cache");
   check_cache(value_cache, "value_cache");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "value_cache shape ", value_cache.sizes(),
@@ -106,11 +135,20 @@ void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, con
   TORCH_CHECK(value.sizes() == key.sizes(), "value shape ", value.sizes(), " must equal key shape ", key.sizes());
   TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3), "key shape ", key.sizes(),
               " does not match key_cache [num_blocks, block_size, num_kv_heads, head_dim] = ", key_cache.sizes());
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "key dtype ", key.scalar_type(),
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "value_cache dtype ", value_cache.scalar_type(),
               " must equal key_cache dtype ", key_cache.scalar_type());
-  TORCH_CHECK(value.scalar_type() == value_cache.scalar_type(), "value dtype ", value.scalar_type(),
-              " must equal value_cache dtype ", value_cache.scalar_type());
-  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "value_cache dtype must equal key_cache dtype");
+  if (is_fp8(key_cache.scalar_type())) {  // quantised on the way in: the inputs stay 16/32-bit floats
+    check_float_dtype(key, "key");
+    TORCH_CHECK(value.scalar_type() == key.scalar_type(), "value dtype ", value.scalar_type(),
+                " must equal key dtype ", key.scalar_type());
+  } else {
+    TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "key dtype ", key.scalar_type(),
+                " must equal key_cache dtype ", key_cache.scalar_type());
+    TORCH_CHECK(value.scalar_type() == value_cache.scalar_type(), "value dtype ", value.scalar_type(),
+                " must equal value_cache dtype ", value_cache.scalar_type());
+  }
+  check_kv_scale(k_scale, "k_scale", key_cache, key);
+  check_kv_scale(v_scale, "v_scale", value_cache, key);
   check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1);
   TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
               " entries but key has ", key.size(0), " tokens");
@@ -392,12 +430,63 @@ void reshape_and_cache_cpu_typed(const at::Tensor& key, const at::Tensor& value,
   });
 }
 
+// The float8 cache: each element divided by its head's scale, saturated and rounded (fp8.h's rule).
+template <typename scalar_t, KvFormat F>
+void reshape_and_cache_fp8_cpu_typed(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& slots, KvScale k_scale,
+                                     KvScale v_scale) {
+  const int64_t num_tokens = key.size(0), num_heads = key.size(1), head_dim = key.size(2);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const auto* k = static_cast<const scalar_t*>(key.data_ptr());
+  const auto* v = static_cast<const scalar_t*>(value.data_ptr());
+  auto* kc = static_cast<uint8_t*>(key_cache.data_ptr());
+  auto* vc = static_cast<uint8_t*>(value_cache.data_ptr());
+  const auto ks = key.strides(), vs = value.strides();
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slot[t] < 0) continue;  // padding
+      const SlotLocation loc = decode_slot(slot[t], block_size);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const int64_t dst = cache_row_offset(loc.block * block_size + loc.offset, h, num_heads, head_dim);
+        const scalar_t* k_row = k + t * ks[0] + h * ks[1];
+        const scalar_t* v_row = v + t * vs[0] + h * vs[1];
+        const float k_s = k_scale.at(h), v_s = v_scale.at(h);
+        for (int64_t d = 0; d < head_dim; ++d) {
+          kc[dst + d] = fp8_saturating_encode<F>(static_cast<float>(k_row[d * ks[2]]) / k_s);
+          vc[dst + d] = fp8_saturating_encode<F>(static_cast<float>(v_row[d * vs[2]]) / v_s);
+        }
+      }
+    }
+  });
+}
+
+// A private contiguous copy of a scale argument (checked values = read values) and its view.
+std::pair<at::Tensor, KvScale> cpu_kv_scale(const std::optional<at::Tensor>& scale, const char* name) {
+  if (!scale.has_value()) return {at::Tensor(), KvScale{}};
+  at::Tensor copy = scale->clone(at::MemoryFormat::Contiguous);
+  check_kv_scale_values(copy, name);
+  return {copy, KvScale{copy.data_ptr<float>(), copy.dim() == 0 ? 0 : 1}};
+}
+
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                           at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
   // A private copy: the kernel reads exactly the values checked, whatever another thread writes.
   const at::Tensor slots = slot_mapping.clone(at::MemoryFormat::Contiguous);
   check_slot_values(slots, key_cache.size(0) * key_cache.size(1));
+  if (is_fp8(key_cache.scalar_type())) {
+    const auto [k_copy, k_s] = cpu_kv_scale(k_scale, "k_scale");
+    const auto [v_copy, v_s] = cpu_kv_scale(v_scale, "v_scale");
+    dispatch_float(key.scalar_type(), [&](auto type_tag) {
+      dispatch_fp8(kv_format(key_cache.scalar_type()), [&](auto format) {
+        reshape_and_cache_fp8_cpu_typed<decltype(type_tag), decltype(format)::value>(key, value, key_cache,
+                                                                                      value_cache, slots, k_s, v_s);
+      });
+    });
+    return;
+  }
   if (key.element_size() == 4) {
     reshape_and_cache_cpu_typed<uint32_t>(key, value, key_cache, value_cache, slots);
   } else {
@@ -452,7 +541,7 @@ TORCH_LIBRARY(pagedkv, m) {
   m.set_python_module("pagedkv.ops");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-      "Tensor slot_mapping) -> ()");
+      "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, *, int max_seq_len=-1, int sliding_window=-1, "

@@ -6,6 +6,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "ops/fp8.h"
+
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -26,7 +29,12 @@ struct AttentionShape {
 
 // Checks that work on shapes, dtypes and devices only (safe on any backend, never syncs).
 void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                             const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+                             const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
+// A float8 cache's optional scale: float32, shape [] or [num_kv_heads], on key's device; an error when the
+// cache is not float8.
+void check_kv_scale(const std::optional<at::Tensor>& scale, const char* name, const at::Tensor& cache,
+                    const at::Tensor& key);
 AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -36,6 +44,8 @@ void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vec
 void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
 // src and dst are the same tensor (blocks move within one pool).
 bool swap_within_one_pool(const at::Tensor& src, const at::Tensor& dst);
+bool is_fp8(at::ScalarType dtype);  // float8_e4m3fn or float8_e5m2
+KvFormat kv_format(at::ScalarType fp8_dtype);
 
 // Model-layer ops (kernels in layer_ops.cpp, cuda/layer_ops.cu): shape, dtype and device checks.
 void check_rms_norm(const at::Tensor& input, const at::Tensor& weight, double epsilon);
@@ -45,6 +55,7 @@ void check_silu_and_mul(const at::Tensor& input);
 void check_rotary_embedding(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos_sin_cache);
 
 // Checks that read tensor values; only for tensors that live on the CPU.
+void check_kv_scale_values(const at::Tensor& scale, const char* name);  // finite and > 0
 void check_slot_values(const at::Tensor& slot_mapping, int64_t num_slots);
 void check_attention_metadata_values(const AttentionShape& shape, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,

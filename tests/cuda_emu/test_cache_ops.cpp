@@ -92,6 +92,102 @@ TEST(CudaReshapeAndCache, OutOfRangeSlotSkippedAndReported) {
   reshape_and_cache_case<uint16_t>(Layout::kInterleaved, 2, 16, true);
 }
 
+// The float8 rule, written independently of the kernels: the code whose value is nearest to x after
+// saturation, ties to the even code, the sign of x kept (also for zero); NaN maps to a NaN code.
+template <pagedkv::KvFormat F>
+uint8_t nearest_fp8(float x) {
+  using Traits = pagedkv::Fp8Traits<F>;
+  if (std::isnan(x)) return 0x7F;  // compared as "is NaN" below
+  x = std::min(std::max(x, -Traits::kMax), Traits::kMax);
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  int best = -1;
+  double best_err = 0;
+  for (int c = 0; c < 128; ++c) {
+    const float v = Traits::decode(uint8_t(c | sign));
+    if (!std::isfinite(v)) continue;
+    const double err = std::fabs(double(v) - double(x));
+    if (best < 0 || err < best_err || (err == best_err && (c & 1) == 0)) best = c, best_err = err;
+  }
+  return uint8_t(best | sign);
+}
+
+template <typename scalar_t, pagedkv::KvFormat F>
+void reshape_and_cache_fp8_case(int H, int D, int scale_kind /* 0 none, 1 per tensor, 2 per head */) {
+  using Traits = pagedkv::Fp8Traits<F>;
+  for (const cuda_emu::Schedule schedule : schedules()) {
+    SCOPED_TRACE(std::string(dtype_name<scalar_t>()) + (F == pagedkv::KvFormat::kE4M3 ? " e4m3" : " e5m2") +
+                 ", scales " + std::to_string(scale_kind) + ", " + schedule_name(schedule));
+    const ScheduleScope scope(schedule);
+    std::mt19937_64 rng = make_rng();
+    const int T = 3 + int(rng() % 12), num_blocks = 6, bs = 4;
+    const int64_t num_slots = int64_t(num_blocks) * bs;
+    std::vector<float> scales(H);
+    for (float& s : scales) s = std::ldexp(1.0f + float(rng() % 1000) / 1000.f, int(rng() % 9) - 4);
+    pagedkv::KvScale scale{scale_kind ? scales.data() : nullptr, scale_kind == 2 ? 1 : 0};
+    // Values across the format's whole range and beyond (saturation), tiny ones (subnormals), inf, NaN.
+    std::vector<scalar_t> key(size_t(T) * H * D), value(size_t(T) * H * D);
+    for (auto* v : {&key, &value}) {
+      for (scalar_t& x : *v) {
+        const uint64_t r = rng() % 100;
+        double mag = std::ldexp(1.0 + double(rng() % 4096) / 4096.0, int(rng() % 40) - 24) * Traits::kMax / 256;
+        if (r == 0) mag = INFINITY;
+        x = from_double<scalar_t>(r == 1 ? NAN : (rng() & 1 ? mag : -mag));
+      }
+    }
+    std::vector<uint8_t> key_cache(size_t(num_slots) * H * D), value_cache(key_cache.size());
+    for (auto* c : {&key_cache, &value_cache}) for (uint8_t& b : *c) b = uint8_t(rng());
+    std::vector<int64_t> all_slots(num_slots);
+    std::iota(all_slots.begin(), all_slots.end(), 0);
+    std::shuffle(all_slots.begin(), all_slots.end(), rng);
+    std::vector<int64_t> slots(all_slots.begin(), all_slots.begin() + T);
+    slots[rng() % uint64_t(T)] = -1;  // padding
+    std::vector<uint8_t> want_key = key_cache, want_value = value_cache;
+    for (int t = 0; t < T; ++t) {
+      if (slots[t] < 0) continue;
+      for (int h = 0; h < H; ++h) {
+        for (int d = 0; d < D; ++d) {
+          const size_t src = (size_t(t) * H + h) * D + d, dst = (size_t(slots[t]) * H + h) * D + d;
+          want_key[dst] = nearest_fp8<F>(static_cast<float>(key[src]) / scale.at(h));
+          want_value[dst] = nearest_fp8<F>(static_cast<float>(value[src]) / scale.at(h));
+        }
+      }
+    }
+    pagedkv::IndexError error{};
+    cuda_emu::launch(dim3(T), dim3(cache::kThreads), 0, cache::reshape_and_cache_fp8_kernel<scalar_t, F>, key.data(),
+                     value.data(), key_cache.data(), value_cache.data(), slots.data(), int64_t(H) * D, int64_t(D),
+                     int64_t(1), int64_t(H) * D, int64_t(D), int64_t(1), H, D, num_slots, scale, scale, &error);
+    EXPECT_EQ(error.claimed, 0u);
+    for (size_t i = 0; i < key_cache.size(); ++i) {
+      for (const auto& [got, want] : {std::pair{key_cache[i], want_key[i]}, std::pair{value_cache[i], want_value[i]}}) {
+        if (std::isnan(Traits::decode(want))) {
+          EXPECT_TRUE(std::isnan(Traits::decode(got))) << "element " << i;
+        } else {
+          ASSERT_EQ(int(got), int(want)) << "element " << i << ": got " << Traits::decode(got) << ", want "
+                                         << Traits::decode(want);
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaReshapeAndCacheFp8, E4M3AllInputDtypesAndScales) {
+  using pagedkv::KvFormat;
+  for (int kind = 0; kind < 3; ++kind) {
+    reshape_and_cache_fp8_case<float, KvFormat::kE4M3>(3, 16, kind);
+    reshape_and_cache_fp8_case<c10::Half, KvFormat::kE4M3>(2, 8, kind);
+    reshape_and_cache_fp8_case<c10::BFloat16, KvFormat::kE4M3>(2, 12, kind);
+  }
+}
+
+TEST(CudaReshapeAndCacheFp8, E5M2AllInputDtypesAndScales) {
+  using pagedkv::KvFormat;
+  for (int kind = 0; kind < 3; ++kind) {
+    reshape_and_cache_fp8_case<float, KvFormat::kE5M2>(3, 16, kind);
+    reshape_and_cache_fp8_case<c10::Half, KvFormat::kE5M2>(2, 8, kind);
+    reshape_and_cache_fp8_case<c10::BFloat16, KvFormat::kE5M2>(1, 32, kind);
+  }
+}
+
 template <typename Chunk>
 void copy_blocks_case(int64_t block_bytes, bool with_bad_id) {
   for (const cuda_emu::Schedule schedule : schedules()) {

@@ -41,15 +41,43 @@ void launch_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, co
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+KvScale device_kv_scale(const std::optional<at::Tensor>& scale) {
+  if (!scale.has_value()) return KvScale{};
+  return KvScale{scale->data_ptr<float>(), scale->dim() == 0 ? 0 : scale->stride(0)};
+}
+
+template <typename scalar_t, KvFormat F>
+void launch_reshape_and_cache_fp8(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& slots, KvScale k_scale,
+                                  KvScale v_scale, cudaStream_t stream, IndexError* index_error) {
+  cache_cuda::reshape_and_cache_fp8_kernel<scalar_t, F><<<key.size(0), kThreads, 0, stream>>>(
+      static_cast<const scalar_t*>(key.data_ptr()), static_cast<const scalar_t*>(value.data_ptr()),
+      static_cast<uint8_t*>(key_cache.data_ptr()), static_cast<uint8_t*>(value_cache.data_ptr()),
+      slots.data_ptr<int64_t>(), key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1),
+      value.stride(2), static_cast<int>(key.size(1)), static_cast<int>(key.size(2)),
+      key_cache.size(0) * key_cache.size(1), k_scale, v_scale, index_error);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Scale values are not checked on the GPU (that would sync): a scale <= 0 or non-finite stores inf/NaN.
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+                            at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
   if (key.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(key.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor slots = slot_mapping.contiguous();
   DeviceIndexCheck index_check(key.device());
-  if (key.element_size() == 4) {
+  if (is_fp8(key_cache.scalar_type())) {
+    dispatch_float(key.scalar_type(), [&](auto type_tag) {
+      dispatch_fp8(kv_format(key_cache.scalar_type()), [&](auto format) {
+        launch_reshape_and_cache_fp8<decltype(type_tag), decltype(format)::value>(
+            key, value, key_cache, value_cache, slots, device_kv_scale(k_scale), device_kv_scale(v_scale), stream,
+            index_check.error());
+      });
+    });
+  } else if (key.element_size() == 4) {
     launch_reshape_and_cache<uint32_t>(key, value, key_cache, value_cache, slots, stream, index_check.error());
   } else {
     launch_reshape_and_cache<uint16_t>(key, value, key_cache, value_cache, slots, stream, index_check.error());

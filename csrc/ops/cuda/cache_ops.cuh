@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "ops/cuda/device_compat.cuh"
+#include "ops/fp8.h"
 #include "ops/paged_kv.h"
 
 namespace pagedkv {
@@ -50,6 +51,45 @@ __global__ void __launch_bounds__(kThreads)
       key_cache[dst] = k[h * key_stride_head + d * key_stride_dim];
       value_cache[dst] = v[h * value_stride_head + d * value_stride_dim];
     }
+  }
+}
+
+// IEEE division whatever the compiler flags (--use_fast_math turns `/` into an approximation on the
+// device), so a stored float8 byte equals the CPU's and torch's.
+__device__ __forceinline__ float div_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// reshape_and_cache into a float8 cache (format F): one CTA per token, each element divided by its KV
+// head's scale, saturated and rounded as fp8.h says. Padding and out-of-range slots as above.
+template <typename scalar_t, KvFormat F>
+__global__ void __launch_bounds__(kThreads)
+    reshape_and_cache_fp8_kernel(const scalar_t* __restrict__ key, const scalar_t* __restrict__ value,
+                                 uint8_t* __restrict__ key_cache, uint8_t* __restrict__ value_cache,
+                                 const int64_t* __restrict__ slot_mapping, int64_t key_stride_token,
+                                 int64_t key_stride_head, int64_t key_stride_dim, int64_t value_stride_token,
+                                 int64_t value_stride_head, int64_t value_stride_dim, int num_heads, int head_dim,
+                                 int64_t num_slots, KvScale k_scale, KvScale v_scale, IndexError* index_error) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = slot_mapping[token];
+  if (slot < 0) return;  // padding
+  if (slot >= num_slots) {
+    if (threadIdx.x == 0) report_bad_index(index_error, 0, slot, token);
+    return;
+  }
+  const scalar_t* k = key + token * key_stride_token;
+  const scalar_t* v = value + token * value_stride_token;
+  for (int i = threadIdx.x; i < num_heads * head_dim; i += blockDim.x) {
+    const int h = i / head_dim, d = i % head_dim;
+    const int64_t dst = cache_row_offset(slot, h, num_heads, head_dim) + d;
+    key_cache[dst] =
+        fp8_saturating_encode<F>(div_rn(static_cast<float>(k[h * key_stride_head + d * key_stride_dim]), k_scale.at(h)));
+    value_cache[dst] = fp8_saturating_encode<F>(
+        div_rn(static_cast<float>(v[h * value_stride_head + d * value_stride_dim]), v_scale.at(h)));
   }
 }
 
