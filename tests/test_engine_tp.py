@@ -5,6 +5,8 @@ makes generate() raise its error; close, garbage collection and Ctrl-C leave no 
 import gc
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -197,7 +199,8 @@ def test_worker_that_raises_mid_run_fails_generate_with_its_error(tiny, monkeypa
         real(self, packed)
     monkeypatch.setattr(parallel.TensorParallel, "_broadcast", corrupt)
     start = time.monotonic()
-    with pytest.raises(TensorParallelError, match=r"(?s)worker rank 1 raised.*slot_mapping") as info:
+    error = r"worker rank 1 failed: RuntimeError: slot_mapping\[0\] = 1000000000 is out of range"
+    with pytest.raises(TensorParallelError, match=error) as info:
         llm.generate(prompts, greedy())
     assert time.monotonic() - start < 30
     assert "Traceback" in str(info.value)
@@ -213,7 +216,7 @@ def test_worker_killed_between_calls(tiny):
     assert outputs(llm, prompts[:1], 1) == [expected[:1]]
     os.kill(llm.tp.processes[0].pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(TensorParallelError, match="worker rank 1 .* died with exit code -9"):
+    with pytest.raises(TensorParallelError, match="worker rank 1 failed: .pid [0-9]+. died with exit code -9"):
         llm.generate(prompts[:2], greedy())
     assert time.monotonic() - start < 30
 
@@ -235,3 +238,24 @@ def test_ctrl_c_on_rank_0_stops_the_workers(tiny):
     assert not llm.has_unfinished() and not spawned_workers()
     with pytest.raises(TensorParallelError, match="shut down"):
         llm.generate(prompts[:1], greedy())
+
+
+def test_under_torchrun(tiny, tmp_path):
+    """torchrun starts both ranks: rank 1's LLM() serves rank 0 and exits its process when rank 0 closes."""
+    path, prompts, expected = tiny
+    script = tmp_path / "tp_script.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        "from pagedkv.engine import LLM, SamplingParams\n"
+        "torch.set_num_threads(1)\n"
+        "llm = LLM(sys.argv[1], tensor_parallel_size=2, block_size=8)\n"
+        "assert os.environ['RANK'] == '0', 'only rank 0 gets past LLM()'\n"
+        f"out = llm.generate({prompts[:2]!r}, SamplingParams(max_tokens={MAX_TOKENS}, ignore_eos=True))\n"
+        "print('TOKENS', [o.token_ids for o in out])\n"
+        "llm.close()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # where pagedkv is importable
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script), path], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"TOKENS {expected[:2]!r}" in result.stdout

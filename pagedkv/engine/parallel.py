@@ -161,6 +161,14 @@ class TensorParallel:
         self.closed = False
         self.gather_options = dist.GatherOptions()
         self.gather_options.rootRank = 0
+        # Communication so far (rank 0's view, which every rank shares): steps, and per collective the
+        # calls and bytes (a broadcast counts its buffer, an all-reduce its tensor, a gather all ranks' parts).
+        self.stats = dict(steps=0, broadcasts=0, broadcast_bytes=0, all_reduces=0, all_reduce_bytes=0,
+                          gathers=0, gather_bytes=0)
+
+    def _count(self, what: str, nbytes: int) -> None:
+        self.stats[what + "s"] += 1
+        self.stats[what + "_bytes"] += nbytes
 
     def embedding(self, cfg: ModelConfig) -> nn.Module:
         return VocabParallelEmbedding(cfg, self)
@@ -176,6 +184,7 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums x over the ranks, in place."""
+        self._count("all_reduce", x.numel() * x.element_size())
         self._wait(self.group.allreduce(x))
         return x
 
@@ -187,6 +196,7 @@ class TensorParallel:
     def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """Every rank's vocabulary columns, on rank 0 ([B, vocab_size]); None on the others."""
         local = local.contiguous()
+        self._count("gather", local.numel() * local.element_size() * self.size)
         if self.rank:
             self._wait(self.group.gather([], [local], self.gather_options))
             return None
@@ -209,14 +219,18 @@ class TensorParallel:
         length = HEADER + sum(t.numel() for t in tensors + moves)
         header = torch.tensor([STEP, *shape, *(len(m) // 2 for m in moves), max_seq_len, length])
         packed = torch.cat([header] + [t.to("cpu", torch.int64) for t in tensors] + moves)
+        self.stats["steps"] += 1
         self._broadcast(packed)
 
     def _broadcast(self, packed: torch.Tensor) -> None:
         n = min(packed.numel(), STEP_BUFFER)
         self.buffer[:n] = packed[:n]
+        self._count("broadcast", self.buffer.numel() * 8)
         self._wait(self.cpu_group.broadcast(self.buffer, 0))
         if packed.numel() > STEP_BUFFER:
-            self._wait(self.cpu_group.broadcast(packed[STEP_BUFFER:].contiguous(), 0))
+            rest = packed[STEP_BUFFER:].contiguous()
+            self._count("broadcast", rest.numel() * 8)
+            self._wait(self.cpu_group.broadcast(rest, 0))
 
     def receive_step(self):
         """A worker: the next step as (moves, step) with step like _prepare's (or None: blocks move only),
@@ -252,25 +266,28 @@ class TensorParallel:
             pass
 
     def _failure_report(self, error: BaseException, wait_s: float = 2.0) -> str:
-        """Rank 0, after a collective failed: each worker's report (its traceback, or how it ended)."""
+        """Rank 0, after a collective failed: what the failed workers reported (their error first, then
+        their traceback), or how they ended."""
         deadline = time.monotonic() + wait_s
-        keys = [f"error/{r}" for r in range(1, self.size)]
-        while time.monotonic() < deadline:
-            done = [self.store.check([k]) or (p is not None and not p.is_alive())
-                    for k, p in zip(keys, self._process_by_rank())]
-            if all(done):
+        while not (failed := [(r, why) for r in range(1, self.size) if (why := self._worker_failure(r))]):
+            if time.monotonic() > deadline:
                 break
             time.sleep(STARTUP_POLL_S)
-        lines = [f"tensor-parallel group failed ({str(error).splitlines()[0] if str(error) else type(error).__name__})"]
-        for rank, (key, proc) in enumerate(zip(keys, self._process_by_rank()), start=1):
-            if self.store.check([key]):
-                lines.append(f"worker rank {rank} raised:\n{self.store.get(key).decode(errors='replace')}")
-            elif proc is not None and not proc.is_alive():
-                lines.append(f"worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
-        return "\n".join(lines)
+        seen = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if not failed:
+            return f"tensor-parallel group failed and no worker said why (rank 0: {seen})"
+        lines = [f"tensor-parallel worker rank {r} failed: {why.strip().splitlines()[-1]}" for r, why in failed]
+        lines += [f"\nworker rank {r}: {why}" for r, why in failed if "\n" in why.strip()]
+        return "\n".join(lines + [f"(rank 0: {seen})"])
 
-    def _process_by_rank(self) -> list:
-        return self.processes if self.processes else [None] * (self.size - 1)
+    def _worker_failure(self, rank: int) -> str | None:
+        key = f"error/{rank}"
+        if self.store.check([key]):
+            return self.store.get(key).decode(errors="replace")
+        proc = self.processes[rank - 1] if self.processes else None
+        if proc is not None and not proc.is_alive():
+            return f"(pid {proc.pid}) died with exit code {proc.exitcode}"
+        return None
 
     def close(self, stop_workers: bool = True) -> None:
         """Rank 0: tells the workers to exit (when the group still works) and reaps them; idempotent."""
@@ -309,7 +326,8 @@ def _reap(processes, grace_s: float) -> None:
 # ---- runners ------------------------------------------------------------------------------------------
 class DriverRunner(ModelRunner):
     """Rank 0's model runner: broadcasts each step, runs its shard, samples from the gathered logits.
-    Any failure during a step leaves the ranks out of step, so it shuts the group down."""
+    A failure once the step is sent leaves the ranks out of step, so it shuts the group down; one before
+    (building the step's inputs) leaves them in step, and the engine rolls the step back as usual."""
 
     def __init__(self, model, config: EngineConfig, num_blocks: int, num_cpu_blocks: int, seed: int,
                  tp: TensorParallel):
@@ -319,8 +337,8 @@ class DriverRunner(ModelRunner):
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, bm) -> list[list[int]]:
         self.tp.check_open()
+        step = self._prepare(batch, bm) if batch.seqs else None
         try:
-            step = self._prepare(batch, bm) if batch.seqs else None
             self.tp.send_step(batch, step)
             self._move_blocks(batch)
             if step is None:
