@@ -221,9 +221,21 @@ def test_worker_killed_between_calls(tiny):
     assert time.monotonic() - start < 30
 
 
-def test_ctrl_c_on_rank_0_stops_the_workers(tiny):
-    path, prompts, _ = tiny
+def test_errors_on_rank_0(tiny):
+    """Before a step is sent the ranks stay in step: the step rolls back and the engine goes on. Ctrl-C
+    once the step is sent (here in rank 0's forward) leaves them out of step: the workers are stopped."""
+    path, prompts, expected = tiny
     llm = LLM(path, tensor_parallel_size=2, block_size=8)
+    prepare = llm.runner._prepare
+
+    def failing(*args):
+        llm.runner._prepare = prepare
+        raise RuntimeError("injected before the broadcast")
+    llm.runner._prepare = failing
+    with pytest.raises(RuntimeError, match="injected before the broadcast"):
+        llm.generate(prompts[:2], greedy())
+    assert outputs(llm, prompts[:2], 1) == [[e] for e in expected[:2]]
+    assert llm.stats()["failed_steps"] == 1
     calls = []
     real = llm.model.forward
 

@@ -73,7 +73,7 @@ class LLM:
         self.max_model_len = self.model_config.max_position_embeddings
         self.num_blocks = self.config.num_blocks or self._num_blocks_from_budget()
         if self.tp is not None:
-            self.num_blocks = self.tp.min(self.num_blocks)      # one pool size for every rank
+            self.num_blocks = self.tp.min_over_ranks(self.num_blocks)      # one pool size for every rank
         runner_args = (self.model, self.config, self.num_blocks, self.config.num_cpu_blocks, seed)
         if self.tp is None:
             self.runner = ModelRunner(*runner_args)

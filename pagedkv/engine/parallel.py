@@ -188,7 +188,7 @@ class TensorParallel:
         self._wait(self.group.allreduce(x))
         return x
 
-    def min(self, value: int) -> int:
+    def min_over_ranks(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
         self._wait(self.cpu_group.allreduce(t, dist.ReduceOp.MIN))
         return int(t.item())
