@@ -14,6 +14,7 @@ import torch
 
 import pagedkv
 from pagedkv.engine import LLM, SamplingParams
+from pagedkv.engine.model_runner import kv_cache_block_bytes
 
 MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=4096, max_position_embeddings=2048, initializer_range=0.2)
@@ -181,6 +182,8 @@ def compare_tensor_parallel(args, prompts):
         before = dict(tp.stats)
         results = timed_rounds(args.repeat, runners, args.device)
         comm = {k: (v - before[k]) / args.repeat for k, v in tp.stats.items()}
+        engine_block_bytes = {size: kv_cache_block_bytes(r.llm.model, 16, torch.float32)
+                              for size, r in ((1, runners[0]), (n, runners[2]))}
         runners[2].llm.close()
 
     generated = args.batch * new
@@ -200,10 +203,10 @@ def compare_tensor_parallel(args, prompts):
     budget = args.kv_budget_mib << 20
     print(f"\nKV memory per rank ({args.kv_budget_mib} MiB of fp32 KV on each rank, paged, block 16, "
           f"shared prefix cached)")
-    print(f"{'':10} {'KV bytes/token/rank':>20} {'sequences that fit per rank':>28}")
+    print(f"{'':10} {'KV bytes/token/rank':>20} {'engine block bytes/rank':>24} {'sequences that fit per rank':>28}")
     for size in (1, n):
         fit = sequences_in_budget(budget, prompts, new, None, 16, True, tensor_parallel_size=size)
-        print(f"{'TP=' + str(size):10} {kv_token_bytes(size):20} {fit:28}")
+        print(f"{'TP=' + str(size):10} {kv_token_bytes(size):20} {engine_block_bytes[size]:24} {fit:28}")
 
     steps = comm["steps"]
     print(f"\ncommunication per step at TP={n} (mean over {steps:.0f} steps of one round)")
