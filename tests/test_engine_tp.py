@@ -3,6 +3,7 @@ single-process engine and transformers token for token, through prefix caching, 
 by recompute, n > 1 and chunked prefill, with KV heads split or replicated; a worker that raises or dies
 makes generate() raise its error; close, garbage collection and Ctrl-C leave no process behind."""
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -262,3 +263,12 @@ def test_under_torchrun(tiny, tmp_path):
                              str(script), path], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"TOKENS {expected[:2]!r}" in result.stdout
+
+
+def test_bad_checkpoint_raises_and_stops_the_workers(tmp_path):
+    """Every rank checks the full shape of each tensor it reads a piece of; rank 0 raises, naming it."""
+    save_tiny_llama(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight' has shape .*128.*, the model expects .*96"):
+        LLM(str(tmp_path), tensor_parallel_size=2)

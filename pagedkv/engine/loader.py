@@ -81,7 +81,7 @@ def load_weights(model: LlamaForCausalLM, model_path: str) -> None:
                 if isinstance(piece, tuple):           # (dim, this rank's range, full length)
                     expected[piece[0]] = piece[2]
                 shape = tuple(stored.get_shape())
-                if piece != ZERO and shape != tuple(expected):
+                if shape != tuple(expected):
                     raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, the model expects "
                                      f"{expected} (from config.json)")
                 if loaded_name in loaded:
