@@ -2,9 +2,11 @@
 and KV memory: how many sequences fit in a fixed KV budget, paged vs one contiguous max-length buffer each.
 
     python benchmarks/bench_engine.py [--batch 16] [--device cpu] [--threads 2]
+    python benchmarks/bench_engine.py --tensor-parallel-size 2 --threads 1   # TP=1 vs TP=2, per-rank KV
 """
 import argparse
 import random
+import statistics
 import tempfile
 import time
 
@@ -12,6 +14,7 @@ import torch
 
 import pagedkv
 from pagedkv.engine import LLM, SamplingParams
+from pagedkv.engine.model_runner import kv_cache_block_bytes
 
 MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=4096, max_position_embeddings=2048, initializer_range=0.2)
@@ -47,22 +50,28 @@ def run_transformers(model, prompts, max_new_tokens, device):
     return [row[width:].tolist() for row in out]
 
 
-def engine_runner(path, prompts, max_new_tokens, device, prefix_caching):
-    """A function running the prompts through a warmed-up engine, with a cold prefix cache each time."""
-    llm = LLM(path, device=device, enable_prefix_caching=prefix_caching, max_num_seqs=len(prompts))
+def engine_runner(path, prompts, max_new_tokens, device, prefix_caching, tensor_parallel_size=1, threads=None):
+    """A function running the prompts through a warmed-up engine, with a cold prefix cache each time.
+    threads: torch CPU threads while it runs (and of each tensor-parallel worker, fixed at its start)."""
+    if threads:
+        torch.set_num_threads(threads)
+    llm = LLM(path, device=device, enable_prefix_caching=prefix_caching, max_num_seqs=len(prompts),
+              tensor_parallel_size=tensor_parallel_size)
     llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))   # warm-up
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
 
     def run():
+        if threads:
+            torch.set_num_threads(threads)
         llm.bm.reset_prefix_cache()
         return [o.token_ids for o in llm.generate(prompts, params)]
+    run.llm = llm
     return run
 
 
-def best_of(repeat, fns, device):
-    """Runs each fn `repeat` times, interleaved; returns (output, best seconds) per fn. The best time is
-    the least disturbed by other processes on a shared machine."""
-    results = [[None, float("inf")] for _ in fns]
+def timed_rounds(repeat, fns, device):
+    """Runs each fn `repeat` times, interleaved; returns (output, [seconds of each round]) per fn."""
+    results = [[None, []] for _ in fns]
     for _ in range(repeat):
         for r, fn in zip(results, fns):
             if device.startswith("cuda"):
@@ -71,15 +80,27 @@ def best_of(repeat, fns, device):
             r[0] = fn()
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
-            r[1] = min(r[1], time.perf_counter() - start)
+            r[1].append(time.perf_counter() - start)
     return results
 
 
-def sequences_in_budget(budget_bytes, prompts, max_new_tokens, max_len, block_size, prefix_caching):
-    """Fills a BlockManager sized to the budget with the workload's sequences (prompt + output tokens)
-    until the next one does not fit; returns how many fit."""
-    token_bytes = 2 * MODEL["num_hidden_layers"] * MODEL["num_key_value_heads"] * \
-        (MODEL["hidden_size"] // MODEL["num_attention_heads"]) * 4
+def best_of(repeat, fns, device):
+    """(output, best seconds) per fn over interleaved rounds. The best time is the least disturbed by
+    other processes on a shared machine."""
+    return [(out, min(times)) for out, times in timed_rounds(repeat, fns, device)]
+
+
+def kv_token_bytes(tensor_parallel_size=1):
+    """fp32 KV bytes of one token on one rank (KV heads split over the ranks, at least one each)."""
+    kv_heads = max(1, MODEL["num_key_value_heads"] // tensor_parallel_size)
+    return 2 * MODEL["num_hidden_layers"] * kv_heads * (MODEL["hidden_size"] // MODEL["num_attention_heads"]) * 4
+
+
+def sequences_in_budget(budget_bytes, prompts, max_new_tokens, max_len, block_size, prefix_caching,
+                        tensor_parallel_size=1):
+    """Fills a BlockManager sized to the budget (per rank) with the workload's sequences (prompt + output
+    tokens) until the next one does not fit; returns how many fit."""
+    token_bytes = kv_token_bytes(tensor_parallel_size)
     if block_size is None:                       # contiguous: every sequence reserves max_len tokens
         return budget_bytes // (max_len * token_bytes)
     bm = pagedkv.BlockManager(budget_bytes // (block_size * token_bytes), block_size,
@@ -105,11 +126,15 @@ def main():
     p.add_argument("--repeat", type=int, default=3, help="best time of this many runs each")
     p.add_argument("--hidden", type=int, default=MODEL["hidden_size"])
     p.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="> 1: compare the engine at TP=1 and at this TP size (--threads per rank) instead")
     args = p.parse_args()
     MODEL.update(hidden_size=args.hidden, intermediate_size=args.hidden * 43 // 16, num_hidden_layers=args.layers)
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = make_prompts(args.batch, args.system_len)
+    if args.tensor_parallel_size > 1:
+        return compare_tensor_parallel(args, prompts)
     new = args.max_new_tokens
     with tempfile.TemporaryDirectory() as tmp:
         hf = build_model(tmp).to(args.device)
@@ -143,6 +168,51 @@ def main():
     base = rows[0][1]
     for name, count in rows:
         print(f"{name:48} {count:6} {count / base:7.2f}x")
+
+def compare_tensor_parallel(args, prompts):
+    """The engine (prefix cache on) at TP=1 with --threads threads, at TP=1 with N times as many, and at
+    TP=N with --threads per rank, side by side; then KV memory and communication per rank."""
+    n, threads, new = args.tensor_parallel_size, args.threads or 1, args.max_new_tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(tmp)
+        runners = [engine_runner(tmp, prompts, new, args.device, True, threads=threads),
+                   engine_runner(tmp, prompts, new, args.device, True, threads=threads * n),
+                   engine_runner(tmp, prompts, new, args.device, True, tensor_parallel_size=n, threads=threads)]
+        tp = runners[2].llm.tp
+        before = dict(tp.stats)
+        results = timed_rounds(args.repeat, runners, args.device)
+        comm = {k: (v - before[k]) / args.repeat for k, v in tp.stats.items()}
+        engine_block_bytes = {size: kv_cache_block_bytes(r.llm.model, 16, torch.float32)
+                              for size, r in ((1, runners[0]), (n, runners[2]))}
+        runners[2].llm.close()
+
+    generated = args.batch * new
+    print(f"\n{MODEL['num_hidden_layers']}-layer Llama, hidden {MODEL['hidden_size']}, {MODEL['num_attention_heads']} "
+          f"heads / {MODEL['num_key_value_heads']} KV heads, vocab {MODEL['vocab_size']}, {args.device}, batch "
+          f"{args.batch}: shared system prompt of {args.system_len} tokens + 16-64 user tokens, {new} new tokens "
+          f"each, greedy, prefix cache on; {args.repeat} interleaved rounds")
+    names = [f"TP=1, {threads} thread(s)", f"TP=1, {threads * n} threads", f"TP={n}, {threads} thread(s) per rank"]
+    base = statistics.median(results[0][1])
+    print(f"{'':32} {'median s':>9} {'best s':>8} {'tok/s':>8} {'vs TP=1':>8} {'same tokens':>12}")
+    for name, (out, times) in zip(names, results):
+        med = statistics.median(times)
+        same = sum(a == b for a, b in zip(out, results[0][0]))
+        print(f"{name:32} {med:9.2f} {min(times):8.2f} {generated / med:8.0f} {base / med:7.2f}x "
+              f"{same:>8}/{args.batch}")
+
+    budget = args.kv_budget_mib << 20
+    print(f"\nKV memory per rank ({args.kv_budget_mib} MiB of fp32 KV on each rank, paged, block 16, "
+          f"shared prefix cached)")
+    print(f"{'':10} {'KV bytes/token/rank':>20} {'engine block bytes/rank':>24} {'sequences that fit per rank':>28}")
+    for size in (1, n):
+        fit = sequences_in_budget(budget, prompts, new, None, 16, True, tensor_parallel_size=size)
+        print(f"{'TP=' + str(size):10} {kv_token_bytes(size):20} {engine_block_bytes[size]:24} {fit:28}")
+
+    steps = comm["steps"]
+    print(f"\ncommunication per step at TP={n} (mean over {steps:.0f} steps of one round)")
+    for what in ("broadcast", "all_reduce", "gather"):
+        print(f"{what:12} {comm[what + 's'] / steps:6.1f} calls {comm[what + '_bytes'] / steps / 1024:10.1f} KiB")
+
 
 if __name__ == "__main__":
     main()

@@ -199,6 +199,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     kv_cache_bytes: int = 256 << 20           # CPU budget when num_blocks is None
     gpu_memory_utilization: float = 0.5       # fraction of free GPU memory for the KV cache
+    tensor_parallel_size: int = 1             # > 1: the model sharded over this many processes
+    distributed_backend: str | None = None    # None: nccl on CUDA, gloo on CPU
 
     def __post_init__(self):
         self.device = parse_device(self.device)
@@ -214,3 +216,8 @@ class EngineConfig:
         self.gpu_memory_utilization = check_float("gpu_memory_utilization", self.gpu_memory_utilization)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        if self.distributed_backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"distributed_backend must be None, 'gloo' or 'nccl', got {self.distributed_backend!r}")
+        if self.distributed_backend == "nccl" and self.device.type != "cuda":
+            raise ValueError("distributed_backend='nccl' needs device='cuda'")

@@ -76,8 +76,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
+        self.tp = tp     # tensor parallel: cfg holds this rank's heads, o_proj is row-parallel
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -95,26 +96,29 @@ class Attention(nn.Module):
         out = torch.ops.pagedkv.paged_attention(q, key_cache, value_cache, meta.block_tables,
                                                 meta.seq_lens, meta.query_start_loc, self.scale,
                                                 max_seq_len=meta.max_seq_len)
-        return self.o_proj.forward(out.reshape(-1, self.q_size))
+        out = self.o_proj.forward(out.reshape(-1, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
+        self.tp = tp     # tensor parallel: cfg holds this rank's columns, down_proj is row-parallel
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x)))
+        out = self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, positions, h, residual, rope, kv_cache, meta):
         """h: the previous layer's output (the embeddings for the first layer); residual: the stream
@@ -129,10 +133,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None else tp.embedding(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
 
@@ -155,11 +159,17 @@ class LlamaForCausalLM(nn.Module):
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp=None):
+        """tp: a pagedkv.engine.parallel.TensorParallel to build this rank's shard (config then holds the
+        shard's head and MLP sizes; embedding and LM head hold its rows of the vocabulary)."""
         super().__init__()
+        self.tp = tp
+        if tp is not None:
+            cfg = tp.shard.local_config(cfg)
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, tp)
+        vocab_rows = cfg.vocab_size if tp is None else tp.shard.vocab_rows(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -167,5 +177,9 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states of the last token of every sequence: [B, hidden]."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h).float()
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """[B, vocab] float32 logits (under tensor parallelism: on rank 0; None on the others)."""
+        logits = self.lm_head(h)
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits, self.config.vocab_size)
+        return None if logits is None else logits.float()

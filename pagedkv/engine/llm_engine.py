@@ -6,6 +6,7 @@ sequences waiting to be recomputed; generate() aborts the requests it added when
 import numbers
 import os
 import time
+import weakref
 from collections import deque
 
 import torch
@@ -13,6 +14,7 @@ from tqdm.auto import tqdm
 
 from pagedkv import BlockManager
 
+from . import parallel
 from .config import EngineConfig
 from .cpu_linear import pack_wide_linears
 from .loader import load_model
@@ -28,27 +30,29 @@ class LLM:
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, kv_cache_bytes: int = 256 << 20,
                  gpu_memory_utilization: float = 0.5, seed: int = 0, pack_cpu_weights: bool = True,
-                 history_size: int = 0):
+                 history_size: int = 0, tensor_parallel_size: int = 1, distributed_backend: str | None = None):
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError(f"model_path must be a path, got {model_path!r}")
         self.config = EngineConfig(device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                                    num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization)
+                                   kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
+                                   tensor_parallel_size=tensor_parallel_size, distributed_backend=distributed_backend)
         seed = check_int("seed", seed, minimum=0)
         pack_cpu_weights = check_bool("pack_cpu_weights", pack_cpu_weights)
         history_size = check_int("history_size", history_size, minimum=0)
         model_path = os.fspath(model_path)
-        self.device = self.config.device
-        self.model = load_model(model_path, self.device, self.config.dtype)
-        if pack_cpu_weights and self.device.type == "cpu":
-            pack_wide_linears(self.model, batch_hint=min(self.config.max_num_seqs, 16))
-        self.model_config = self.model.config
-        self.max_model_len = self.model_config.max_position_embeddings
-        self.num_blocks = self.config.num_blocks or self._num_blocks_from_budget()
-        self.bm = BlockManager(self.num_blocks, self.config.block_size, num_cpu_blocks=self.config.num_cpu_blocks,
-                               enable_prefix_caching=self.config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.config, self.num_blocks, self.config.num_cpu_blocks, seed)
+        # Tensor parallelism: rank 0 spawns its workers here (each builds its shard with these arguments).
+        self.tp = parallel.join(self.config, model_path,
+                                dict(vars(self.config), seed=seed, pack_cpu_weights=pack_cpu_weights))
+        if self.tp is not None and self.tp.rank == 0:
+            weakref.finalize(self, self.tp.close)      # garbage collection and exit stop the workers
+        try:
+            self._build(model_path, seed, pack_cpu_weights)
+        except BaseException:
+            if self.tp is not None and self.tp.rank == 0:
+                self.tp.close(stop_workers=False)
+            raise
         self.scheduler = Scheduler(self.bm, self.config, self.model_config.eos_token_ids, self.max_model_len)
         self.tokenizer = self._load_tokenizer(model_path)
         # The last history_size steps (blocks used / cached, batch shape), for plots; 0 keeps none.
@@ -57,6 +61,28 @@ class LLM:
         self.peak_used_blocks = 0
         self.requests: dict[int, Request] = {}     # unfinished requests by id
         self.next_request_id = 0
+
+    def _build(self, model_path: str, seed: int, pack_cpu_weights: bool) -> None:
+        """Model, block manager and runner. On a tensor-parallel worker rank it serves rank 0's steps and
+        exits the process (SystemExit) when rank 0 closes."""
+        self.device = self.config.device
+        self.model = load_model(model_path, self.device, self.config.dtype, self.tp)
+        if pack_cpu_weights and self.device.type == "cpu":
+            pack_wide_linears(self.model, batch_hint=min(self.config.max_num_seqs, 16))
+        self.model_config = self.model.config
+        self.max_model_len = self.model_config.max_position_embeddings
+        self.num_blocks = self.config.num_blocks or self._num_blocks_from_budget()
+        if self.tp is not None:
+            self.num_blocks = self.tp.min_over_ranks(self.num_blocks)      # one pool size for every rank
+        runner_args = (self.model, self.config, self.num_blocks, self.config.num_cpu_blocks, seed)
+        if self.tp is None:
+            self.runner = ModelRunner(*runner_args)
+        elif self.tp.rank:
+            parallel.serve(ModelRunner(*runner_args), self.tp)      # never returns
+        else:
+            self.runner = parallel.DriverRunner(*runner_args, self.tp)
+        self.bm = BlockManager(self.num_blocks, self.config.block_size, num_cpu_blocks=self.config.num_cpu_blocks,
+                               enable_prefix_caching=self.config.enable_prefix_caching)
 
     def _num_blocks_from_budget(self) -> int:
         cfg = self.config
@@ -223,6 +249,18 @@ class LLM:
 
     def _decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (nothing to do for a single-process engine). Garbage collection
+        and interpreter exit do it too; a closed tensor-parallel LLM raises on generate()."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def stats(self) -> dict:
         """Scheduler counters (preemptions, CoW copies, tokens, failed steps), the block manager's stats,

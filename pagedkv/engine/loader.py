@@ -10,6 +10,8 @@ from safetensors import safe_open
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
+ZERO = "zero"      # parallel.Shard.piece's answer for a tensor this rank holds as zeros
+
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}     # safetensors' names
 
@@ -57,7 +59,10 @@ def _target(model, params: dict, name: str) -> tuple[torch.Tensor, str]:
 
 @torch.no_grad()
 def load_weights(model: LlamaForCausalLM, model_path: str) -> None:
+    """Under tensor parallelism (model.tp), each rank reads only its piece of every sharded tensor."""
     params = dict(model.named_parameters())
+    shard = None if model.tp is None else model.tp.shard
+    full_config = None if shard is None else ModelConfig.from_pretrained(model_path)
     loaded = set()
     for path in _safetensors_files(model_path):
         with safe_open(path, framework="pt") as f:
@@ -71,13 +76,26 @@ def load_weights(model: LlamaForCausalLM, model_path: str) -> None:
                 if stored.get_dtype() not in FLOAT_DTYPES:      # quantized or integer: not weights we can use
                     raise ValueError(f"checkpoint tensor {name!r} is {stored.get_dtype()}; the engine loads "
                                      f"floating-point weights only ({', '.join(sorted(FLOAT_DTYPES))})")
+                piece = None if shard is None else shard.piece(name, full_config)
+                expected = list(target.shape)
+                if isinstance(piece, tuple):           # (dim, this rank's range, full length)
+                    expected[piece[0]] = piece[2]
                 shape = tuple(stored.get_shape())
-                if shape != tuple(target.shape):
+                if shape != tuple(expected):
                     raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, the model expects "
-                                     f"{list(target.shape)} (from config.json)")
+                                     f"{expected} (from config.json)")
                 if loaded_name in loaded:
                     raise ValueError(f"checkpoint tensor {name!r} appears twice")
-                target.copy_(f.get_tensor(name))
+                if piece is None:
+                    target.copy_(f.get_tensor(name))
+                elif piece == ZERO:                    # a row-parallel bias: added once, by rank 0
+                    target.zero_()
+                else:
+                    dim, rows, _ = piece
+                    if len(rows) < target.shape[dim]:    # the last rank's rows past the vocabulary
+                        target.zero_()
+                    index = (slice(None),) * dim + (slice(rows.start, rows.stop),)
+                    target.narrow(dim, 0, len(rows)).copy_(stored[index])
                 loaded.add(loaded_name)
     _check_complete(model, params, loaded)
 
@@ -95,8 +113,9 @@ def _check_complete(model, params, loaded) -> None:
         raise ValueError(f"checkpoint lacks weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
-def load_model(model_path: str, device: torch.device, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
-    """The checkpoint's model on `device`; dtype None means float32 on CPU, the checkpoint's on CUDA."""
+def load_model(model_path: str, device: torch.device, dtype: torch.dtype | None = None, tp=None) -> LlamaForCausalLM:
+    """The checkpoint's model on `device` (this rank's shard of it with a TensorParallel `tp`); dtype
+    None means float32 on CPU, the checkpoint's on CUDA."""
     if not os.path.isdir(model_path):
         raise FileNotFoundError(f"model_path {model_path!r} is not a directory")
     cfg = ModelConfig.from_pretrained(model_path)
@@ -105,7 +124,7 @@ def load_model(model_path: str, device: torch.device, dtype: torch.dtype | None 
     torch.set_default_dtype(dtype)     # parameters are created in their final dtype, on the device
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg)
+            model = LlamaForCausalLM(cfg, tp)
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, model_path)
