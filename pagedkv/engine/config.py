@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampling import check_bool, check_float, check_int
+from .speculative import check_speculative
 
 INT32_MAX = 2**31 - 1        # the block manager counts blocks and tokens per block in int32
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -199,6 +200,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     kv_cache_bytes: int = 256 << 20           # CPU budget when num_blocks is None
     gpu_memory_utilization: float = 0.5       # fraction of free GPU memory for the KV cache
+    speculative: str | None = None            # "ngram": prompt-lookup drafts for greedy requests
+    num_speculative_tokens: int = 0           # drafts per step and sequence (speculative="ngram")
+    prompt_lookup_min: int = 1                # n-gram sizes the lookup tries, longest first
+    prompt_lookup_max: int = 3
 
     def __post_init__(self):
         self.device = parse_device(self.device)
@@ -214,3 +219,6 @@ class EngineConfig:
         self.gpu_memory_utilization = check_float("gpu_memory_utilization", self.gpu_memory_utilization)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        (self.speculative, self.num_speculative_tokens, self.prompt_lookup_min,
+         self.prompt_lookup_max) = check_speculative(self.speculative, self.num_speculative_tokens,
+                                                     self.prompt_lookup_min, self.prompt_lookup_max)
