@@ -5,8 +5,11 @@ and KV memory: how many sequences fit in a fixed KV budget, paged vs one contigu
     python benchmarks/bench_engine.py --tensor-parallel-size 2 --threads 1   # TP=1 vs TP=2, per-rank KV
 """
 import argparse
+import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -126,6 +129,9 @@ def main():
     p.add_argument("--repeat", type=int, default=3, help="best time of this many runs each")
     p.add_argument("--hidden", type=int, default=MODEL["hidden_size"])
     p.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
+    p.add_argument("--contention", type=int, default=0, metavar="N",
+                   help="> 0: time the engine quiet and with N busy processes on the machine, interleaved "
+                        "(--repeat rounds each), and report both medians instead")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="> 1: compare the engine at TP=1 and at this TP size (--threads per rank) instead")
     args = p.parse_args()
@@ -135,6 +141,8 @@ def main():
     prompts = make_prompts(args.batch, args.system_len)
     if args.tensor_parallel_size > 1:
         return compare_tensor_parallel(args, prompts)
+    if args.contention:
+        return compare_contention(args, prompts)
     new = args.max_new_tokens
     with tempfile.TemporaryDirectory() as tmp:
         hf = build_model(tmp).to(args.device)
@@ -168,6 +176,41 @@ def main():
     base = rows[0][1]
     for name, count in rows:
         print(f"{name:48} {count:6} {count / base:7.2f}x")
+
+def spinners(n):
+    """n processes that keep one CPU each busy (a Python loop), until killed."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def compare_contention(args, prompts):
+    """The engine (prefix cache on) with and without N busy processes beside it: rounds alternate quiet /
+    loaded, so slow drifts of the machine hit both; reports the medians and their ratio."""
+    new = args.max_new_tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(tmp)
+        run = engine_runner(tmp, prompts, new, args.device, True, threads=args.threads)
+        quiet, loaded = [], []
+        for _ in range(args.repeat):
+            for times, busy in ((quiet, 0), (loaded, args.contention)):
+                procs = spinners(busy)
+                try:
+                    time.sleep(0.2 if busy else 0)           # let them start spinning
+                    start = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - start)
+                finally:
+                    for proc in procs:
+                        proc.kill()
+                        proc.wait()
+    generated = args.batch * new
+    q, l = generated / statistics.median(quiet), generated / statistics.median(loaded)
+    print(f"\nengine (prefix cache on), {args.device}, {torch.get_num_threads()} torch threads, batch {args.batch}, "
+          f"{new} new tokens; {args.repeat} rounds each, alternating; {os.cpu_count()} CPUs")
+    print(f"{'':34} {'median tok/s':>13} {'best tok/s':>11}")
+    print(f"{'quiet':34} {q:13.0f} {generated / min(quiet):11.0f}")
+    print(f"{f'{args.contention} busy process(es) beside it':34} {l:13.0f} {generated / min(loaded):11.0f}")
+    print(f"loaded / quiet median: {l / q:.2f}")
+
 
 def compare_tensor_parallel(args, prompts):
     """The engine (prefix cache on) at TP=1 with --threads threads, at TP=1 with N times as many, and at

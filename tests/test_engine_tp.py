@@ -161,6 +161,18 @@ def test_tp2_matches_single_process_and_transformers(tiny, setting):
     assert llm.tp.processes and not any(p.is_alive() for p in llm.tp.processes), "close() stopped the workers"
 
 
+def test_tp2_with_speculative_decoding(tiny):
+    """Speculative verification keeps several rows per sequence: every rank must keep the same rows."""
+    path, prompts, expected = tiny
+    repeated = [p + p[-6:] + p[-6:] for p in prompts]        # repeats, so n-gram drafts exist
+    single = LLM(path, block_size=8, num_blocks=40)
+    want = outputs(single, repeated, 1)
+    with LLM(path, tensor_parallel_size=2, block_size=8, num_blocks=40, speculative="ngram",
+             num_speculative_tokens=3) as llm:
+        assert outputs(llm, repeated, 1) == want
+        assert llm.stats()["spec_draft_tokens"] > 0
+
+
 @pytest.mark.parametrize("size", [2, 3])
 def test_replicated_kv_heads_uneven_shards_biases_tied_embeddings(odd, size):
     path, prompts, expected = odd

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampling import check_bool, check_float, check_int
+from .speculative import check_speculative
 
 INT32_MAX = 2**31 - 1        # the block manager counts blocks and tokens per block in int32
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -201,6 +202,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5       # fraction of free GPU memory for the KV cache
     tensor_parallel_size: int = 1             # > 1: the model sharded over this many processes
     distributed_backend: str | None = None    # None: nccl on CUDA, gloo on CPU
+    speculative: str | None = None            # "ngram": prompt-lookup drafts for greedy requests
+    num_speculative_tokens: int = 0           # drafts per step and sequence (speculative="ngram")
+    prompt_lookup_min: int = 1                # n-gram sizes the lookup tries, longest first
+    prompt_lookup_max: int = 3
 
     def __post_init__(self):
         self.device = parse_device(self.device)
@@ -221,3 +226,6 @@ class EngineConfig:
             raise ValueError(f"distributed_backend must be None, 'gloo' or 'nccl', got {self.distributed_backend!r}")
         if self.distributed_backend == "nccl" and self.device.type != "cuda":
             raise ValueError("distributed_backend='nccl' needs device='cuda'")
+        (self.speculative, self.num_speculative_tokens, self.prompt_lookup_min,
+         self.prompt_lookup_max) = check_speculative(self.speculative, self.num_speculative_tokens,
+                                                     self.prompt_lookup_min, self.prompt_lookup_max)

@@ -19,6 +19,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor         # [B] int32, KV length including this step's tokens
     query_start_loc: torch.Tensor  # [B+1] int32
     max_seq_len: int
+    logits_indices: torch.Tensor | None = None   # [R] int64: the tokens whose hidden states are returned
+                                                 # (None: each sequence's last token)
 
 
 class RMSNorm(nn.Module):
@@ -148,7 +150,9 @@ class LlamaModel(nn.Module):
         h, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer.forward(positions, h, residual, self.rotary_emb, kv_cache, meta)
-        if h.shape[0] != meta.seq_lens.shape[0]:       # some sequence has several tokens: keep the last
+        if meta.logits_indices is not None:            # speculative verification: several per sequence
+            h, residual = h[meta.logits_indices], residual[meta.logits_indices]
+        elif h.shape[0] != meta.seq_lens.shape[0]:     # some sequence has several tokens: keep the last
             last = meta.query_start_loc[1:].long() - 1
             h, residual = h[last], residual[last]
         return self.norm.forward(h, residual)

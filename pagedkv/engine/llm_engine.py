@@ -17,7 +17,9 @@ from pagedkv import BlockManager
 from . import parallel
 from .config import EngineConfig
 from .cpu_linear import pack_wide_linears
+from .kv_events import KVEventPublisher, require_packages as require_kv_events_packages
 from .loader import load_model
+from .metrics import PrometheusExporter, require_prometheus
 from .model_runner import ModelRunner, kv_cache_block_bytes
 from .sampling import SamplingParams, check_bool, check_int, token_id_list
 from .scheduler import Scheduler
@@ -30,17 +32,34 @@ class LLM:
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, kv_cache_bytes: int = 256 << 20,
                  gpu_memory_utilization: float = 0.5, seed: int = 0, pack_cpu_weights: bool = True,
-                 history_size: int = 0, tensor_parallel_size: int = 1, distributed_backend: str | None = None):
+                 history_size: int = 0, tensor_parallel_size: int = 1, distributed_backend: str | None = None,
+                 speculative: str | None = None, num_speculative_tokens: int = 0,
+                 prompt_lookup_min: int = 1, prompt_lookup_max: int = 3, kv_events_endpoint: str | None = None,
+                 kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "",
+                 kv_events_include_token_ids: bool = True, metrics_port: int | None = None,
+                 metrics_addr: str = "127.0.0.1"):
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError(f"model_path must be a path, got {model_path!r}")
         self.config = EngineConfig(device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                                    num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
-                                   tensor_parallel_size=tensor_parallel_size, distributed_backend=distributed_backend)
+                                   tensor_parallel_size=tensor_parallel_size, distributed_backend=distributed_backend,
+                                   speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                                   prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max)
         seed = check_int("seed", seed, minimum=0)
         pack_cpu_weights = check_bool("pack_cpu_weights", pack_cpu_weights)
         history_size = check_int("history_size", history_size, minimum=0)
+        kv_events_include_token_ids = check_bool("kv_events_include_token_ids", kv_events_include_token_ids)
+        if kv_events_replay_endpoint is not None and kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if metrics_port is not None:
+            metrics_port = check_int("metrics_port", metrics_port, minimum=0, maximum=65535)
+        self.kv_events = self.metrics = None     # made last; their packages are checked now
+        if kv_events_endpoint is not None:
+            require_kv_events_packages()
+        if metrics_port is not None:
+            require_prometheus()
         model_path = os.fspath(model_path)
         # Tensor parallelism: rank 0 spawns its workers here (each builds its shard with these arguments).
         self.tp = parallel.join(self.config, model_path,
@@ -48,7 +67,7 @@ class LLM:
         if self.tp is not None and self.tp.rank == 0:
             weakref.finalize(self, self.tp.close)      # garbage collection and exit stop the workers
         try:
-            self._build(model_path, seed, pack_cpu_weights)
+            self._build(model_path, seed, pack_cpu_weights, enable_events=kv_events_endpoint is not None)
         except BaseException:
             if self.tp is not None and self.tp.rank == 0:
                 self.tp.close(stop_workers=False)
@@ -61,8 +80,19 @@ class LLM:
         self.peak_used_blocks = 0
         self.requests: dict[int, Request] = {}     # unfinished requests by id
         self.next_request_id = 0
+        # Serving extras, off unless asked for: KV events (pyzmq + msgspec) and Prometheus metrics.
+        if kv_events_endpoint is not None:
+            self.kv_events = KVEventPublisher(kv_events_endpoint, kv_events_replay_endpoint, topic=kv_events_topic,
+                                              include_token_ids=kv_events_include_token_ids)
+        if metrics_port is not None:
+            try:
+                self.metrics = PrometheusExporter(self.stats, metrics_port, metrics_addr,
+                                                  labels={"model_name": model_path})
+            except BaseException:
+                self.close()
+                raise
 
-    def _build(self, model_path: str, seed: int, pack_cpu_weights: bool) -> None:
+    def _build(self, model_path: str, seed: int, pack_cpu_weights: bool, enable_events: bool) -> None:
         """Model, block manager and runner. On a tensor-parallel worker rank it serves rank 0's steps and
         exits the process (SystemExit) when rank 0 closes."""
         self.device = self.config.device
@@ -82,7 +112,7 @@ class LLM:
         else:
             self.runner = parallel.DriverRunner(*runner_args, self.tp)
         self.bm = BlockManager(self.num_blocks, self.config.block_size, num_cpu_blocks=self.config.num_cpu_blocks,
-                               enable_prefix_caching=self.config.enable_prefix_caching)
+                               enable_prefix_caching=self.config.enable_prefix_caching, enable_events=enable_events)
 
     def _num_blocks_from_budget(self) -> int:
         cfg = self.config
@@ -172,6 +202,9 @@ class LLM:
             self.scheduler.restore(snapshot)
             self.runner.generator.set_state(rng_state)
             raise
+        finally:
+            if self.kv_events is not None:      # what the cache did, failed steps included
+                self.kv_events.publish(self.bm.take_events())
         stats = self.bm.stats()
         self.peak_used_blocks = max(self.peak_used_blocks, stats["used_blocks"])
         if self.history.maxlen:
@@ -250,9 +283,30 @@ class LLM:
     def _decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
+    def stats(self) -> dict:
+        """Scheduler counters (preemptions, tokens, failed steps, speculative drafts), the block manager's
+        stats (prefix-cache queries and hits in tokens and blocks, hit_rate, evictions, CoW copies, block
+        usage), queue lengths, kv_cache_usage (fraction of blocks in use), spec_acceptance_rate."""
+        sched, bm = self.scheduler, self.bm.stats()
+        s = sched.stats
+        return {**s, **bm, "peak_used_blocks": self.peak_used_blocks,
+                "kv_cache_usage": bm["used_blocks"] / bm["num_blocks"],
+                "num_running": len(sched.running), "num_waiting": len(sched.waiting),
+                "num_swapped": sum(map(len, sched.swapped)),
+                "num_preemptions": s["preempted_swap"] + s["preempted_recompute"],
+                "spec_acceptance_rate": s["spec_accepted_tokens"] / max(s["spec_draft_tokens"], 1)}
+
     def close(self) -> None:
-        """Stops the tensor-parallel workers (nothing to do for a single-process engine). Garbage collection
-        and interpreter exit do it too; a closed tensor-parallel LLM raises on generate()."""
+        """Stops the KV-event publisher (after sending what is queued), the metrics server and the
+        tensor-parallel workers. Idempotent. A single-process engine stays usable (without events and
+        metrics); a closed tensor-parallel one raises on generate(). Garbage collection and interpreter
+        exit stop the workers too."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self.tp is not None and self.tp.rank == 0:
             self.tp.close()
 
@@ -261,8 +315,3 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def stats(self) -> dict:
-        """Scheduler counters (preemptions, CoW copies, tokens, failed steps), the block manager's stats,
-        peak usage."""
-        return {**self.scheduler.stats, **self.bm.stats(), "peak_used_blocks": self.peak_used_blocks}

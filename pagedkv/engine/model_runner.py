@@ -9,6 +9,7 @@ from .config import EngineConfig
 from .llama import AttentionMetadata, LlamaForCausalLM
 from .sampling import sample
 from .scheduler import ScheduledBatch
+from .speculative import accept_greedy
 
 
 def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -62,9 +63,16 @@ class ModelRunner:
             torch.ops.pagedkv.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
 
     def _prepare(self, batch: ScheduledBatch, bm: BlockManager):
-        input_ids = [s.token_ids[-1] for s in batch.decodes]
-        positions = [len(s) - 1 for s in batch.decodes]
-        query_lens = [1] * len(batch.decodes)
+        if batch.decode_drafts:     # speculative: each decode's input token, then its drafts
+            input_ids, positions, query_lens = [], [], []
+            for s, draft in zip(batch.decodes, batch.decode_drafts):
+                input_ids += [s.token_ids[-1], *draft]
+                positions += range(len(s) - 1, len(s) + len(draft))
+                query_lens.append(1 + len(draft))
+        else:
+            input_ids = [s.token_ids[-1] for s in batch.decodes]
+            positions = [len(s) - 1 for s in batch.decodes]
+            query_lens = [1] * len(batch.decodes)
         slots = [batch.decode_slots] if batch.decodes else []
         for seq, start, end in zip(batch.prefills, batch.prefill_starts, batch.prefill_ends):
             input_ids += seq.token_ids[start:end]
@@ -72,22 +80,43 @@ class ModelRunner:
             query_lens.append(end - start)
         if batch.prefills:
             slots.append(bm.slot_mappings([s.seq_id for s in batch.prefills], batch.prefill_starts, batch.prefill_ends))
-        seq_lens = [len(s) for s in batch.decodes] + batch.prefill_ends
+        seq_lens = [q - 1 + len(s) for q, s in zip(query_lens, batch.decodes)] + batch.prefill_ends
         query_start_loc = [0]
         for q in query_lens:
             query_start_loc.append(query_start_loc[-1] + q)
         dev = self.device
+        logits_indices = None
+        if batch.decode_drafts:     # every decode token is verified; a prefill samples after its last
+            num_decode_tokens = query_start_loc[len(batch.decodes)]
+            rows = list(range(num_decode_tokens)) + [e - 1 for e in query_start_loc[len(batch.decodes) + 1:]]
+            logits_indices = torch.tensor(rows, dtype=torch.int64, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(dev, non_blocking=True),
             block_tables=bm.block_tables([s.seq_id for s in batch.seqs]).to(dev, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
             max_seq_len=max(seq_lens),
+            logits_indices=logits_indices,
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta)
 
     def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> list[list[int]]:
+        if not batch.decode_drafts:
+            return self._sample_last(logits, batch)
+        # Rows: 1 + len(draft) per decode, then one per prefill. Drafting sequences are greedy: they keep
+        # the drafts the model agrees with and the model's next token; the others sample from their last row.
+        rows = [1 + len(d) for d in batch.decode_drafts] + [1] * len(batch.prefills)
+        ends = torch.tensor(rows).cumsum(0)
+        sampled = self._sample_last(logits[(ends - 1).to(logits.device)], batch)
+        targets = logits.argmax(dim=-1).tolist()
+        for i, (draft, end) in enumerate(zip(batch.decode_drafts, ends.tolist())):
+            if draft:
+                sampled[i] = accept_greedy(draft, targets[end - 1 - len(draft):end])
+        return sampled
+
+    def _sample_last(self, logits: torch.Tensor, batch: ScheduledBatch) -> list[list[int]]:
+        """logits: one row per sequence of the batch; returns its num_samples tokens each."""
         counts = batch.num_samples
         params = [s.request.params for s in batch.seqs]
         if all(p.temperature == 0 for p in params):      # greedy: every sample of a row is its argmax

@@ -36,7 +36,7 @@ STARTUP_POLL_S = 0.02
 # The step message: a header, then the step's tensors, all int64, in one buffer of STEP_BUFFER elements
 # broadcast every step (a step that does not fit sends the rest in a second broadcast).
 STEP_FIELDS = ("kind", "num_tokens", "num_seqs", "max_blocks", "num_swap_in", "num_swap_out", "num_copies",
-               "max_seq_len", "length")
+               "max_seq_len", "num_logits", "length")
 HEADER = len(STEP_FIELDS)
 STEP, STOP = 1, 0
 STEP_BUFFER = 4096
@@ -208,16 +208,20 @@ class TensorParallel:
     def send_step(self, batch: ScheduledBatch, step) -> None:
         """Rank 0: broadcasts what the workers need to run `batch` (step: _prepare's tensors or None)."""
         moves = [torch.tensor(m, dtype=torch.int64).view(-1) for m in (batch.swap_in, batch.swap_out, batch.copies)]
+        num_logits = 0      # rows of hidden states kept: 0 = each sequence's last (else speculative rows)
         if step is None:
             tensors, shape, max_seq_len = [], (0, 0, 0), 0
         else:
             input_ids, positions, meta = step
             tensors = [input_ids, positions, meta.slot_mapping, meta.block_tables.view(-1), meta.seq_lens,
                        meta.query_start_loc]
+            if meta.logits_indices is not None:
+                tensors.append(meta.logits_indices)
+                num_logits = meta.logits_indices.numel()
             shape = (input_ids.numel(), *meta.block_tables.shape)
             max_seq_len = meta.max_seq_len
         length = HEADER + sum(t.numel() for t in tensors + moves)
-        header = torch.tensor([STEP, *shape, *(len(m) // 2 for m in moves), max_seq_len, length])
+        header = torch.tensor([STEP, *shape, *(len(m) // 2 for m in moves), max_seq_len, num_logits, length])
         packed = torch.cat([header] + [t.to("cpu", torch.int64) for t in tensors] + moves)
         self.stats["steps"] += 1
         self._broadcast(packed)
@@ -245,16 +249,17 @@ class TensorParallel:
             self._wait(self.cpu_group.broadcast(rest, 0))
             data = torch.cat([self.buffer, rest])
         t, b, m = head["num_tokens"], head["num_seqs"], head["max_blocks"]
-        sizes = [HEADER, t, t, t, b * m, b, b + 1 if b else 0,
+        sizes = [HEADER, t, t, t, b * m, b, b + 1 if b else 0, head["num_logits"],
                  2 * head["num_swap_in"], 2 * head["num_swap_out"], 2 * head["num_copies"]]
-        _, ids, pos, slots, tables, lens, starts, swap_in, swap_out, copies = \
+        _, ids, pos, slots, tables, lens, starts, logits_rows, swap_in, swap_out, copies = \
             data[:head["length"]].to(self.device).split(sizes)
         moves = ScheduledBatch(swap_in=swap_in.view(-1, 2).tolist(), swap_out=swap_out.view(-1, 2).tolist(),
                                copies=copies.view(-1, 2).tolist())
         if not b:
             return moves, None
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables.view(b, m).int(), seq_lens=lens.int(),
-                                 query_start_loc=starts.int(), max_seq_len=head["max_seq_len"])
+                                 query_start_loc=starts.int(), max_seq_len=head["max_seq_len"],
+                                 logits_indices=logits_rows if head["num_logits"] else None)
         return moves, (ids, pos, meta)
 
     # ---- failures and shutdown ------------------------------------------------------------------------

@@ -9,12 +9,14 @@ from pagedkv import AllocStatus, BlockManager
 
 from .config import EngineConfig
 from .sequence import Request, Sequence, SequenceStatus
+from .speculative import NgramProposer
 
 
 @dataclass
 class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)
-    decode_slots: torch.Tensor | None = None            # [len(decodes)] from bm.append_tokens
+    decode_slots: torch.Tensor | None = None            # each decode's input token and drafts, concatenated
+    decode_drafts: list[list[int]] = field(default_factory=list)   # speculative drafts per decode (or [])
     prefills: list[Sequence] = field(default_factory=list)      # new prompts and continued chunks
     prefill_starts: list[int] = field(default_factory=list)   # first position computed in this step
     prefill_ends: list[int] = field(default_factory=list)     # one past the last (len(seq) when it completes)
@@ -39,7 +41,12 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(e - b for b, e in zip(self.prefill_starts, self.prefill_ends))
+        return (len(self.decodes) + self.num_draft_tokens
+                + sum(e - b for b, e in zip(self.prefill_starts, self.prefill_ends)))
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(map(len, self.decode_drafts))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -64,7 +71,10 @@ class Scheduler:
         self.swapped: deque[list[Sequence]] = deque()   # groups swapped out together, oldest first
         self.next_seq_id = 0
         self.stats = dict(preempted_swap=0, preempted_recompute=0, swapped_in=0,
-                          prefill_tokens=0, cached_prompt_tokens=0, decode_tokens=0, steps=0, failed_steps=0)
+                          prefill_tokens=0, cached_prompt_tokens=0, decode_tokens=0, steps=0, failed_steps=0,
+                          generation_tokens=0, spec_draft_tokens=0, spec_accepted_tokens=0)
+        self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                       config.prompt_lookup_max) if config.speculative else None)
 
     # ---- queue management -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -139,8 +149,15 @@ class Scheduler:
         preempted = self._make_room_for_decodes(batch)
         batch.decodes = [s for s in self.running if s.prefilled]
         if batch.decodes:
-            batch.decode_slots = self.bm.append_tokens([s.seq_id for s in batch.decodes],
-                                                       [s.token_ids[-1] for s in batch.decodes])
+            ids = [s.seq_id for s in batch.decodes]
+            drafts = self._propose(batch.decodes) if self.proposer else []
+            if drafts:
+                batch.decode_drafts = drafts
+                batch.decode_slots = self.bm.append_tokens(
+                    ids, [t for s, d in zip(batch.decodes, drafts) for t in [s.token_ids[-1], *d]],
+                    counts=[1 + len(d) for d in drafts])
+            else:
+                batch.decode_slots = self.bm.append_tokens(ids, [s.token_ids[-1] for s in batch.decodes])
         for seq in self.running:
             if not seq.prefilled:
                 budget = self.config.max_num_batched_tokens - batch.num_tokens
@@ -151,6 +168,23 @@ class Scheduler:
         batch.copies = list(self.bm.take_copies())
         self.stats["steps"] += 1
         return batch
+
+    def _propose(self, decodes: list[Sequence]) -> list[list[int]]:
+        """Draft tokens for each decoding sequence (greedy ones only), or [] when none has any. Drafts
+        stay within the sequence's max_tokens and the model's length, the step's token budget, and the
+        free blocks: speculation never preempts (without room for every draft, none is made)."""
+        budget = self.config.max_num_batched_tokens - len(decodes)
+        drafts = []
+        for s in decodes:
+            params = s.request.params
+            limit = min(params.max_tokens - s.num_output_tokens, self.max_model_len - len(s), budget + 1) - 1
+            draft = self.proposer.propose(s.token_ids, limit) if params.temperature == 0 else []
+            budget -= len(draft)
+            drafts.append(draft)
+        longest = max(map(len, drafts))
+        if not longest or not self.bm.can_append([s.seq_id for s in decodes], longest):
+            return []
+        return drafts
 
     def _swap_in(self, batch: ScheduledBatch) -> None:
         while self.swapped:
@@ -285,15 +319,26 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, sampled: list[list[int]]) -> list[Sequence]:
         """sampled[i]: the tokens drawn for batch.seqs[i] (n of them for a first prefill of n > 1).
         Returns the sequences that finished in this step."""
-        seqs = batch.seqs
-        computed = [len(s) for s in batch.decodes] + batch.prefill_ends
+        seqs, num_decodes = batch.seqs, len(batch.decodes)
+        # A decode's tokens: its accepted drafts, then the token the model sampled after them.
+        decode_tokens = sampled[:num_decodes]
+        computed = [len(s) + len(t) - 1 for s, t in zip(batch.decodes, decode_tokens)] + batch.prefill_ends
+        if batch.decode_drafts:         # rejected drafts leave the block manager unhashed
+            self.bm.truncate([s.seq_id for s in batch.decodes], computed[:num_decodes])
+            self.stats["spec_draft_tokens"] += batch.num_draft_tokens
+            self.stats["spec_accepted_tokens"] += sum(len(t) - 1 for t in decode_tokens)
         self.bm.mark_computed([s.seq_id for s in seqs], computed)
-        for seq, n in zip(seqs, computed):
+        for seq, n in zip(batch.prefills, batch.prefill_ends):
             seq.prefilled = n == len(seq)
-        self.stats["decode_tokens"] += len(batch.decodes)
         self.running += batch.admitted
         finished = []
-        for seq, tokens in zip(seqs, sampled):
+        self.stats["decode_tokens"] += len(batch.decodes) + batch.num_draft_tokens
+        for seq, tokens in zip(batch.decodes, decode_tokens):
+            for token in tokens:
+                if self._append(seq, token):
+                    finished.append(seq)
+                    break
+        for seq, tokens in zip(batch.prefills, sampled[num_decodes:]):
             if not tokens:                      # a prompt chunk that is not its last: nothing sampled
                 continue
             for token in tokens[1:]:            # n > 1: children share the prompt's blocks
@@ -308,6 +353,7 @@ class Scheduler:
 
     def _append(self, seq: Sequence, token: int) -> list[Sequence]:
         seq.token_ids.append(token)
+        self.stats["generation_tokens"] += 1
         params = seq.request.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             seq.finish_reason = "stop"
