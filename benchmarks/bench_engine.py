@@ -252,7 +252,8 @@ def compare_tensor_parallel(args, prompts):
         print(f"{'TP=' + str(size):10} {kv_token_bytes(size):20} {engine_block_bytes[size]:24} {fit:28}")
 
     steps = comm["steps"]
-    print(f"\ncommunication per step at TP={n} (mean over {steps:.0f} steps of one round)")
+    print(f"\ncommunication per step at TP={n} (mean over {steps:.0f} steps of one round; "
+          f"{comm['broadcasts'] - steps:.0f} step messages overflowed the buffer)")
     for what in ("broadcast", "all_reduce", "gather"):
         print(f"{what:12} {comm[what + 's'] / steps:6.1f} calls {comm[what + '_bytes'] / steps / 1024:10.1f} KiB")
 

@@ -27,10 +27,21 @@ from .loader import ZERO
 from .model_runner import ModelRunner
 from .scheduler import ScheduledBatch
 
-# How long rank 0 waits in a collective before it declares a worker hung; a worker waits for the next
-# step without limit (it may idle between generate() calls) and learns of rank 0's exit from its socket.
-TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("PAGEDKV_TP_TIMEOUT_S", 300)))
+# How long rank 0 waits in a collective before it declares a worker hung (PAGEDKV_TP_TIMEOUT_S, 300 s by
+# default); a worker waits for the next step without limit (it may idle between generate() calls) and
+# learns of rank 0's exit from its socket.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+def timeout() -> datetime.timedelta:
+    value = os.environ.get("PAGEDKV_TP_TIMEOUT_S", "300")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"PAGEDKV_TP_TIMEOUT_S must be a positive number of seconds, got {value!r}")
+    return datetime.timedelta(seconds=seconds)
 STARTUP_POLL_S = 0.02
 
 # The step message: a header, then the step's tensors, all int64, in one buffer of STEP_BUFFER elements
@@ -150,12 +161,12 @@ class TensorParallel:
         prefix = dist.PrefixStore("pagedkv_tp", store)
         # Step messages go over gloo on the CPU (a worker waits for them without limit); the model's
         # collectives over the backend (NCCL keeps tensors on the GPUs).
-        self.cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", prefix), self.rank, self.size, TIMEOUT)
+        self.cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", prefix), self.rank, self.size, timeout())
         if backend == "gloo":
             self.group = self.cpu_group
         else:
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = TIMEOUT
+            options._timeout = timeout()
             self.group = dist.ProcessGroupNCCL(dist.PrefixStore("dev", prefix), self.rank, self.size, options)
         self.buffer = torch.zeros(STEP_BUFFER, dtype=torch.int64)
         self.closed = False
@@ -301,8 +312,7 @@ class TensorParallel:
         self.closed = True
         if self.rank == 0 and stop_workers:
             try:
-                header = torch.zeros(HEADER, dtype=torch.int64)          # kind STOP
-                self.buffer[:HEADER] = header
+                self.buffer[:HEADER] = STOP                          # the header of a STOP message
                 self.cpu_group.broadcast(self.buffer, 0, datetime.timedelta(seconds=5)).wait()
             except RuntimeError:
                 pass
@@ -392,7 +402,7 @@ def join(config: EngineConfig, model_path: str, llm_kwargs: dict) -> TensorParal
         if world != size:
             raise ValueError(f"tensor_parallel_size={size} but torchrun started WORLD_SIZE={world} processes")
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=TIMEOUT))
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout()))
         processes = ()
     else:
         Shard(0, size).check(ModelConfig.from_pretrained(model_path))     # before starting anything
@@ -419,7 +429,7 @@ def _rank_device(device: torch.device, local_rank: int, size: int) -> torch.devi
 def _spawn_workers(size: int, model_path: str, llm_kwargs: dict):
     """Rank 0: starts workers 1..size-1 (spawn: fork is unsafe with torch's threads) on a store on a free
     local port; returns once each has connected, or raises with the report of one that did not."""
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout(), wait_for_workers=False)
     ctx = multiprocessing.get_context("spawn")
     threads = torch.get_num_threads()
     processes = []
@@ -429,12 +439,12 @@ def _spawn_workers(size: int, model_path: str, llm_kwargs: dict):
                             args=(rank, store.port, model_path, llm_kwargs, threads))
             p.start()
             processes.append(p)
-        deadline = time.monotonic() + TIMEOUT.total_seconds()
+        deadline = time.monotonic() + timeout().total_seconds()
         keys = [f"ready/{r}" for r in range(1, size)]
         while not store.check(keys):
             dead = [(r, p) for r, p in enumerate(processes, start=1) if not p.is_alive()]
             if dead or time.monotonic() > deadline:
-                raise TensorParallelError(_startup_report(store, dead, deadline))
+                raise TensorParallelError(_startup_report(store, dead))
             time.sleep(STARTUP_POLL_S)
     except BaseException:
         _reap(processes, grace_s=0.0)
@@ -442,9 +452,9 @@ def _spawn_workers(size: int, model_path: str, llm_kwargs: dict):
     return store, processes
 
 
-def _startup_report(store, dead, deadline) -> str:
+def _startup_report(store, dead) -> str:
     if not dead:
-        return f"tensor-parallel workers did not start within {TIMEOUT.total_seconds():.0f} s"
+        return f"tensor-parallel workers did not start within {timeout().total_seconds():.0f} s"
     rank, p = dead[0]
     key = f"error/{rank}"
     why = store.get(key).decode(errors="replace") if store.check([key]) else f"exit code {p.exitcode}"
@@ -456,7 +466,7 @@ def _worker_main(rank: int, port: int, model_path: str, llm_kwargs: dict, num_th
     global _SPAWNED
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C is rank 0's to handle; it stops us
     torch.set_num_threads(num_threads)
-    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout())
     _SPAWNED = (store, rank)
     store.set(f"ready/{rank}", "1")
     try:
