@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedkv import BlockManager
+from pagedkv._threads import available_cpus
 
 from . import parallel
 from .config import EngineConfig
@@ -47,6 +48,8 @@ class LLM:
                                    tensor_parallel_size=tensor_parallel_size, distributed_backend=distributed_backend,
                                    speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                                    prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max)
+        if self.config.device.type == "cpu" and torch.get_num_threads() > available_cpus():
+            torch.set_num_threads(available_cpus())   # e.g. a container's CPU quota below the core count
         seed = check_int("seed", seed, minimum=0)
         pack_cpu_weights = check_bool("pack_cpu_weights", pack_cpu_weights)
         history_size = check_int("history_size", history_size, minimum=0)
