@@ -39,11 +39,11 @@ def workload(seed, num_requests, num_systems=8, system_len=256):
 
 def serve(num_blocks, systems, requests, mode, concurrency=8):
     """Continuous batching through the manager alone: admit while the pool allows, one decode token per
-    running request per step, free on completion. Returns (system hit rate, prompt hit rate, evictions)."""
+    running request per step, free on completion. Returns (system hit rate, prompt hit rate, preemptions)."""
     bm = pagedkv.BlockManager(num_blocks, BS)
     running, queue = {}, list(enumerate(requests))
     queue.reverse()
-    sys_hit = sys_total = hit = total = 0
+    sys_hit = sys_total = hit = total = preempted = 0
     if mode == "pinned":  # computed once up front, pinned for good
         for k, system in enumerate(systems):
             bm.allocate(-1 - k, system)
@@ -68,6 +68,7 @@ def serve(num_blocks, systems, requests, mode, concurrency=8):
         while ids and not bm.can_append(ids):  # preempt the newest (dropped: only admissions count here)
             bm.free(ids[-1])
             del running[ids.pop()]
+            preempted += 1
         if ids:
             bm.append_tokens(ids, [1] * len(ids))
             bm.mark_computed(ids)
@@ -77,7 +78,7 @@ def serve(num_blocks, systems, requests, mode, concurrency=8):
                 bm.free(rid)
                 del running[rid]
     bm.check_invariants()
-    return sys_hit / sys_total, hit / total, bm.stats()["evictions"]
+    return sys_hit / sys_total, hit / total, preempted
 
 
 # --- (2) cost per operation --------------------------------------------------------------------------------
@@ -102,33 +103,36 @@ def filled_pool(num_blocks, levels, rng):
     return bm, next_token
 
 
-def cost_per_op(num_blocks, levels, ops, rounds, seed=0):
-    rng = random.Random(seed)
-    bm, next_token = filled_pool(num_blocks, levels, rng)
-    times = []
-    sid = 10 ** 9
-    for _ in range(rounds):
-        prompts = [list(range(next_token + i * (BS + 1), next_token + (i + 1) * (BS + 1))) for i in range(ops)]
-        next_token += ops * (BS + 1)
+class Pool:
+    """A filled pool and the operation timed on it."""
+
+    def __init__(self, num_blocks, levels, seed=0):
+        self.levels = levels
+        self.bm, self.next_token = filled_pool(num_blocks, levels, random.Random(seed))
+        self.sid = 10 ** 9
+
+    def time_ops(self, ops):
+        bm, first = self.bm, self.next_token
+        prompts = [list(range(first + i * 2 * BS, first + (i + 1) * 2 * BS)) for i in range(ops)]
+        self.next_token += ops * 2 * BS
         before = bm.stats()["evictions"]
         t0 = time.perf_counter()
         for prompt in prompts:
-            sid += 1
-            bm.allocate(sid, prompt)
-            bm.mark_computed(sid)
-            bm.free(sid)
-            if levels == "durations":
+            self.sid += 1
+            bm.allocate(self.sid, prompt)
+            bm.mark_computed(self.sid)
+            bm.free(self.sid)
+            if self.levels == "durations":
                 bm.set_time(bm.now + 0.01)
-        times.append((time.perf_counter() - t0) / ops)
+        dt = (time.perf_counter() - t0) / ops
         assert bm.stats()["evictions"] - before == 2 * ops  # every operation evicted two cached blocks
-    bm.check_invariants() if num_blocks <= 100_000 else None  # (a full check is O(n); skip the largest)
-    return statistics.median(times)
+        return dt
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=3000)
-    ap.add_argument("--pools", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--pools", type=int, nargs="+", default=[384, 512, 768, 1024])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ops", type=int, default=20_000, help="operations per timed round")
     ap.add_argument("--max-pool", type=int, default=1_000_000)
@@ -139,28 +143,38 @@ def main():
     prompt_blocks = sum(len(p) for _, p, _ in requests) // BS
     print(f"(1) {args.requests} requests, 8 system prompts of {len(systems[0])} tokens, distinct user prompts "
           f"of 128-1023 tokens, 8-63 output tokens, block_size={BS}, up to 8 running")
+    modes = ("LRU", "priority 90", "pinned")
     print("| pool (blocks) | pool turnovers | system-prompt hit rate: LRU | priority 90 | pinned "
-          "| all prompt tokens: LRU | priority 90 | evictions: LRU | priority 90 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| all prompt tokens: LRU | priority 90 | pinned | preempted: LRU | priority 90 | pinned |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for nb in args.pools:
-        res = {m: serve(nb, systems, requests, m) for m in ("LRU", "priority 90", "pinned")}
-        print(f"| {nb} | {prompt_blocks / nb:.0f} | {res['LRU'][0]:.1%} | {res['priority 90'][0]:.1%} "
-              f"| {res['pinned'][0]:.1%} | {res['LRU'][1]:.1%} | {res['priority 90'][1]:.1%} "
-              f"| {res['LRU'][2]} | {res['priority 90'][2]} |")
+        res = [serve(nb, systems, requests, m) for m in modes]
+        print(f"| {nb} | {prompt_blocks / nb:.0f} | " + " | ".join(f"{r[0]:.1%}" for r in res) + " | "
+              + " | ".join(f"{r[1]:.1%}" for r in res) + " | " + " | ".join(str(r[2]) for r in res) + " |")
 
     sizes = [n for n in (1_000, 10_000, 100_000, 1_000_000) if n <= args.max_pool]
+    variants = ("default", "spread", "durations")
+    pools = {(n, v): Pool(n, v, args.seed) for n in sizes for v in variants}
+    times = {key: [] for key in pools}
+    rng = random.Random(args.seed)
+    for _ in range(args.rounds):  # every pool once per round, in a fresh order: drifts hit all alike
+        keys = list(pools)
+        rng.shuffle(keys)
+        for key in keys:
+            times[key].append(pools[key].time_ops(args.ops))
+    for key, pool in pools.items():
+        if key[0] <= 100_000:
+            pool.bm.check_invariants()  # O(n): skipped for the largest pools
     print(f"\n(2) time per operation (admit a fresh 2-block prompt, evicting 2 cached blocks; compute; free), "
-          f"median of {args.rounds} rounds of {args.ops} operations, block_size={BS}")
+          f"median of {args.rounds} rounds of {args.ops} operations, pools interleaved, block_size={BS}")
     print("| cached blocks | all at default priority | 101 priority levels | 101 levels + durations, clock "
           "advancing |")
     print("|---|---|---|---|")
-    base = {}
     for n in sizes:
         row = []
-        for levels in ("default", "spread", "durations"):
-            t = cost_per_op(n, levels, args.ops, args.rounds)
-            base.setdefault(levels, t)
-            row.append(f"{t * 1e6:.2f} us ({t / base[levels]:.2f}x)")
+        for v in variants:
+            t, t0 = statistics.median(times[n, v]), statistics.median(times[sizes[0], v])
+            row.append(f"{t * 1e6:.2f} us ({t / t0:.2f}x)")
         print(f"| {n:,} | " + " | ".join(row) + " |")
 
 

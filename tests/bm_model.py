@@ -108,7 +108,7 @@ class Model:
     def retention_of(self, s, i):
         """A block takes the strongest (priority, then duration) of the ranges overlapping it."""
         first, last = i * self.block_size, (i + 1) * self.block_size
-        overlapping = [(p, d) for start, end, p, d in s.retention if start < last and first < end]
+        overlapping = [(p, d) for start, end, p, d in s.retention if max(start, first) < min(end, last)]
         if overlapping:
             return max(overlapping)
         return (self.default_priority if first < s.prompt_len else self.decode_priority, FOREVER)

@@ -258,7 +258,8 @@ BlockManager::BlockRetention BlockManager::retention_of(const Sequence& seq, int
   const int64_t first = int64_t(index) * block_size_, last = first + block_size_;
   BlockRetention r{-1, 0.0};
   for (const RetentionRange& range : seq.retention)
-    if (range.start < last && first < range.end && stronger({static_cast<int32_t>(range.priority), range.duration}, r))
+    if (std::max(range.start, first) < std::min(range.end, last) &&  // an empty range overlaps nothing
+        stronger({static_cast<int32_t>(range.priority), range.duration}, r))
       r = {static_cast<int32_t>(range.priority), range.duration};
   if (r.priority < 0) r = {first < seq.prompt_len ? default_priority_ : decode_priority_, kForever};
   return r;

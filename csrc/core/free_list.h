@@ -11,9 +11,8 @@ namespace pagedkv {
 class FreeList {
  public:
   static constexpr int32_t kNone = -1;
-  static constexpr int32_t kMaxLevels = 256;
 
-  explicit FreeList(int32_t capacity, int32_t num_levels = 1)
+  explicit FreeList(int32_t capacity, int32_t num_levels = 1)  // num_levels <= 256
       : next_(capacity + num_levels, kNone),
         prev_(capacity + num_levels, kNone),
         level_(capacity, 0),

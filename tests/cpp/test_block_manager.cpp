@@ -590,3 +590,9 @@ TEST(Retention, APinnedRegistrationIsNotSupersededByALaterIdenticalOne) {
   EXPECT_EQ(std::vector<int32_t>(bm.block_table(4).begin(), bm.block_table(4).begin() + 2), pinned);
   bm.check_invariants();
 }
+
+TEST(Retention, AnEmptyRangeOverlapsNothing) {
+  BlockManager bm(8, 4);
+  alloc_r(bm, 1, iota_tokens(8), {{5, 5, 90}});
+  for (int32_t b : bm.block_table(1)) EXPECT_EQ(bm.block_priority(b), kDefaultPriority);
+}
