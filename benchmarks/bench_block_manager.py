@@ -8,7 +8,11 @@ seeds' algorithm (benchmarks/seeds_block_manager.py), side by side in one proces
   (2) decode: steps at batch 256 producing what a model runner needs: the slot-mapping tensor and the
       padded block-table tensor (and, for pagedkv, seq_lens + mark_computed).
 
-Run: python benchmarks/bench_block_manager.py [--repeats 5]
+Run: python benchmarks/bench_block_manager.py [--repeats 5] [--cpu-time]
+
+--cpu-time times with this thread's CPU time instead of the wall clock: on a machine shared with other
+work it is far steadier (what other processes do no longer counts), e.g. to compare two builds by
+running this once against each (PYTHONPATH=<build> from a directory without a pagedkv/ of its own).
 """
 import argparse
 import os
@@ -107,7 +111,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=64, help="decode steps per repeat")
     ap.add_argument("--wave", type=int, default=16, help="prompts admitted per pagedkv scheduler step")
+    ap.add_argument("--cpu-time", action="store_true", help="time with thread CPU time, not the wall clock")
     args = ap.parse_args()
+    if args.cpu_time:
+        time.perf_counter = time.thread_time
     torch.set_num_threads(1)
     rows = {"admit": [[], []], "decode": [[], []]}
     hits = None
@@ -122,7 +129,8 @@ def main():
         rows["decode"][1].append(decode_pagedkv(bm, args.steps))
         bm.check_invariants()
 
-    print(f"block_size={BLOCK_SIZE}, batch={BATCH}, median of {args.repeats} repeats, torch threads=1")
+    print(f"block_size={BLOCK_SIZE}, batch={BATCH}, median of {args.repeats} repeats, torch threads=1, "
+          f"{'thread CPU time' if args.cpu_time else 'wall clock'}; {pagedkv.__file__}")
     print(f"cached prompt tokens: seeds {hits[0]}, pagedkv {hits[1]} of {hits[2]} (pagedkv admits {args.wave} per step)")
     print("| phase | seeds (pure Python) | pagedkv (C++) | speed-up |")
     print("|---|---|---|---|")

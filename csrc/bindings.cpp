@@ -219,6 +219,38 @@ py::object fast_sequence(const py::handle& obj, const char* name) {
   return seq;
 }
 
+// retention: None, or a list of (start, end, priority) / (start, end, priority, duration) tuples; end None
+// means every later token, duration None means for ever. Values are validated by the core.
+std::vector<RetentionRange> retention_ranges(const py::handle& obj, const char* name) {
+  std::vector<RetentionRange> out;
+  if (obj.is_none()) return out;
+  const py::object ranges = fast_sequence(obj, name);
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(ranges.ptr()); ++i) {
+    const py::handle item = PySequence_Fast_GET_ITEM(ranges.ptr(), i);
+    const std::string what = std::string(name) + "[" + std::to_string(i) + "]";
+    if (!PyTuple_Check(item.ptr()) && !PyList_Check(item.ptr()))
+      throw py::type_error(what + " must be a (start, end, priority[, duration]) tuple, got " +
+                           Py_TYPE(item.ptr())->tp_name);
+    const py::sequence t = py::reinterpret_borrow<py::sequence>(item);
+    if (t.size() != 3 && t.size() != 4)
+      throw ValueError(what + " must be (start, end, priority) or (start, end, priority, duration), got " +
+                       std::to_string(t.size()) + " items");
+    RetentionRange r;
+    r.start = to_int64(t[0], (what + ".start").c_str());
+    r.end = t[1].is_none() ? kToTheEnd : to_int64(t[1], (what + ".end").c_str());
+    r.priority = to_int64(t[2], (what + ".priority").c_str());
+    if (t.size() == 4 && !t[3].is_none()) {
+      PyObject* d = t[3].ptr();
+      if (PyBool_Check(d) || !(PyFloat_Check(d) || PyLong_Check(d)))
+        throw py::type_error(what + ".duration must be a number or None, got " + Py_TYPE(d)->tp_name);
+      r.duration = PyFloat_AsDouble(d);
+      if (r.duration == -1.0 && PyErr_Occurred()) throw py::error_already_set();
+    }
+    out.push_back(r);
+  }
+  return out;
+}
+
 // A tensor that takes ownership of the vector's storage (no copy).
 template <typename T>
 torch::Tensor to_tensor(std::vector<T>&& values, at::IntArrayRef sizes, at::ScalarType dtype) {
@@ -256,6 +288,7 @@ py::dict stats_dict(const BlockManager& bm, const BlockManagerStats& s) {
   d["num_swapped_seqs"] = s.num_swapped_seqs;
   d["num_cpu_blocks"] = bm.num_cpu_blocks();
   d["free_cpu_blocks"] = s.free_cpu_blocks;
+  d["pinned_blocks"] = s.pinned_blocks;
   return d;
 }
 
@@ -304,13 +337,17 @@ PYBIND11_MODULE(_C, m) {
   py::class_<BlockManager> block_manager(m, "BlockManager");
   block_manager
       .def(py::init([](int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks, bool enable_prefix_caching,
-                       double watermark, const std::string& hash_algo, bool enable_events, int64_t max_pending_events) {
+                       double watermark, const std::string& hash_algo, bool enable_events, int64_t max_pending_events,
+                       int32_t default_priority, std::optional<int32_t> decode_priority, double max_pinned_fraction) {
              return new BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, watermark,
-                                     parse_hash_algo(hash_algo), enable_events, max_pending_events);
+                                     parse_hash_algo(hash_algo), enable_events, max_pending_events, default_priority,
+                                     decode_priority.value_or(default_priority), max_pinned_fraction);
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(), py::arg("num_cpu_blocks") = 0,
            py::arg("enable_prefix_caching") = true, py::arg("watermark") = 0.0, py::arg("hash_algo") = "xxh64",
-           py::arg("enable_events") = false, py::arg("max_pending_events") = BlockManager::kDefaultMaxPendingEvents)
+           py::arg("enable_events") = false, py::arg("max_pending_events") = BlockManager::kDefaultMaxPendingEvents,
+           py::arg("default_priority") = kDefaultPriority, py::arg("decode_priority") = py::none(),
+           py::arg("max_pinned_fraction") = BlockManager::kDefaultMaxPinnedFraction)
       .def(
           "can_allocate",
           [](const BlockManager& bm, const py::object& token_ids, const std::optional<py::object>& cache_salt) {
@@ -320,15 +357,21 @@ PYBIND11_MODULE(_C, m) {
           py::arg("token_ids"), py::kw_only(), py::arg("cache_salt") = py::none())
       .def(
           "allocate",
-          [](BlockManager& bm, int64_t seq_id, const py::object& token_ids, const std::optional<py::object>& cache_salt) {
+          [](BlockManager& bm, int64_t seq_id, const py::object& token_ids, const std::optional<py::object>& cache_salt,
+             const py::object& retention) {
             Int64Array tokens(token_ids, "token_ids");
-            return bm.allocate(seq_id, tokens.data, tokens.size, salt_bytes(cache_salt));
+            return bm.allocate(seq_id, tokens.data, tokens.size, salt_bytes(cache_salt),
+                               retention_ranges(retention, "retention"));
           },
           py::arg("seq_id"), py::arg("token_ids"), py::kw_only(), py::arg("cache_salt") = py::none(),
-          "Allocates the prompt's blocks; returns the number of leading tokens whose KV is already cached.")
+          py::arg("retention") = py::none(),
+          "Allocates the prompt's blocks; returns the number of leading tokens whose KV is already cached.\n"
+          "retention: [(start, end, priority[, duration])] token ranges whose blocks are evicted later (priority\n"
+          "0-100, default 35; end None: to the end; duration: clock units after the block is freed).")
       .def(
           "allocate_batch",
-          [](BlockManager& bm, const py::object& seq_ids, const py::object& prompts, const py::object& cache_salts) {
+          [](BlockManager& bm, const py::object& seq_ids, const py::object& prompts, const py::object& cache_salts,
+             const py::object& retentions) {
             Int64Array ids(seq_ids, "seq_ids");
             std::vector<TokenSpan> spans;
             std::vector<Int64Array> tokens;
@@ -361,9 +404,18 @@ PYBIND11_MODULE(_C, m) {
               if (salts.size() != spans.size())  // an empty list for an empty batch is fine
                 throw ValueError("allocate_batch: cache_salts must have one entry per prompt");
             }
-            return bm.allocate_batch(ids.vec(), spans, salts);
+            std::vector<std::vector<RetentionRange>> ranges;
+            if (!retentions.is_none()) {
+              const py::object list = fast_sequence(retentions, "retentions");
+              for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(list.ptr()); ++i)
+                ranges.push_back(retention_ranges(PySequence_Fast_GET_ITEM(list.ptr(), i), "retentions[i]"));
+              if (ranges.size() != spans.size())
+                throw ValueError("allocate_batch: retentions must have one entry (a list or None) per prompt");
+            }
+            return bm.allocate_batch(ids.vec(), spans, salts, ranges);
           },
           py::arg("seq_ids"), py::arg("prompts"), py::kw_only(), py::arg("cache_salts") = py::none(),
+          py::arg("retentions") = py::none(),
           "Admits prompts in order while can_allocate says OK, in one call; returns the cached-token count of\n"
           "each admitted prompt (its length is the number admitted: seq_ids[:len(result)]).")
       .def(
@@ -530,6 +582,22 @@ PYBIND11_MODULE(_C, m) {
           "cached_blocks", [](const BlockManager& bm) { return bm.cached_blocks(); },
           "(block_hash, parent_block_hash) of every block whose KV the prefix cache holds now; replaying every\n"
           "KV event gives the same multiset.")
+      .def("set_time", &BlockManager::set_time, py::arg("now"),
+           "Advances the manager's clock (the unit of retention durations; it starts at 0 and is never read\n"
+           "from the wall): free blocks whose priority duration has run out fall back to the default.")
+      .def_property_readonly("now", &BlockManager::now)
+      .def("pin", &BlockManager::pin, py::arg("seq_id"),
+           "Keeps the sequence's full cached blocks cached after free() until unpin(); returns how many\n"
+           "blocks the pin holds. RuntimeError if it would pin more than max_pinned_blocks.")
+      .def("unpin", &BlockManager::unpin, py::arg("seq_id"))
+      .def("is_pinned", &BlockManager::is_pinned, py::arg("seq_id"))
+      .def("pinned_blocks", &BlockManager::pinned_blocks, py::arg("seq_id"), "The blocks the sequence's pin holds.")
+      .def("block_priority", &BlockManager::block_priority, py::arg("block"),
+           "The eviction priority GPU block `block` has now.")
+      .def_property_readonly("num_pinned_blocks", &BlockManager::num_pinned_blocks)
+      .def_property_readonly("max_pinned_blocks", &BlockManager::max_pinned_blocks)
+      .def_property_readonly("default_priority", &BlockManager::default_priority)
+      .def_property_readonly("decode_priority", &BlockManager::decode_priority)
       .def("reset_prefix_cache", &BlockManager::reset_prefix_cache)
       .def("check_invariants", &BlockManager::check_invariants)
       .def("__repr__", [](const BlockManager& bm) {

@@ -1,6 +1,7 @@
 """pagedkv: a paged KV cache for LLM inference.
 
-- ``pagedkv.BlockManager``: where every token's KV lives (C++; prefix caching, CoW, fork, swap).
+- ``pagedkv.BlockManager``: where every token's KV lives (C++; prefix caching, retention priorities
+  and pins, CoW, fork, swap).
 - ``pagedkv.ops``: ``reshape_and_cache``, ``paged_attention`` (and ``paged_attention_with_lse``),
   ``copy_blocks``, ``swap_blocks``, and the model-layer ops ``rms_norm``, ``fused_add_rms_norm``,
   ``silu_and_mul``, ``rotary_embedding`` (``torch.ops.pagedkv.*``, CPU and CUDA).

@@ -2,13 +2,16 @@
 """Long random run of the BlockManager against a KV-content oracle.
 
 Drives the manager the way an engine does (shared prefixes, salts, partial mark_computed, batched
-appends, speculative appends of several tokens rolled back by truncate, fork, copy-on-write with copies sometimes left pending, swap out/in, prefix-cache resets, pools
-rebuilt with other shapes and hash functions, weak8 included so that hashes collide) and plays the model
-runner: every KV write stores, per slot, the identity of the prefix it was computed for. It checks that
-every prefix hit and every computed token holds exactly its own prefix's KV, that returned slots follow
-the block tables, that about 5% invalid calls raise the documented exception and change nothing, and
-check_invariants() every 1000 operations, and that replaying the KV events gives cached_blocks()
-(resyncing, as a router would, after events dropped by a full buffer). Prints the figures; exits 1 at the first failure.
+appends, speculative appends of several tokens rolled back by truncate, fork, copy-on-write with copies
+sometimes left pending, swap out/in, prefix-cache resets, retention priorities and durations with a clock
+that advances, pins and unpins, pools rebuilt with other shapes, hash functions and retention settings,
+weak8 included so that hashes collide) and plays the model runner: every KV write stores, per slot, the
+identity of the prefix it was computed for. It checks that every prefix hit and every computed token
+holds exactly its own prefix's KV, that returned slots follow the block tables, that every pinned prefix
+still hits in full (with its own KV) however much was evicted, that about 5% invalid calls raise the
+documented exception and change nothing, and check_invariants() every 1000 operations, and that
+replaying the KV events gives cached_blocks() (resyncing, as a router would, after events dropped by a
+full buffer). Prints the figures; exits 1 at the first failure.
 
     python scripts/fuzz_block_manager.py --ops 1000000 [--seed N]
 """
@@ -46,6 +49,10 @@ class Figures:
     event_resyncs: int = 0
     rejected_tokens: int = 0
     pools: int = 0
+    retained_prompts: int = 0
+    pins: int = 0
+    pins_refused: int = 0
+    pinned_hit_tokens_checked: int = 0
 
 
 def prefix_ids(tokens, salt):
@@ -71,7 +78,10 @@ class Fuzzer:
         self.events = r.random() < 0.6
         self.bm = BlockManager(self.nb, self.bs, num_cpu_blocks=self.ncpu, hash_algo=r.choice(["xxh64", "weak8"]),
                                enable_prefix_caching=r.random() < 0.9, watermark=r.choice([0.0, 0.0, 0.05]),
-                               enable_events=self.events, max_pending_events=r.choice([64, 1 << 16, 1 << 16]))
+                               enable_events=self.events, max_pending_events=r.choice([64, 1 << 16, 1 << 16]),
+                               default_priority=r.choice([35, 35, 0, 60]), decode_priority=r.choice([None, 10, 80]),
+                               max_pinned_fraction=r.choice([0.0, 0.25, 0.5, 0.9]))
+        self.pins: dict[int, tuple] = {}  # seq id -> (tokens, ids, salt, pinned leading blocks)
         self.replayed = Counter()  # block hashes the events say are cached
         self.next_event = 0
         self.dropped_seen = 0
@@ -92,6 +102,20 @@ class Fuzzer:
         head = r.choice(self.prefixes) if r.random() < 0.7 else []
         tail = [r.randrange(self.vocab) for _ in range(r.randint(0 if head else 1, 3 * self.bs))]
         return head + tail, r.choice([None, None, b"s1", "s2"])
+
+    def retention(self, n):
+        """None (the default) half the time, else a few ranges over the prompt and beyond."""
+        r = self.rng
+        if r.random() < 0.5:
+            return None
+        self.fig.retained_prompts += 1
+        out = []
+        for _ in range(r.randint(1, 3)):
+            start = r.randint(0, n)
+            end = r.choice([None, r.randint(start, n + 2 * self.bs)])
+            out.append((start, end, r.choice([0, 20, 35, 50, 90, 100]))
+                       + ((r.choice([None, 0, 0.5, 2.0, 7.5]),) if r.random() < 0.5 else ()))
+        return out
 
     def resident(self):
         return [i for i, s in self.seqs.items() if not s.swapped]
@@ -128,12 +152,14 @@ class Fuzzer:
         if status != AllocStatus.OK:
             return
         sid = self.new_id()
-        self.admitted(sid, tokens, salt, self.bm.allocate(sid, tokens, cache_salt=salt))
+        self.admitted(sid, tokens, salt,
+                      self.bm.allocate(sid, tokens, cache_salt=salt, retention=self.retention(len(tokens))))
 
     def op_allocate_batch(self):
         batch = [self.prompt() for _ in range(self.rng.randint(1, 4))]
         ids = [self.new_id() for _ in batch]
-        cached = self.bm.allocate_batch(ids, [t for t, _ in batch], cache_salts=[s for _, s in batch])
+        cached = self.bm.allocate_batch(ids, [t for t, _ in batch], cache_salts=[s for _, s in batch],
+                                        retentions=[self.retention(len(t)) for t, _ in batch])
         for sid, (tokens, salt), c in zip(ids, batch, cached):
             self.admitted(sid, tokens, salt, c)
 
@@ -253,6 +279,55 @@ class Fuzzer:
     def op_reset(self):
         if self.rng.random() < 0.1:
             self.bm.reset_prefix_cache()
+            self.pins.clear()  # a reset lets every pin go
+
+    def op_clock(self):
+        self.bm.set_time(self.bm.now + self.rng.choice([0.0, 0.25, 1.0, 4.0]))
+
+    def op_pin(self):
+        res = self.resident()
+        if not res:
+            return
+        sid = self.rng.choice(res)
+        before = self.snapshot()
+        try:
+            n = self.bm.pin(sid)
+        except RuntimeError as e:
+            if "cap" not in str(e) or self.snapshot() != before:
+                self.fail(f"a refused pin raised {e!r} or changed the manager's state")
+            self.fig.pins_refused += 1
+            return
+        s, blocks, table = self.seqs[sid], self.bm.pinned_blocks(sid), self.bm.block_table(sid)
+        if len(blocks) != n or any(b not in table[:s.computed // self.bs] for b in blocks):
+            self.fail(f"pin({sid}) holds {blocks}, not full computed blocks of its table {table}")
+        k = 0  # the pinned blocks that lead the table: that prefix must keep hitting
+        while k < len(blocks) and blocks[k] == table[k]:
+            k += 1
+        self.pins[sid] = (list(s.tokens[:k * self.bs]), s.ids[:k * self.bs], s.salt, blocks[:k])
+        self.fig.pins += 1
+
+    def op_unpin(self):
+        if self.pins:
+            sid = self.rng.choice(list(self.pins))
+            self.bm.unpin(sid)
+            del self.pins[sid]
+
+    def check_pins(self):
+        """Every pinned prefix still hits in full, on the pinned blocks, holding its own KV."""
+        for sid, (tokens, ids, salt, blocks) in self.pins.items():
+            if not blocks:
+                continue
+            probe = tokens + [0]
+            if self.bm.can_allocate(probe, cache_salt=salt) != AllocStatus.OK:
+                continue
+            pid = self.new_id()
+            cached = self.bm.allocate(pid, probe, cache_salt=salt)
+            if cached != len(tokens) or self.bm.block_table(pid)[:len(blocks)] != blocks:
+                self.fail(f"the pinned prefix of sequence {sid} hit {cached} of {len(tokens)} tokens")
+            self.seqs[pid] = Seq(probe, ids + [hash((ids[-1], 0))], salt, computed=cached)
+            self.fig.pinned_hit_tokens_checked += self.check_kv(pid, cached)
+            self.bm.free(pid)
+            del self.seqs[pid]
 
     def op_new_pool(self):
         if self.rng.random() < 0.02:
@@ -263,7 +338,8 @@ class Fuzzer:
     # --- invalid calls: the documented exception, and nothing changed ------------------------------------
     def snapshot(self):
         bm = self.bm
-        return (bm.num_free_blocks, bm.num_free_cpu_blocks, bm.stats(),
+        return (bm.num_free_blocks, bm.num_free_cpu_blocks, bm.stats(), bm.now,
+                [bm.block_priority(b) for b in range(self.nb)], {i: bm.pinned_blocks(i) for i in self.pins},
                 {i: (bm.block_table(i), bm.num_tokens(i), bm.num_computed_tokens(i), bm.is_swapped(i))
                  for i in self.seqs})
 
@@ -283,6 +359,14 @@ class Fuzzer:
             (ValueError, lambda: bm.allocate_batch([unknown, unknown + 1, unknown], [[1], [2], [3]])),
             (ValueError, lambda: bm.allocate_batch([unknown, unknown + 1], [[1], []])),
             (TypeError, lambda: bm.allocate_batch([unknown, unknown + 1], [[1], [2.5]])),
+            (ValueError, lambda: bm.allocate(unknown, [1, 2], retention=[(0, 2, 101)])),
+            (ValueError, lambda: bm.allocate(unknown, [1, 2], retention=[(0, 2, 50), (3, 1, 50)])),
+            (ValueError, lambda: bm.allocate(unknown, [1, 2], retention=[(0, None, 50, -1.0)])),
+            (TypeError, lambda: bm.allocate(unknown, [1, 2], retention=[(0, 2, 50.0)])),
+            (ValueError, lambda: bm.allocate_batch([unknown, unknown + 1], [[1], [2]], retentions=[None, [(0, 1)]])),
+            (ValueError, lambda: bm.set_time(bm.now - 1.0)),
+            (KeyError, lambda: bm.pin(unknown)),
+            (KeyError, lambda: bm.unpin(unknown)),
         ]
         if self.seqs:
             calls += [
@@ -358,6 +442,7 @@ class Fuzzer:
 
     # --- periodic full check ---------------------------------------------------------------------------------
     def full_check(self):
+        self.check_pins()
         if self.events:
             self.replay_events()
         self.bm.check_invariants()
@@ -367,12 +452,14 @@ class Fuzzer:
         self.perform_copies()
         for sid, s in self.seqs.items():
             self.fig.kv_tokens_checked += self.check_kv(sid, s.computed)
-        if self.bm.num_free_blocks + len({b for i in self.resident() for b in self.bm.block_table(i)}) != self.nb:
+        held = {b for i in self.resident() for b in self.bm.block_table(i)}
+        held |= {b for i in self.pins for b in self.bm.pinned_blocks(i)}
+        if self.bm.num_free_blocks + len(held) != self.nb:
             self.fail("blocks leaked or double counted")
 
 
 WEIGHTS = {"allocate": 14, "allocate_batch": 5, "compute": 22, "append": 18, "speculate": 6, "fork": 5, "free": 12,
-           "swap_out": 5, "swap_in": 5, "reset": 1, "new_pool": 1, "invalid": 5}
+           "swap_out": 5, "swap_in": 5, "reset": 1, "new_pool": 1, "invalid": 5, "clock": 3, "pin": 2, "unpin": 2}
 
 
 def run(num_ops: int, seed: int, quiet: bool = False) -> Figures:
@@ -416,7 +503,9 @@ def main():
           f"{fig.invariant_checks:,} invariant checks; {fig.kv_tokens_checked:,} computed tokens and "
           f"{fig.hit_tokens_checked:,} prefix-hit tokens held their own KV; {fig.copies:,} CoW copies "
           f"({fig.pending_copies_across_ops:,} checks found copies still pending); {fig.swapped_blocks:,} blocks swapped; "
-          f"{fig.draft_tokens:,} draft tokens appended, {fig.rejected_tokens:,} rolled back; {fig.events:,} KV events "
+          f"{fig.draft_tokens:,} draft tokens appended, {fig.rejected_tokens:,} rolled back; "
+          f"{fig.retained_prompts:,} prompts with retention ranges; {fig.pins:,} pins ({fig.pins_refused:,} refused "
+          f"by the cap), {fig.pinned_hit_tokens_checked:,} pinned prefix tokens hit with their own KV; {fig.events:,} KV events "
           f"replayed to cached_blocks() ({fig.event_resyncs:,} resyncs after a full buffer)")
     print("operations: " + ", ".join(f"{k} {v:,}" for k, v in sorted(fig.ops.items())))
     return 0

@@ -1,8 +1,14 @@
 """A small pure-Python model of the BlockManager contract (DESIGN.md section 1), used by the stateful
 test. The prefix cache is a dict keyed by the whole prefix (salt, tokens of blocks 0..i), so exactness
-holds by construction; the free list is an OrderedDict in LRU order."""
+holds by construction; the free list is one OrderedDict per level in LRU order (level 0: no cached KV,
+level 1 + p: cached KV at retention priority p); pins hold references; durations expire on set_time."""
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+DEFAULT_PRIORITY = 35
+FOREVER = math.inf
+TO_THE_END = 2 ** 63 - 1
 
 
 @dataclass
@@ -13,6 +19,41 @@ class Seq:
     computed: int = 0
     registered: int = 0
     swapped: bool = False
+    prompt_len: int = 0
+    retention: list = field(default_factory=list)  # (start, end, priority, duration)
+
+
+class FreeLists:
+    """The free list: one LRU list per level; pop takes the oldest block of the lowest non-empty level."""
+
+    def __init__(self, blocks=()):
+        self.levels = {0: OrderedDict((b, None) for b in blocks)}
+        self.where = {b: 0 for b in blocks}
+
+    def __len__(self):
+        return len(self.where)
+
+    def __contains__(self, b):
+        return b in self.where
+
+    def push(self, b, level, front=False):
+        q = self.levels.setdefault(level, OrderedDict())
+        q[b] = None
+        if front:
+            q.move_to_end(b, last=False)
+        self.where[b] = level
+
+    def remove(self, b):
+        del self.levels[self.where.pop(b)][b]
+
+    def pop(self):
+        level = min(lv for lv, q in self.levels.items() if q)
+        b, _ = self.levels[level].popitem(last=False)
+        del self.where[b]
+        return b
+
+    def order(self):
+        return [b for lv in sorted(self.levels) for b in self.levels[lv]]
 
 
 @dataclass
@@ -20,7 +61,10 @@ class Model:
     num_blocks: int
     block_size: int
     num_cpu_blocks: int = 0
-    free: OrderedDict = field(default_factory=OrderedDict)
+    default_priority: int = DEFAULT_PRIORITY
+    decode_priority: int = DEFAULT_PRIORITY
+    max_pinned_fraction: float = 0.5
+    free: FreeLists = None
     cpu_free: OrderedDict = field(default_factory=OrderedDict)
     ref: dict = field(default_factory=dict)
     cpu_ref: dict = field(default_factory=dict)
@@ -29,12 +73,21 @@ class Model:
     seqs: dict = field(default_factory=dict)
     copies: list = field(default_factory=list)
     evictions: int = 0
+    now: float = 0.0
+    retention: dict = field(default_factory=dict)  # block -> (priority, duration)
+    expiry: dict = field(default_factory=dict)     # free cached block -> (time, order) it falls back at
+    expiry_order: int = 0
+    pins: dict = field(default_factory=dict)       # seq id -> blocks its pin holds
+    pin_count: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.free = OrderedDict((b, None) for b in range(self.num_blocks))
+        self.free = FreeLists(range(self.num_blocks))
         self.cpu_free = OrderedDict((b, None) for b in range(self.num_cpu_blocks))
         self.ref = {b: 0 for b in range(self.num_blocks)}
         self.cpu_ref = {b: 0 for b in range(self.num_cpu_blocks)}
+        self.retention = {b: (self.default_priority, FOREVER) for b in range(self.num_blocks)}
+        self.pin_count = {b: 0 for b in range(self.num_blocks)}
+        self.max_pinned = int(self.max_pinned_fraction * self.num_blocks)
 
     def key(self, tokens, salt, i):
         return (salt, tuple(tokens[: (i + 1) * self.block_size]))
@@ -51,9 +104,98 @@ class Model:
             out.append(b)
         return out
 
+    # --- retention -------------------------------------------------------------------------------
+    def retention_of(self, s, i):
+        """A block takes the strongest (priority, then duration) of the ranges overlapping it."""
+        first, last = i * self.block_size, (i + 1) * self.block_size
+        overlapping = [(p, d) for start, end, p, d in s.retention if max(start, first) < min(end, last)]
+        if overlapping:
+            return max(overlapping)
+        return (self.default_priority if first < s.prompt_len else self.decode_priority, FOREVER)
+
+    def keep_stronger(self, b, r):
+        self.retention[b] = max(self.retention[b], r)
+
+    def cached(self, b):
+        k = self.tag.get(b)
+        return k is not None and self.registry.get(k) == b
+
+    def unfree(self, b):
+        self.free.remove(b)
+        self.expiry.pop(b, None)
+
+    def relevel(self, b, level):
+        self.unfree(b)
+        self.free.push(b, level)
+
+    def set_time(self, now):
+        assert now >= self.now
+        self.now = now
+        for b in sorted((b for b, e in self.expiry.items() if e[0] <= now), key=self.expiry.get):
+            self.retention[b] = (self.default_priority, FOREVER)
+            self.relevel(b, 1 + self.default_priority)
+
+    def pinned_blocks(self):
+        return sum(c > 0 for c in self.pin_count.values())
+
+    def pin(self, sid):
+        """Returns the blocks pinned, or None when the cap refuses the pin (nothing changes)."""
+        s = self.seqs[sid]
+        blocks = [b for b in s.table[:s.registered] if self.cached(b)]
+        old = self.pins.get(sid, [])
+        after = {b for b, c in self.pin_count.items() if c > 0 and not (c == 1 and b in old)} | set(blocks)
+        if len(after) > self.max_pinned:
+            return None
+        for b in blocks:
+            self.ref[b] += 1
+            self.pin_count[b] += 1
+        self.pins[sid] = blocks
+        self.drop_pin(old)
+        return blocks
+
+    def drop_pin(self, blocks):
+        for b in reversed(blocks):
+            self.pin_count[b] -= 1
+            self.release(b)
+
+    def unpin(self, sid):
+        self.drop_pin(self.pins.pop(sid))
+
+    def alloc_status(self, tokens, salt=b"", watermark_blocks=0):
+        """"OK" | "LATER" | "NEVER", as can_allocate answers."""
+        need = self.nblocks(len(tokens))
+        if need > self.num_blocks - watermark_blocks:
+            return "NEVER"
+        hits = self.hits(tokens, salt)
+        pinned_hits = sum(self.pin_count[b] > 0 for b in hits)
+        if need - pinned_hits > self.num_blocks - watermark_blocks - self.pinned_blocks():
+            return "NEVER"
+        return "OK" if len(self.free) - self.free_blocks_needed(tokens, salt) >= watermark_blocks else "LATER"
+
+    def swap_in_status(self, sids):
+        need = self.distinct_blocks(sids)
+        if need > self.num_blocks - self.pinned_blocks():
+            return "NEVER"
+        return "OK" if need <= len(self.free) else "LATER"
+
+    def reset(self):
+        self.registry.clear()
+        self.tag.clear()
+        for q in self.seqs.values():
+            q.registered = 0
+        for sid in sorted(self.pins):
+            self.drop_pin(self.pins[sid])
+        self.pins.clear()
+        for b in self.free.order():
+            self.retention[b] = (self.default_priority, FOREVER)
+            if self.free.where[b] != 0:
+                self.relevel(b, 0)
+        self.expiry.clear()
+
     # --- pool -----------------------------------------------------------------------------------
     def take(self):
-        b, _ = self.free.popitem(last=False)
+        b = self.free.pop()
+        self.expiry.pop(b, None)
         k = self.tag.pop(b, None)
         if k is not None and self.registry.get(k) == b:
             del self.registry[k]
@@ -62,10 +204,17 @@ class Model:
         return b
 
     def to_free_list(self, b):
-        self.free[b] = None
-        k = self.tag.get(b)
-        if k is None or self.registry.get(k) != b:
-            self.free.move_to_end(b, last=False)
+        if not self.cached(b):
+            self.free.push(b, 0, front=True)
+            return
+        p, d = self.retention[b]
+        if d != FOREVER:
+            if self.now + d > self.now:
+                self.expiry[b] = (self.now + d, self.expiry_order)
+                self.expiry_order += 1
+            else:
+                p, d = self.retention[b] = (self.default_priority, FOREVER)
+        self.free.push(b, 1 + p)
 
     def is_copy_source(self, b):
         return any(src == b for src, _ in self.copies)
@@ -99,19 +248,23 @@ class Model:
             self.cpu_free[b] = None
 
     # --- API ------------------------------------------------------------------------------------
-    def allocate(self, sid, tokens, salt=b""):
+    def allocate(self, sid, tokens, salt=b"", retention=()):
         hits = self.hits(tokens, salt)
-        table = []
+        s = Seq(list(tokens), [], salt, prompt_len=len(tokens), retention=list(retention))
         for b in hits:
             if self.ref[b] == 0 and b in self.free:
-                del self.free[b]
+                self.unfree(b)
             self.ref[b] += 1
-            table.append(b)
-        while len(table) < self.nblocks(len(tokens)):
-            table.append(self.take())
-        n = len(hits) * self.block_size
-        self.seqs[sid] = Seq(list(tokens), table, salt, computed=n, registered=len(hits))
-        return n
+            self.keep_stronger(b, self.retention_of(s, len(s.table)))
+            s.table.append(b)
+        while len(s.table) < self.nblocks(len(tokens)):
+            b = self.take()
+            self.retention[b] = self.retention_of(s, len(s.table))
+            s.table.append(b)
+        s.computed = s.registered = len(hits)
+        s.computed *= self.block_size
+        self.seqs[sid] = s
+        return s.computed
 
     def free_blocks_needed(self, tokens, salt=b""):
         return self.nblocks(len(tokens)) - sum(self.ref[b] > 0 for b in self.hits(tokens, salt))
@@ -124,8 +277,12 @@ class Model:
             old = self.tag.get(b)
             if old is not None and old != k and self.registry.get(old) == b:
                 del self.registry[old]
+            previous = self.registry.get(k)
             self.tag[b] = k
-            self.registry[k] = b
+            if previous is None or self.pin_count[previous] == 0:  # a pinned registration keeps hitting
+                self.registry[k] = b
+            if previous is not None and previous != b and previous in self.free:
+                self.relevel(previous, 0)  # superseded: no longer a hit
             s.registered = i + 1
 
     def must_copy(self, b):
@@ -155,9 +312,12 @@ class Model:
         for j, tok in enumerate(toks):
             pos = len(s.tokens)
             if pos % self.block_size == 0:
-                s.table.append(self.take())
+                b = self.take()
+                self.retention[b] = self.retention_of(s, len(s.table))
+                s.table.append(b)
             elif j == 0 and self.must_copy(s.table[-1]):
                 new = self.take()
+                self.retention[new] = self.retention_of(s, len(s.table) - 1)
                 pending = [src for src, dst in self.copies if dst == s.table[-1]]
                 self.copies.append((pending[0] if pending else s.table[-1], new))
                 self.release(s.table[-1])
@@ -181,7 +341,8 @@ class Model:
 
     def fork(self, parent, child):
         p = self.seqs[parent]
-        self.seqs[child] = Seq(list(p.tokens), list(p.table), p.salt, p.computed, p.registered)
+        self.seqs[child] = Seq(list(p.tokens), list(p.table), p.salt, p.computed, p.registered,
+                               prompt_len=p.prompt_len, retention=list(p.retention))
         for b in p.table:
             self.ref[b] += 1
 
@@ -193,12 +354,16 @@ class Model:
         for sid in sids:
             s = self.seqs[sid]
             new = []
-            for b in s.table:
+            for i, b in enumerate(s.table):
                 if b not in m:
                     m[b] = take()
                     mapping.append((copy_source.get(b, b), m[b]))
+                    if not to_cpu:
+                        self.retention[m[b]] = self.retention_of(s, i)
                 else:
                     dst_ref[m[b]] += 1
+                    if not to_cpu:
+                        self.keep_stronger(m[b], self.retention_of(s, i))
                 new.append(m[b])
             for b in reversed(s.table):
                 release(b)

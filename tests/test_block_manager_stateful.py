@@ -1,16 +1,29 @@
 """Hypothesis drives the C++ BlockManager and the pure-Python model (tests/bm_model.py) with the same
-random calls and demands identical results, check_invariants() after every step, and that every prefix
-hit hands out a block whose KV (tracked here) was written for exactly that prefix."""
+random calls (retention priorities and durations, clock advances and pins included) and demands identical
+results and block priorities, check_invariants() after every step, and that every prefix hit hands out a
+block whose KV (tracked here) was written for exactly that prefix."""
 from collections import Counter
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from bm_model import Model
+from bm_model import FOREVER, TO_THE_END, Model
 from pagedkv import AllocStatus, BlockManager
 
 BS, NB, NCPU = 2, 12, 6
+
+# (start, end, priority[, duration]) ranges; end None reaches past the prompt into decode tokens.
+retention_range = st.tuples(st.integers(0, 8), st.one_of(st.none(), st.integers(0, 8)),
+                            st.sampled_from([0, 10, 35, 60, 90, 100]),
+                            st.sampled_from([None, None, 0, 1.0, 2.5])).map(
+    lambda r: (r[0], None if r[1] is None else r[0] + r[1], r[2], r[3]))
+retentions = st.one_of(st.none(), st.lists(retention_range, max_size=3))
+
+
+def model_ranges(retention):
+    return [(a, TO_THE_END if b is None else b, p, FOREVER if d is None else d) for a, b, p, d in retention or ()]
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -35,18 +48,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for p in range(len(q.tokens)):
             self.kv.setdefault(q.table[p // BS], {})[p % BS] = tuple(q.tokens[: p + 1])
 
-    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9), salt=st.sampled_from([b"", b"t1"]))
-    def allocate(self, tokens, salt):
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9), salt=st.sampled_from([b"", b"t1"]),
+          retention=retentions)
+    def allocate(self, tokens, salt, retention):
         status = self.bm.can_allocate(tokens, cache_salt=salt or None)
-        need = self.model.free_blocks_needed(tokens, salt)
-        expected = (AllocStatus.NEVER if self.model.nblocks(len(tokens)) > NB
-                    else AllocStatus.OK if need <= len(self.model.free) else AllocStatus.LATER)
-        assert status == expected
+        assert status == getattr(AllocStatus, self.model.alloc_status(tokens, salt))
         if status != AllocStatus.OK:
             return
         sid, self.next_id = self.next_id, self.next_id + 1
-        cached = self.bm.allocate(sid, tokens, cache_salt=salt or None)
-        assert cached == self.model.allocate(sid, tokens, salt)
+        cached = self.bm.allocate(sid, tokens, cache_salt=salt or None, retention=retention)
+        assert cached == self.model.allocate(sid, tokens, salt, model_ranges(retention))
         table = self.bm.block_table(sid)
         assert table == self.model.seqs[sid].table
         for p in range(cached):  # every hit holds exactly this prefix's KV
@@ -135,10 +146,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_in(self, data):
         sids = data.draw(st.lists(st.sampled_from(self.swapped()), min_size=1, max_size=2, unique=True))
-        need = self.model.distinct_blocks(sids)
         status = self.bm.can_swap_in(sids)
-        assert status == (AllocStatus.NEVER if need > NB else
-                          AllocStatus.OK if need <= len(self.model.free) else AllocStatus.LATER)
+        assert status == getattr(AllocStatus, self.model.swap_in_status(sids))
         if status == AllocStatus.OK:
             mapping = self.bm.swap_in(sids)
             assert mapping == self.model.swap_in(sids)
@@ -150,10 +159,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.model.seqs and len(self.model.seqs) % 5:
             return  # rare
         self.bm.reset_prefix_cache()
-        self.model.registry.clear()
-        self.model.tag.clear()
-        for q in self.model.seqs.values():
-            q.registered = 0
+        self.model.reset()
+
+    @rule(dt=st.sampled_from([0, 0.5, 1.0, 3.0]))
+    def advance_clock(self, dt):
+        self.bm.set_time(self.bm.now + dt)
+        self.model.set_time(self.bm.now)
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def pin(self, data):
+        sid = data.draw(st.sampled_from(self.resident()))
+        expected = self.model.pin(sid)
+        if expected is None:
+            before = self.bm.num_pinned_blocks
+            with pytest.raises(RuntimeError, match="cap"):
+                self.bm.pin(sid)
+            assert self.bm.num_pinned_blocks == before
+        else:
+            assert self.bm.pin(sid) == len(expected)
+            assert self.bm.pinned_blocks(sid) == expected
+
+    @precondition(lambda self: self.model.pins)
+    @rule(data=st.data())
+    def unpin(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.model.pins)))
+        self.bm.unpin(sid)
+        self.model.unpin(sid)
 
     @invariant()
     def every_computed_token_has_its_kv(self):
@@ -192,6 +224,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_free_blocks == len(self.model.free)
         assert self.bm.num_free_cpu_blocks == len(self.model.cpu_free)
         assert self.bm.stats()["evictions"] == self.model.evictions
+        assert [self.bm.block_priority(b) for b in range(NB)] == [self.model.retention[b][0] for b in range(NB)]
+        assert self.bm.num_pinned_blocks == self.model.pinned_blocks()
+        assert all(self.bm.is_pinned(sid) for sid in self.model.pins)
         for sid, q in self.model.seqs.items():
             assert self.bm.block_table(sid) == q.table
             assert self.bm.num_tokens(sid) == len(q.tokens)

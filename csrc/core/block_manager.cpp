@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <sstream>
 #include <unordered_set>
 
@@ -24,16 +25,21 @@ std::string cat(Args&&... args) {
 
 BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks,
                            bool enable_prefix_caching, double watermark, HashAlgo hash_algo, bool enable_events,
-                           int64_t max_pending_events)
+                           int64_t max_pending_events, int32_t default_priority, int32_t decode_priority,
+                           double max_pinned_fraction)
     : num_blocks_(num_blocks),
       block_size_(block_size),
       num_cpu_blocks_(num_cpu_blocks),
       watermark_blocks_(0),
       prefix_caching_(enable_prefix_caching),
       hash_algo_(hash_algo),
-      gpu_free_(std::max(num_blocks, 0)),
+      gpu_free_(std::max(num_blocks, 0), /*num_levels=*/2 + kMaxPriority),
       cpu_free_(std::max(num_cpu_blocks, 0)),
       cache_(std::max(block_size, 1), std::max(num_blocks, 0)),
+      default_priority_(default_priority),
+      decode_priority_(decode_priority),
+      max_pinned_blocks_(0),
+      max_pinned_fraction_(max_pinned_fraction),
       events_enabled_(enable_events),
       max_pending_events_(static_cast<size_t>(std::max<int64_t>(max_pending_events, 1))) {
   if (max_pending_events < 1) throw ValueError(cat("max_pending_events must be >= 1, got ", max_pending_events));
@@ -42,7 +48,16 @@ BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_c
   if (num_cpu_blocks < 0) throw ValueError(cat("num_cpu_blocks must be >= 0, got ", num_cpu_blocks));
   if (!(watermark >= 0.0 && watermark < 1.0))
     throw ValueError(cat("watermark must be in [0, 1), got ", watermark));
+  for (const auto& [name, p] : {std::pair{"default_priority", default_priority}, {"decode_priority", decode_priority}})
+    if (p < kMinPriority || p > kMaxPriority)
+      throw ValueError(cat(name, " must be in [", kMinPriority, ", ", kMaxPriority, "], got ", p));
+  if (!(max_pinned_fraction >= 0.0 && max_pinned_fraction < 1.0))
+    throw ValueError(cat("max_pinned_fraction must be in [0, 1), got ", max_pinned_fraction));
   watermark_blocks_ = static_cast<int32_t>(watermark * num_blocks);
+  max_pinned_blocks_ = static_cast<int32_t>(max_pinned_fraction * num_blocks);
+  block_retention_.assign(num_blocks, BlockRetention{default_priority, kForever});
+  block_stamp_.assign(num_blocks, 0);
+  pin_count_.assign(num_blocks, 0);
   gpu_ref_.assign(num_blocks, 0);
   block_node_.assign(num_blocks, PrefixCache::kNoNode);
   for (int32_t b = 0; b < num_blocks; ++b) gpu_free_.push_back(b);
@@ -204,14 +219,138 @@ bool BlockManager::holds_cached_kv(int32_t block) const {
 }
 
 void BlockManager::return_to_free_list(int32_t block) {
-  // Cached KV goes to the back (evicted last, least recently freed first); a block without reusable
-  // content goes to the front so that it is handed out before any cached block.
-  if (holds_cached_kv(block)) {
-    gpu_free_.push_back(block);
-    ++cached_free_blocks_;
-  } else {
-    gpu_free_.push_front(block);
+  // Cached KV goes to the back of its priority's list (evicted after lower priorities, least recently
+  // freed first); a block without reusable content goes to the front of level 0, handed out first.
+  ++block_stamp_[block];
+  if (!holds_cached_kv(block)) {
+    gpu_free_.push_front(block, 0);
+    return;
   }
+  ++cached_free_blocks_;
+  BlockRetention& r = block_retention_[block];
+  if (r.duration != kForever) {  // the duration runs from now
+    const double expiry = now_ + r.duration;
+    if (expiry > now_) {
+      expiries_.push_back({expiry, next_expiry_order_++, block, block_stamp_[block]});
+      std::push_heap(expiries_.begin(), expiries_.end(), std::greater<>());
+    } else {
+      r = {default_priority_, kForever};
+    }
+  }
+  gpu_free_.push_back(block, 1 + r.priority);
+}
+
+void BlockManager::move_to_level(int32_t free_block, int32_t level) {
+  gpu_free_.remove(free_block);
+  gpu_free_.push_back(free_block, level);
+  ++block_stamp_[free_block];
+}
+
+int32_t BlockManager::block_priority(int32_t block) const {
+  if (block < 0 || block >= num_blocks_) throw ValueError(cat("block_priority: no GPU block ", block));
+  return block_retention_[block].priority;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Retention: clock and pins
+
+BlockManager::BlockRetention BlockManager::retention_of(const Sequence& seq, int32_t index) const {
+  const int64_t first = int64_t(index) * block_size_, last = first + block_size_;
+  BlockRetention r{-1, 0.0};
+  for (const RetentionRange& range : seq.retention)
+    if (std::max(range.start, first) < std::min(range.end, last) &&  // an empty range overlaps nothing
+        stronger({static_cast<int32_t>(range.priority), range.duration}, r))
+      r = {static_cast<int32_t>(range.priority), range.duration};
+  if (r.priority < 0) r = {first < seq.prompt_len ? default_priority_ : decode_priority_, kForever};
+  return r;
+}
+
+void BlockManager::validate_retention(const std::vector<RetentionRange>& ranges, const char* what) const {
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const RetentionRange& r = ranges[i];
+    if (r.start < 0 || r.end < r.start)
+      throw ValueError(cat(what, ": retention[", i, "] covers tokens [", r.start, ", ", r.end,
+                           "); need 0 <= start <= end"));
+    if (r.priority < kMinPriority || r.priority > kMaxPriority)
+      throw ValueError(cat(what, ": retention[", i, "] has priority ", r.priority, "; need ", kMinPriority,
+                           " <= priority <= ", kMaxPriority));
+    if (!(r.duration >= 0.0))
+      throw ValueError(cat(what, ": retention[", i, "] has duration ", r.duration, "; need >= 0 (or none)"));
+  }
+}
+
+void BlockManager::set_time(double now) {
+  if (std::isnan(now) || now < now_)
+    throw ValueError(cat("set_time: the clock only moves forward (now ", now_, ", got ", now, ")"));
+  now_ = now;
+  expire_durations();
+}
+
+void BlockManager::expire_durations() {
+  while (!expiries_.empty() && expiries_.front().time <= now_) {
+    const Expiry e = expiries_.front();
+    std::pop_heap(expiries_.begin(), expiries_.end(), std::greater<>());
+    expiries_.pop_back();
+    if (e.stamp != block_stamp_[e.block] || !gpu_free_.contains(e.block)) continue;  // stale
+    block_retention_[e.block] = {default_priority_, kForever};
+    move_to_level(e.block, 1 + default_priority_);
+  }
+  // Blocks revived and freed again leave stale entries behind: drop them once they outnumber the blocks,
+  // so the heap stays O(num_blocks) (amortised O(1) per release).
+  if (expiries_.size() > 2 * static_cast<size_t>(num_blocks_) + 64) {
+    expiries_.erase(std::remove_if(expiries_.begin(), expiries_.end(),
+                                   [this](const Expiry& e) {
+                                     return e.stamp != block_stamp_[e.block] || !gpu_free_.contains(e.block);
+                                   }),
+                    expiries_.end());
+    std::make_heap(expiries_.begin(), expiries_.end(), std::greater<>());
+  }
+}
+
+const std::vector<int32_t>& BlockManager::pinned_blocks(int64_t seq_id) const {
+  auto it = pins_.find(seq_id);
+  if (it == pins_.end()) throw KeyError(cat("pinned_blocks: ", seq_str(seq_id), " is not pinned"));
+  return it->second;
+}
+
+int32_t BlockManager::pin(int64_t seq_id) {
+  const Sequence& seq = get_resident(seq_id, "pin");
+  std::vector<int32_t> blocks;
+  for (int32_t i = 0; i < seq.num_registered; ++i)
+    if (holds_cached_kv(seq.block_table[i])) blocks.push_back(seq.block_table[i]);
+  // Blocks pinned after this call: the others' pins, plus these.
+  const auto old = pins_.find(seq_id);
+  std::unordered_set<int32_t> held_before;
+  if (old != pins_.end()) held_before.insert(old->second.begin(), old->second.end());
+  int32_t after = pinned_blocks_;
+  for (int32_t b : held_before) after -= pin_count_[b] == 1;
+  for (int32_t b : blocks) after += pin_count_[b] - static_cast<int32_t>(held_before.count(b)) == 0;
+  if (after > max_pinned_blocks_)
+    throw OutOfBlocks(cat("pin: ", seq_str(seq_id), " would bring the pinned blocks to ", after,
+                          ", over the cap of ", max_pinned_blocks_, " (max_pinned_fraction=", max_pinned_fraction_,
+                          " of ", num_blocks_, " blocks); unpin other sequences first"));
+  for (int32_t b : blocks) {  // blocks of a live sequence: in use, never in the free list
+    ++gpu_ref_[b];
+    pinned_blocks_ += pin_count_[b]++ == 0;
+  }
+  if (old != pins_.end()) drop_pin(old->second);
+  pins_[seq_id] = std::move(blocks);
+  return static_cast<int32_t>(pins_[seq_id].size());
+}
+
+void BlockManager::drop_pin(std::vector<int32_t>& blocks) {
+  for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) {  // tail first, as free() does
+    pinned_blocks_ -= --pin_count_[*b] == 0;
+    release_block(*b);
+  }
+  blocks.clear();
+}
+
+void BlockManager::unpin(int64_t seq_id) {
+  auto it = pins_.find(seq_id);
+  if (it == pins_.end()) throw KeyError(cat("unpin: ", seq_str(seq_id), " is not pinned"));
+  drop_pin(it->second);
+  pins_.erase(it);
 }
 
 bool BlockManager::is_pending_copy_source(int32_t block) const {
@@ -257,12 +396,19 @@ AllocStatus BlockManager::can_allocate(const int64_t* tokens, size_t num_tokens,
   const std::vector<int32_t>& hits = match_prefix_memo(tokens, num_tokens, salt, nullptr);
   int32_t from_free = needed;
   for (int32_t b : hits) from_free -= gpu_ref_[b] > 0;  // in-use hits cost no free block
+  if (pinned_blocks_ > 0) {  // pinned blocks never come free: what does not fit beside them waits forever
+    int32_t pinned_hits = 0;
+    for (int32_t b : hits) pinned_hits += pin_count_[b] > 0;
+    if (needed - pinned_hits > num_blocks_ - watermark_blocks_ - pinned_blocks_) return AllocStatus::kNever;
+  }
   return gpu_free_.size() - from_free >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
 }
 
-int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt) {
+int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt,
+                               const std::vector<RetentionRange>& retention) {
   if (seqs_.count(seq_id)) throw ValueError(cat("allocate: ", seq_str(seq_id), " already exists"));
   if (num_tokens == 0) throw ValueError("allocate: token_ids is empty");
+  validate_retention(retention, "allocate");
   const int32_t needed = blocks_for_tokens(static_cast<int64_t>(num_tokens));
   const std::vector<uint64_t>* memo_hashes = nullptr;
   const std::vector<int32_t> hits = match_prefix_memo(tokens, num_tokens, salt, &memo_hashes);
@@ -277,15 +423,22 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
   seq.tokens.assign(tokens, tokens + num_tokens);
   seq.salt.assign(salt);
   seq.block_hashes = std::move(hashes);
+  seq.prompt_len = static_cast<int64_t>(num_tokens);
+  seq.retention = retention;
   seq.block_table.reserve(needed);
   for (int32_t b : hits) {
     if (gpu_ref_[b]++ == 0 && gpu_free_.contains(b)) {  // else held for a pending copy
       gpu_free_.remove(b);
       --cached_free_blocks_;  // a hit holds cached KV
     }
+    keep_stronger_retention(b, retention_of(seq, static_cast<int32_t>(seq.block_table.size())));
     seq.block_table.push_back(b);
   }
-  while (static_cast<int32_t>(seq.block_table.size()) < needed) seq.block_table.push_back(take_free_block());
+  while (static_cast<int32_t>(seq.block_table.size()) < needed) {
+    const int32_t b = take_free_block();
+    block_retention_[b] = retention_of(seq, static_cast<int32_t>(seq.block_table.size()));
+    seq.block_table.push_back(b);
+  }
   seq.num_registered = static_cast<int32_t>(hits.size());
   seq.num_computed = int64_t(hits.size()) * block_size_;
   counters_.queries += static_cast<int64_t>(num_tokens);
@@ -301,11 +454,15 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
 
 std::vector<int64_t> BlockManager::allocate_batch(const std::vector<int64_t>& seq_ids,
                                                   const std::vector<TokenSpan>& prompts,
-                                                  const std::vector<std::string>& salts) {
+                                                  const std::vector<std::string>& salts,
+                                                  const std::vector<std::vector<RetentionRange>>& retentions) {
   if (prompts.size() != seq_ids.size())
     throw ValueError(cat("allocate_batch: ", seq_ids.size(), " seq_ids but ", prompts.size(), " prompts"));
   if (!salts.empty() && salts.size() != seq_ids.size())
     throw ValueError(cat("allocate_batch: ", salts.size(), " cache_salts for ", seq_ids.size(), " prompts"));
+  if (!retentions.empty() && retentions.size() != seq_ids.size())
+    throw ValueError(cat("allocate_batch: ", retentions.size(), " retentions for ", seq_ids.size(), " prompts"));
+  for (const auto& r : retentions) validate_retention(r, "allocate_batch");
   std::unordered_set<int64_t> seen;
   seen.reserve(seq_ids.size());
   for (size_t i = 0; i < seq_ids.size(); ++i) {
@@ -319,7 +476,8 @@ std::vector<int64_t> BlockManager::allocate_batch(const std::vector<int64_t>& se
   for (size_t i = 0; i < seq_ids.size(); ++i) {
     const std::string_view salt = salts.empty() ? std::string_view() : std::string_view(salts[i]);
     if (can_allocate(prompts[i].data, prompts[i].size, salt) != AllocStatus::kOk) break;
-    cached.push_back(allocate(seq_ids[i], prompts[i].data, prompts[i].size, salt));
+    cached.push_back(allocate(seq_ids[i], prompts[i].data, prompts[i].size, salt,
+                              retentions.empty() ? std::vector<RetentionRange>() : retentions[i]));
   }
   return cached;
 }
@@ -345,9 +503,12 @@ void BlockManager::register_computed_blocks(Sequence& seq) {
     }
     const int32_t previous = cache_.node(node).block;
     if (events_enabled_ && previous == PrefixCache::kNoBlock) record_stored(node, block_tokens, salt);
-    if (previous != PrefixCache::kNoBlock && previous != block && gpu_free_.contains(previous))
+    // The latest registration wins, unless a pin holds the earlier one: what is pinned keeps hitting.
+    if (previous == PrefixCache::kNoBlock || pin_count_[previous] == 0) cache_.set_block(node, block);
+    if (previous != PrefixCache::kNoBlock && previous != block && gpu_free_.contains(previous)) {
       --cached_free_blocks_;  // a free copy of this content is superseded: no longer a hit
-    cache_.set_block(node, block);  // the latest registration wins
+      move_to_level(previous, 0);
+    }
     seq.num_registered = i + 1;
   }
 }
@@ -442,10 +603,13 @@ void BlockManager::append_tokens(const int64_t* seq_ids, size_t n, const int64_t
     for (int64_t j = 0; j < count; ++j) {
       const int64_t pos = static_cast<int64_t>(seq.tokens.size());
       if (pos % block_size_ == 0) {
-        seq.block_table.push_back(take_free_block());
+        const int32_t b = take_free_block();
+        block_retention_[b] = retention_of(seq, static_cast<int32_t>(seq.block_table.size()));
+        seq.block_table.push_back(b);
       } else if (j == 0 && must_copy_before_write(seq.block_table.back())) {  // copy on write
         const int32_t last = seq.block_table.back();
         const int32_t copy = take_free_block();
+        block_retention_[copy] = retention_of(seq, static_cast<int32_t>(seq.block_table.size()) - 1);
         // Copying a block whose own copy is still pending: copy from that copy's source instead, so that
         // no copy reads another copy's destination (the copies of one batch are independent).
         const int32_t pending = pending_copies_.empty() ? -1 : pending_copy_source(last);
@@ -540,10 +704,12 @@ std::vector<BlockPair> BlockManager::move_blocks(const std::vector<int64_t>& seq
       auto [it, inserted] = src_to_dst.emplace(seq.block_table[i], 0);
       if (inserted) {
         it->second = to_cpu ? take_cpu_block() : take_free_block();
+        if (!to_cpu) block_retention_[it->second] = retention_of(seq, static_cast<int32_t>(i));
         const auto pending = copy_source.find(seq.block_table[i]);
         mapping.emplace_back(pending == copy_source.end() ? seq.block_table[i] : pending->second, it->second);
       } else {
         ++(to_cpu ? cpu_ref_ : gpu_ref_)[it->second];
+        if (!to_cpu) keep_stronger_retention(it->second, retention_of(seq, static_cast<int32_t>(i)));
       }
       dst_table[i] = it->second;
     }
@@ -577,7 +743,7 @@ AllocStatus BlockManager::can_swap_in(const std::vector<int64_t>& seq_ids, int64
     const int64_t len = static_cast<int64_t>(get(id).tokens.size());
     needed += blocks_for_tokens(len + num_lookahead_slots) - blocks_for_tokens(len);
   }
-  if (needed > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
+  if (needed > num_blocks_ - watermark_blocks_ - pinned_blocks_) return AllocStatus::kNever;
   return gpu_free_.size() - needed >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
 }
 
@@ -738,6 +904,7 @@ BlockManagerStats BlockManager::stats() const {
   s.num_seqs = static_cast<int32_t>(seqs_.size());
   for (const auto& kv : seqs_) s.num_swapped_seqs += kv.second.swapped;
   s.free_cpu_blocks = cpu_free_.size();
+  s.pinned_blocks = pinned_blocks_;
   return s;
 }
 
@@ -751,6 +918,20 @@ void BlockManager::reset_prefix_cache() {
   cache_.clear();
   cached_free_blocks_ = 0;
   for (auto& kv : seqs_) kv.second.num_registered = 0;
+  // Nothing is cached any more: pins (which keep cached KV) let go, and free blocks go to level 0 in
+  // their eviction order, at the default priority.
+  std::vector<int64_t> pinned_ids;
+  for (const auto& kv : pins_) pinned_ids.push_back(kv.first);
+  std::sort(pinned_ids.begin(), pinned_ids.end());  // a defined free-list order, whatever the hashing
+  for (int64_t id : pinned_ids) drop_pin(pins_[id]);
+  pins_.clear();
+  std::vector<int32_t> order;
+  order.reserve(static_cast<size_t>(gpu_free_.size()));
+  gpu_free_.for_each([&](int32_t b) { order.push_back(b); });
+  for (int32_t b : order) {
+    block_retention_[b] = {default_priority_, kForever};
+    if (gpu_free_.level(b) != 0) move_to_level(b, 0);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -787,6 +968,24 @@ void BlockManager::check_invariants() const {
       parent = node;
     }
   }
+  // Pins: each holds distinct blocks, counted in pin_count_ and as one reference.
+  std::vector<int32_t> pins_of(num_blocks_, 0);
+  for (const auto& [id, blocks] : pins_) {
+    const std::unordered_set<int32_t> distinct(blocks.begin(), blocks.end());
+    if (distinct.size() != blocks.size()) fail(cat("the pin of ", seq_str(id), " holds a block twice"));
+    for (int32_t b : blocks) {
+      if (b < 0 || b >= num_blocks_) fail(cat("the pin of ", seq_str(id), " holds out-of-range block ", b));
+      ++pins_of[b];
+      ++gpu_uses[b];
+    }
+  }
+  int32_t pinned = 0;
+  for (int32_t b = 0; b < num_blocks_; ++b) {
+    if (pin_count_[b] != pins_of[b]) fail(cat("block ", b, " has pin count ", pin_count_[b], " but ", pins_of[b], " pins"));
+    pinned += pins_of[b] > 0;
+  }
+  if (pinned != pinned_blocks_) fail(cat(pinned, " blocks are pinned but the count says ", pinned_blocks_));
+  if (pinned_blocks_ > max_pinned_blocks_) fail(cat(pinned_blocks_, " pinned blocks exceed the cap ", max_pinned_blocks_));
   for (int32_t b = 0; b < num_blocks_; ++b) {
     if (gpu_ref_[b] != gpu_uses[b]) fail(cat("block ", b, " has ref_count ", gpu_ref_[b], " but ", gpu_uses[b], " uses"));
     if (gpu_ref_[b] > 0 && gpu_free_.contains(b)) fail(cat("block ", b, " is used and in the free list"));
@@ -805,6 +1004,25 @@ void BlockManager::check_invariants() const {
   if (walked != gpu_free_.size()) fail(cat("free list walks ", walked, " blocks but counts ", gpu_free_.size()));
   if (cached_free != cached_free_blocks_)
     fail(cat(cached_free, " free blocks hold cached KV but the count says ", cached_free_blocks_));
+
+  // Retention: each free block sits at its level (1 + priority with cached KV, else 0); one whose
+  // priority has a duration has a live expiry entry in the future.
+  std::unordered_set<int32_t> live_expiry;
+  for (const Expiry& e : expiries_)
+    if (e.stamp == block_stamp_[e.block] && gpu_free_.contains(e.block)) {
+      if (e.time <= now_) fail(cat("block ", e.block, " should have fallen back to the default priority at ", e.time));
+      live_expiry.insert(e.block);
+    }
+  for (int32_t b = 0; b < num_blocks_; ++b) {
+    const BlockRetention& r = block_retention_[b];
+    if (r.priority < kMinPriority || r.priority > kMaxPriority || !(r.duration >= 0.0))
+      fail(cat("block ", b, " has retention (", r.priority, ", ", r.duration, ")"));
+    if (!gpu_free_.contains(b)) continue;
+    if (gpu_free_.level(b) != free_level(b))
+      fail(cat("free block ", b, " is at level ", gpu_free_.level(b), " instead of ", free_level(b)));
+    if (holds_cached_kv(b) && (r.duration != kForever) != (live_expiry.count(b) != 0))
+      fail(cat("free block ", b, " has duration ", r.duration, " but ", live_expiry.count(b), " live expiry entries"));
+  }
 
   // Prefix cache: node references, registrations and the hash index agree.
   const std::vector<PrefixCache::NodeId> live = cache_.live_nodes();

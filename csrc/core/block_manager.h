@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -41,6 +42,24 @@ struct KvEvent {
   std::string salt;                       // stored from block 0: the cache salt
 };
 
+// Retention: how long a token range's blocks keep their cached KV once no sequence uses them. Free blocks
+// are evicted lowest priority first, least recently freed first within a priority.
+constexpr int32_t kMinPriority = 0;
+constexpr int32_t kMaxPriority = 100;
+constexpr int32_t kDefaultPriority = 35;  // blocks no range covers (as TensorRT-LLM)
+constexpr double kForever = std::numeric_limits<double>::infinity();
+constexpr int64_t kToTheEnd = std::numeric_limits<int64_t>::max();
+
+// Tokens [start, end) of a sequence. A block takes the priority of the ranges that overlap it (the
+// highest wins); `duration` (of the manager's clock, from the moment the block is freed) later it falls
+// back to the default priority. end = kToTheEnd covers every later token, decode tokens included.
+struct RetentionRange {
+  int64_t start = 0;
+  int64_t end = kToTheEnd;
+  int64_t priority = kDefaultPriority;
+  double duration = kForever;
+};
+
 struct BlockManagerStats {
   int64_t queries = 0;      // prompt tokens looked up in the prefix cache
   int64_t hits = 0;         // of those, tokens whose KV was already cached
@@ -60,6 +79,7 @@ struct BlockManagerStats {
   int32_t num_seqs = 0;
   int32_t num_swapped_seqs = 0;
   int32_t free_cpu_blocks = 0;
+  int32_t pinned_blocks = 0;       // GPU blocks held by pins
 };
 
 class BlockManager {
@@ -67,17 +87,45 @@ class BlockManager {
   BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks = 0,
                bool enable_prefix_caching = true, double watermark = 0.0,
                HashAlgo hash_algo = HashAlgo::kXXH64, bool enable_events = false,
-               int64_t max_pending_events = kDefaultMaxPendingEvents);
+               int64_t max_pending_events = kDefaultMaxPendingEvents, int32_t default_priority = kDefaultPriority,
+               int32_t decode_priority = kDefaultPriority, double max_pinned_fraction = kDefaultMaxPinnedFraction);
   static constexpr int64_t kDefaultMaxPendingEvents = 1 << 16;
+  static constexpr double kDefaultMaxPinnedFraction = 0.5;
 
   AllocStatus can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt = {}) const;
   // Gives seq_id a block table for its prompt; returns how many leading tokens are already cached.
-  int64_t allocate(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt = {});
+  // `retention` ranges set its blocks' eviction priority (validated: 0 <= start <= end, priority in
+  // [0, 100], duration >= 0); blocks no range overlaps take default_priority (decode_priority for
+  // blocks that start past the prompt). A block held by several sequences keeps the highest.
+  int64_t allocate(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt = {},
+                   const std::vector<RetentionRange>& retention = {});
   // Admits prompts in order while can_allocate says OK and returns the cached-token count of each admitted
   // one (prompts [0, result.size()) were admitted). The whole batch is validated first (ids distinct and
   // new, prompts non-empty, one salt per prompt or none), so a bad batch changes nothing.
   std::vector<int64_t> allocate_batch(const std::vector<int64_t>& seq_ids, const std::vector<TokenSpan>& prompts,
-                                      const std::vector<std::string>& salts = {});
+                                      const std::vector<std::string>& salts = {},
+                                      const std::vector<std::vector<RetentionRange>>& retentions = {});
+  void validate_retention(const std::vector<RetentionRange>& ranges, const char* what) const;
+
+  // The manager's clock (any unit, the one of the durations; starts at 0, never read from the wall).
+  // Advancing it moves the free blocks whose priority duration has run out to the default priority.
+  void set_time(double now);
+  double now() const { return now_; }
+
+  // Pinning: pin(seq_id) holds the sequence's full blocks whose KV the prefix cache has now (call it
+  // after mark_computed; again to take in more), so that they stay cached after free() until unpin.
+  // Pinned blocks are never free nor evictable; a pin that would hold more than max_pinned_blocks()
+  // is refused (OutOfBlocks) and changes nothing. Returns the number of blocks the pin holds.
+  int32_t pin(int64_t seq_id);
+  void unpin(int64_t seq_id);   // KeyError unless pinned; works after the sequence is freed
+  bool is_pinned(int64_t seq_id) const { return pins_.count(seq_id) != 0; }
+  const std::vector<int32_t>& pinned_blocks(int64_t seq_id) const;
+  int32_t num_pinned_blocks() const { return pinned_blocks_; }
+  int32_t max_pinned_blocks() const { return max_pinned_blocks_; }
+  int32_t default_priority() const { return default_priority_; }
+  int32_t decode_priority() const { return decode_priority_; }
+  // The eviction priority a block has now (tests and check_invariants).
+  int32_t block_priority(int32_t block) const;
   // The KV of the first num_tokens[i] (all tokens when num_tokens is null) of each sequence is written:
   // full blocks among them enter the prefix cache. seq_ids must be distinct.
   void mark_computed(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>* num_tokens = nullptr);
@@ -156,7 +204,25 @@ class BlockManager {
     int32_t num_registered = 0;         // leading full blocks registered in the prefix cache
     std::string salt;
     bool swapped = false;
+    int64_t prompt_len = 0;
+    std::vector<RetentionRange> retention;
   };
+  // The retention a block holds: what it falls back to the default from once free.
+  struct BlockRetention {
+    int32_t priority;
+    double duration;
+  };
+  BlockRetention retention_of(const Sequence& seq, int32_t index) const;  // of the seq's index-th block
+  static bool stronger(const BlockRetention& a, const BlockRetention& b) {
+    return a.priority != b.priority ? a.priority > b.priority : a.duration > b.duration;
+  }
+  void keep_stronger_retention(int32_t block, const BlockRetention& r) {
+    if (stronger(r, block_retention_[block])) block_retention_[block] = r;
+  }
+  int32_t free_level(int32_t block) const { return holds_cached_kv(block) ? 1 + block_retention_[block].priority : 0; }
+  void move_to_level(int32_t free_block, int32_t level);  // to the back of that level's list
+  void expire_durations();  // free blocks whose duration ran out fall back to the default priority
+  void drop_pin(std::vector<int32_t>& blocks);
   enum class Where { kResident, kSwapped };
 
   Sequence& get(int64_t seq_id);
@@ -206,7 +272,7 @@ class BlockManager {
   bool prefix_caching_;
   HashAlgo hash_algo_;
 
-  std::vector<int32_t> gpu_ref_;
+  std::vector<int32_t> gpu_ref_;          // block-table entries + pins holding each GPU block
   std::vector<PrefixCache::NodeId> block_node_;  // content of each GPU block, or kNoNode
   FreeList gpu_free_;
   std::vector<int32_t> cpu_ref_;
@@ -224,8 +290,32 @@ class BlockManager {
   };
   mutable MatchMemo memo_;
   BlockManagerStats counters_;
-  BlockManagerStats step_start_;
-  int32_t cached_free_blocks_ = 0;  // free blocks that still hold cached KV (kept, not counted per call)  // counters_ at the last take_step_stats
+  BlockManagerStats step_start_;  // counters_ at the last take_step_stats
+  int32_t cached_free_blocks_ = 0;  // free blocks that still hold cached KV (kept, not counted per call)
+
+  // Retention. Free blocks holding cached KV sit at free-list level 1 + priority (level 0: no reusable
+  // content, handed out first). A free block with a finite duration has an entry in expiries_, a
+  // min-heap on (time, order); an entry is live while its stamp is the block's (bumped whenever the
+  // block enters the free list or changes level), so stale entries are skipped, never searched for.
+  int32_t default_priority_, decode_priority_;
+  double now_ = 0.0;
+  std::vector<BlockRetention> block_retention_;
+  std::vector<uint32_t> block_stamp_;
+  struct Expiry {
+    double time;
+    uint64_t order;
+    int32_t block;
+    uint32_t stamp;
+    bool operator>(const Expiry& o) const { return time != o.time ? time > o.time : order > o.order; }
+  };
+  std::vector<Expiry> expiries_;
+  uint64_t next_expiry_order_ = 0;
+
+  std::unordered_map<int64_t, std::vector<int32_t>> pins_;  // seq id -> the blocks its pin holds
+  std::vector<int32_t> pin_count_;  // pins holding each GPU block
+  int32_t pinned_blocks_ = 0;       // blocks with pin_count_ > 0
+  int32_t max_pinned_blocks_;
+  double max_pinned_fraction_;
 
   void record_event(KvEvent&& event);
   void record_stored(PrefixCache::NodeId node, const int64_t* tokens, std::string_view salt);

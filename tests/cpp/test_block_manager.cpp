@@ -332,3 +332,267 @@ TEST(BlockManager, EventsReplayToCachedBlocks) {
     check();
   }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// Retention priorities, durations and pins
+
+namespace {
+
+int64_t alloc_r(BlockManager& bm, int64_t id, const std::vector<int64_t>& t, std::vector<RetentionRange> r) {
+  return bm.allocate(id, t.data(), t.size(), {}, r);
+}
+
+// Allocates, computes and frees a prompt: its full blocks are left cached in the free list.
+std::vector<int32_t> cache_prompt(BlockManager& bm, int64_t id, const std::vector<int64_t>& t,
+                                  std::vector<RetentionRange> r = {}) {
+  alloc_r(bm, id, t, r);
+  bm.mark_computed({id});
+  std::vector<int32_t> table = bm.block_table(id);
+  bm.free(id);
+  return table;
+}
+
+AllocStatus can_alloc(const BlockManager& bm, const std::vector<int64_t>& t) {
+  return bm.can_allocate(t.data(), t.size());
+}
+
+}  // namespace
+
+TEST(Retention, LowestPriorityIsEvictedFirstThenLru) {
+  BlockManager bm(10, 2);
+  const auto sys = iota_tokens(6, 0), user = iota_tokens(6, 100);
+  const auto s = cache_prompt(bm, 1, sys, {{0, 6, 90}});  // freed first, but priority 90
+  const auto u = cache_prompt(bm, 2, user);                 // default 35
+  EXPECT_EQ(bm.block_priority(s[0]), 90);
+  EXPECT_EQ(bm.block_priority(u[0]), kDefaultPriority);
+  // The 4 never-used blocks go first (level 0), then the user prompt's blocks tail first, not the system's.
+  alloc(bm, 3, iota_tokens(14, 500));  // 7 blocks
+  EXPECT_EQ(bm.stats().evictions, 3);
+  EXPECT_EQ(std::vector<int32_t>(bm.block_table(3).begin() + 4, bm.block_table(3).end()),
+            (std::vector<int32_t>{u[2], u[1], u[0]}));
+  bm.free(3);
+  EXPECT_EQ(alloc(bm, 4, sys), 4) << "the priority-90 prefix survived";
+  bm.check_invariants();
+}
+
+TEST(Retention, WithoutRetentionEvictionIsPlainLru) {
+  BlockManager bm(6, 2);
+  const auto a = cache_prompt(bm, 1, iota_tokens(6, 0));
+  const auto b = cache_prompt(bm, 2, iota_tokens(6, 100));
+  alloc(bm, 3, iota_tokens(8, 500));  // 4 blocks: least recently freed first, each sequence tail first
+  EXPECT_EQ(bm.block_table(3), (std::vector<int32_t>{a[2], a[1], a[0], b[2]}));
+  bm.check_invariants();
+}
+
+TEST(Retention, HighestOverlappingRangeWinsAndSharedBlocksKeepTheHighest) {
+  BlockManager bm(16, 4);
+  const auto t = iota_tokens(16);
+  // Block 0: ranges 60 and 80 overlap it -> 80. Block 1 (tokens 4-7): only the 60 range (ends at 5).
+  // Block 2: no range -> default. Block 3: a range of priority 10 -> 10 (below the default).
+  alloc_r(bm, 1, t, {{0, 5, 60}, {2, 3, 80}, {12, 16, 10}});
+  const auto table = bm.block_table(1);
+  EXPECT_EQ(bm.block_priority(table[0]), 80);
+  EXPECT_EQ(bm.block_priority(table[1]), 60);
+  EXPECT_EQ(bm.block_priority(table[2]), kDefaultPriority);
+  EXPECT_EQ(bm.block_priority(table[3]), 10);
+  bm.mark_computed({1});
+  // A second sequence hits blocks 0-2 with priority 50 everywhere: 80 and 60 stay, the default rises.
+  alloc_r(bm, 2, t, {{0, kToTheEnd, 50}});
+  EXPECT_EQ(bm.block_priority(table[0]), 80);
+  EXPECT_EQ(bm.block_priority(table[1]), 60);
+  EXPECT_EQ(bm.block_priority(table[2]), 50);
+  bm.free(1);
+  bm.free(2);
+  bm.check_invariants();
+}
+
+TEST(Retention, DecodeBlocksTakeTheDecodePriorityOrACoveringRange) {
+  BlockManager bm(16, 2, 0, true, 0.0, HashAlgo::kXXH64, false, BlockManager::kDefaultMaxPendingEvents,
+                  /*default_priority=*/35, /*decode_priority=*/5);
+  alloc_r(bm, 1, iota_tokens(4), {});
+  alloc_r(bm, 2, iota_tokens(4, 10), {{0, kToTheEnd, 70}});
+  bm.append_token(1, 9);
+  bm.append_token(2, 9);
+  EXPECT_EQ(bm.block_priority(bm.block_table(1)[2]), 5);
+  EXPECT_EQ(bm.block_priority(bm.block_table(2)[2]), 70);
+  EXPECT_EQ(bm.block_priority(bm.block_table(1)[0]), 35);
+  bm.check_invariants();
+}
+
+TEST(Retention, DurationRunsFromTheFreeAndFallsBackToTheDefault) {
+  BlockManager bm(6, 2);
+  const auto sys = iota_tokens(6, 0);
+  alloc_r(bm, 1, sys, {{0, 6, 90, /*duration=*/10.0}});
+  bm.mark_computed({1});
+  bm.set_time(100.0);  // in use: the duration has not started
+  const auto s = bm.block_table(1);
+  bm.free(1);
+  EXPECT_EQ(bm.block_priority(s[0]), 90);
+  const auto u = cache_prompt(bm, 2, iota_tokens(6, 100));
+  bm.set_time(109.5);
+  bm.check_invariants();
+  EXPECT_EQ(bm.block_priority(s[0]), 90);
+  bm.set_time(110.0);
+  EXPECT_EQ(bm.block_priority(s[0]), kDefaultPriority);
+  bm.check_invariants();
+  // Back at the default, as if freed at 110: after the user prompt (freed at 100) in LRU order.
+  alloc(bm, 3, iota_tokens(8, 500));  // 4 blocks
+  EXPECT_EQ(bm.block_table(3), (std::vector<int32_t>{u[2], u[1], u[0], s[2]}));
+  EXPECT_THROW(bm.set_time(50.0), ValueError);
+  EXPECT_THROW(bm.set_time(std::nan("")), ValueError);
+  EXPECT_EQ(bm.now(), 110.0);
+  bm.check_invariants();
+}
+
+TEST(Retention, RevivedBlockRestartsItsDuration) {
+  BlockManager bm(8, 2);
+  const auto sys = iota_tokens(6, 0);
+  const auto s = cache_prompt(bm, 1, sys, {{0, 6, 90, 10.0}});  // freed at 0: falls back at 10
+  bm.set_time(8.0);
+  EXPECT_EQ(alloc(bm, 2, sys), 4);  // revived: the entry expiring at 10 is stale now
+  bm.set_time(12.0);
+  EXPECT_EQ(bm.block_priority(s[0]), 90);
+  bm.free(2);  // freed at 12: falls back at 22
+  bm.set_time(21.0);
+  EXPECT_EQ(bm.block_priority(s[0]), 90);
+  bm.set_time(22.0);
+  EXPECT_EQ(bm.block_priority(s[0]), kDefaultPriority);
+  bm.check_invariants();
+}
+
+TEST(Retention, ZeroDurationFallsBackAtOnce) {
+  BlockManager bm(8, 2);
+  const auto s = cache_prompt(bm, 1, iota_tokens(6), {{0, 6, 90, 0.0}});
+  EXPECT_EQ(bm.block_priority(s[0]), kDefaultPriority);
+  bm.check_invariants();
+}
+
+TEST(Retention, BadRangesAreValueErrorsAndChangeNothing) {
+  BlockManager bm(8, 2);
+  const auto t = iota_tokens(6);
+  const std::vector<std::vector<RetentionRange>> bad = {
+      {{0, 6, 101}}, {{0, 6, -1}}, {{4, 2, 50}}, {{-1, 2, 50}}, {{0, 6, 50, -1.0}}, {{0, 6, 50, std::nan("")}}};
+  for (const auto& r : bad) {
+    EXPECT_THROW(alloc_r(bm, 1, t, r), ValueError);
+    EXPECT_FALSE(bm.contains(1));
+    EXPECT_EQ(bm.num_free_blocks(), 8);
+    std::vector<TokenSpan> spans = {{t.data(), t.size()}};
+    EXPECT_THROW(bm.allocate_batch({1}, spans, {}, {r}), ValueError);
+    EXPECT_FALSE(bm.contains(1));
+  }
+  EXPECT_THROW(BlockManager(8, 2, 0, true, 0.0, HashAlgo::kXXH64, false, 64, /*default_priority=*/101), ValueError);
+  EXPECT_THROW(BlockManager(8, 2, 0, true, 0.0, HashAlgo::kXXH64, false, 64, 35, /*decode_priority=*/-1), ValueError);
+  EXPECT_THROW(BlockManager(8, 2, 0, true, 0.0, HashAlgo::kXXH64, false, 64, 35, 35, /*max_pinned_fraction=*/1.0),
+               ValueError);
+  bm.check_invariants();
+}
+
+TEST(Retention, PinnedBlocksStayCachedAfterFreeUntilUnpin) {
+  BlockManager bm(8, 2, 0, true, 0.0, HashAlgo::kXXH64, false, 64, 35, 35, /*max_pinned_fraction=*/0.5);
+  const auto sys = iota_tokens(7, 0);  // 3 full blocks + 1
+  alloc(bm, 1, sys);
+  EXPECT_EQ(bm.pin(1), 0) << "nothing is cached before mark_computed";
+  bm.mark_computed({1});
+  EXPECT_EQ(bm.pin(1), 3);
+  const std::vector<int32_t> pinned = bm.pinned_blocks(1);
+  bm.free(1);
+  EXPECT_TRUE(bm.is_pinned(1));
+  EXPECT_EQ(bm.num_free_blocks(), 5) << "pinned blocks are never free";
+  EXPECT_EQ(bm.stats().pinned_blocks, 3);
+  // Pressure: a 5-block prompt fits, a 6-block one never does while the pin holds.
+  EXPECT_EQ(can_alloc(bm, iota_tokens(10, 100)), AllocStatus::kOk);
+  EXPECT_EQ(can_alloc(bm, iota_tokens(12, 100)), AllocStatus::kNever);
+  alloc(bm, 2, iota_tokens(10, 100));
+  EXPECT_EQ(can_alloc(bm, iota_tokens(2, 300)), AllocStatus::kLater);
+  bm.free(2);
+  // The pinned prefix still hits; its blocks count as in use, so a sys-sharing prompt of 8 blocks fits.
+  auto longer = sys;
+  for (int64_t x = 0; x < 9; ++x) longer.push_back(1000 + x);  // 16 tokens: 8 blocks, 3 of them pinned hits
+  EXPECT_EQ(can_alloc(bm, longer), AllocStatus::kOk);
+  EXPECT_EQ(alloc(bm, 3, longer), 6);
+  EXPECT_EQ(std::vector<int32_t>(bm.block_table(3).begin(), bm.block_table(3).begin() + 3), pinned);
+  bm.free(3);
+  bm.unpin(1);
+  EXPECT_FALSE(bm.is_pinned(1));
+  EXPECT_EQ(bm.num_free_blocks(), 8);
+  EXPECT_THROW(bm.unpin(1), KeyError);
+  bm.check_invariants();
+}
+
+TEST(Retention, PinCapIsAClearErrorThatChangesNothing) {
+  BlockManager bm(10, 2, 0, true, 0.0, HashAlgo::kXXH64, false, 64, 35, 35, /*max_pinned_fraction=*/0.5);
+  alloc(bm, 1, iota_tokens(7, 0));    // 3 full blocks
+  alloc(bm, 2, iota_tokens(7, 100));  // 3 full blocks (4 + 4 of 10 blocks in use)
+  bm.mark_computed({1, 2});
+  EXPECT_EQ(bm.pin(1), 3);
+  EXPECT_THROW(bm.pin(2), OutOfBlocks);  // 6 > 5
+  EXPECT_FALSE(bm.is_pinned(2));
+  EXPECT_EQ(bm.num_pinned_blocks(), 3);
+  EXPECT_EQ(bm.pin(1), 3) << "pinning again holds the same blocks, not twice as many";
+  EXPECT_EQ(bm.num_pinned_blocks(), 3);
+  EXPECT_THROW(bm.pin(99), KeyError);
+  bm.check_invariants();
+}
+
+TEST(Retention, PinSurvivesSwapAndResetLetsGo) {
+  BlockManager bm(8, 2, /*num_cpu_blocks=*/8);
+  alloc(bm, 1, iota_tokens(5));
+  bm.mark_computed({1});
+  bm.pin(1);
+  bm.swap_out({1});
+  EXPECT_THROW(bm.pin(1), ValueError) << "a swapped-out sequence cannot be pinned";
+  EXPECT_EQ(bm.num_free_blocks(), 6) << "the pin keeps its 2 blocks on the GPU";
+  bm.check_invariants();
+  bm.reset_prefix_cache();
+  EXPECT_FALSE(bm.is_pinned(1));
+  EXPECT_EQ(bm.num_free_blocks(), 8);
+  bm.check_invariants();
+}
+
+TEST(Retention, SwapInAndCopyOnWriteCarryTheSequencesPriority) {
+  BlockManager bm(8, 2, /*num_cpu_blocks=*/8);
+  alloc_r(bm, 1, iota_tokens(5), {{0, kToTheEnd, 80}});
+  bm.fork(1, 2);
+  bm.append_token(2, 7);  // copy of the shared last block
+  EXPECT_EQ(bm.block_priority(bm.block_table(2)[2]), 80);
+  bm.take_copies();
+  bm.swap_out({1});
+  bm.swap_in({1});
+  for (int32_t b : bm.block_table(1)) EXPECT_EQ(bm.block_priority(b), 80);
+  bm.check_invariants();
+}
+
+TEST(Retention, EvictingAPriorityBlockIsARemovedEvent) {
+  BlockManager bm(4, 2, 0, true, 0.0, HashAlgo::kXXH64, /*enable_events=*/true);
+  cache_prompt(bm, 1, iota_tokens(3), {{0, 3, 90}});  // 1 cached block at 90
+  bm.take_events();
+  alloc(bm, 2, iota_tokens(7, 100));  // 4 blocks: the cached one is evicted last but evicted
+  const auto events = bm.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, KvEvent::Kind::kRemoved);
+  EXPECT_TRUE(bm.cached_blocks().empty());
+}
+
+TEST(Retention, APinnedRegistrationIsNotSupersededByALaterIdenticalOne) {
+  BlockManager bm(12, 2);
+  const auto t = iota_tokens(5);
+  alloc(bm, 1, t);
+  alloc(bm, 2, t);  // same wave: no hit, its own blocks
+  bm.mark_computed({1});
+  ASSERT_EQ(bm.pin(1), 2);
+  const auto pinned = bm.pinned_blocks(1);
+  bm.mark_computed({2});  // without the pin, seq 2's blocks would become the ones that hit
+  bm.free(1);
+  bm.free(2);
+  alloc(bm, 3, iota_tokens(20, 100));  // 10 blocks: evicts everything that is not pinned
+  bm.free(3);
+  EXPECT_EQ(alloc(bm, 4, t), 4);
+  EXPECT_EQ(std::vector<int32_t>(bm.block_table(4).begin(), bm.block_table(4).begin() + 2), pinned);
+  bm.check_invariants();
+}
+
+TEST(Retention, AnEmptyRangeOverlapsNothing) {
+  BlockManager bm(8, 4);
+  alloc_r(bm, 1, iota_tokens(8), {{5, 5, 90}});
+  for (int32_t b : bm.block_table(1)) EXPECT_EQ(bm.block_priority(b), kDefaultPriority);
+}

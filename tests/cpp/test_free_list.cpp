@@ -37,3 +37,24 @@ TEST(FreeList, RemoveFromMiddleAndPushFront) {
   while (!l.empty()) l.pop_front();
   EXPECT_EQ(l.front(), FreeList::kNone);
 }
+
+TEST(FreeList, LowestLevelFirstLruWithinALevel) {
+  FreeList l(8, /*num_levels=*/102);
+  l.push_back(0, 90);
+  l.push_back(1, 36);
+  l.push_back(2, 36);
+  l.push_back(3, 101);
+  l.push_front(4, 0);
+  EXPECT_EQ(contents(l), (std::vector<int32_t>{4, 1, 2, 0, 3}));
+  EXPECT_EQ(l.level(0), 90);
+  EXPECT_EQ(l.pop_front(), 4);
+  l.remove(1);
+  EXPECT_EQ(l.front(), 2);
+  EXPECT_EQ(l.pop_front(), 2);
+  EXPECT_EQ(l.pop_front(), 0) << "level 36 emptied: the next non-empty level is 90";
+  l.push_back(5, 64);  // levels in the second bitmap word and across words
+  EXPECT_EQ(l.pop_front(), 5);
+  EXPECT_EQ(l.pop_front(), 3);
+  EXPECT_TRUE(l.empty());
+  EXPECT_EQ(l.front(), FreeList::kNone);
+}
