@@ -103,6 +103,29 @@ class Scheduler:
             self.running = [s for s in self.running if s.request is not request]
             self.swapped = deque(g for g in self.swapped if g[0].request is not request)
 
+    # ---- who owns a sequence's tokens ----------------------------------------------------------------
+    def check_consistency(self) -> None:
+        """The ownership rule (docs/design.md, "Engine"): a sequence's tokens live in its `Sequence` (it
+        exists before it has KV and after a recompute preemption drops it); the block manager holds a view
+        of them, the prefix that has KV slots, `seq.token_ids[:bm.num_tokens(id)]`, and is the only source
+        of slots, block tables and computed lengths. Between steps a decoding sequence's KV covers every
+        token but the last sampled one (that token is appended to the manager when the next step writes
+        its KV); a sequence still prefilling has all its prompt tokens there and fewer computed. Raises
+        AssertionError naming the first sequence that breaks this (tests call it after every step)."""
+        resident = self.running + [s for group in self.swapped for s in group]
+        for seq in resident:
+            held = self.bm.num_tokens(seq.seq_id)
+            computed = self.bm.num_computed_tokens(seq.seq_id)
+            if self.bm.token_ids(seq.seq_id) != seq.token_ids[:held]:
+                raise AssertionError(f"sequence {seq.seq_id}: the block manager's tokens are not a prefix of its own")
+            want = (len(seq) - 1, len(seq) - 1) if seq.prefilled else (len(seq), None)
+            if held != want[0] or (want[1] is not None and computed != want[1]) or computed > held:
+                raise AssertionError(f"sequence {seq.seq_id} ({len(seq)} tokens, prefilled={seq.prefilled}): "
+                                     f"the block manager holds {held} tokens, {computed} computed")
+        for seq in self.waiting:
+            if seq.seq_id in self.bm:
+                raise AssertionError(f"waiting sequence {seq.seq_id} still holds blocks")
+
     # ---- failed steps -----------------------------------------------------------------------------
     def snapshot(self) -> "Snapshot":
         """What restore() needs to undo a step: every unfinished request's sequences and counters."""
