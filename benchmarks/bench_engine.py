@@ -1,8 +1,14 @@
 """pagedkv.engine vs transformers `generate` on the same random Llama and prompts (generated tokens/s),
 and KV memory: how many sequences fit in a fixed KV budget, paged vs one contiguous max-length buffer each.
 
-    python benchmarks/bench_engine.py [--batch 16] [--device cpu] [--threads 2]
+    python benchmarks/bench_engine.py [--batch 16] [--device cpu] [--threads 2] [--speculative 4]
     python benchmarks/bench_engine.py --tensor-parallel-size 2 --threads 1   # TP=1 vs TP=2, per-rank KV
+    python benchmarks/bench_engine.py --contention 1 --threads 2            # quiet vs one busy process
+
+--speculative K adds prompt-lookup speculative decoding (K drafts a step) on this workload and on one
+whose prompts repeat a passage, where lookup finds drafts: acceptance rate, tokens/s and speed-up over
+the same engine without speculation (median over --repeat interleaved rounds), and whether the outputs
+are identical.
 """
 import argparse
 import os
@@ -52,13 +58,16 @@ def run_transformers(model, prompts, max_new_tokens, device):
     return [row[width:].tolist() for row in out]
 
 
-def engine_runner(path, prompts, max_new_tokens, device, prefix_caching, tensor_parallel_size=1, threads=None):
-    """A function running the prompts through a warmed-up engine, with a cold prefix cache each time.
-    threads: torch CPU threads while it runs (and of each tensor-parallel worker, fixed at its start)."""
+def engine_runner(path, prompts, max_new_tokens, device, prefix_caching, tensor_parallel_size=1, threads=None,
+                  speculative=0):
+    """A function running the prompts through a warmed-up engine, with a cold prefix cache each time (its
+    LLM is the function's `llm` attribute). threads: torch CPU threads while it runs (and of each
+    tensor-parallel worker, fixed at its start); speculative: prompt-lookup drafts a step (0: off)."""
     if threads:
         torch.set_num_threads(threads)
+    spec = dict(speculative="ngram", num_speculative_tokens=speculative) if speculative else {}
     llm = LLM(path, device=device, enable_prefix_caching=prefix_caching, max_num_seqs=len(prompts),
-              tensor_parallel_size=tensor_parallel_size)
+              tensor_parallel_size=tensor_parallel_size, **spec)
     llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))   # warm-up
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
 
@@ -69,6 +78,28 @@ def engine_runner(path, prompts, max_new_tokens, device, prefix_caching, tensor_
         return [o.token_ids for o in llm.generate(prompts, params)]
     run.llm = llm
     return run
+
+
+def repeated_prompts(n, passage_len, copies, seed=0):
+    """n prompts, each a random passage of passage_len tokens repeated `copies` times."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(passage_len)] * copies for _ in range(n)]
+
+
+def speculative_rows(path, workloads, max_new_tokens, device, k, repeat):
+    """For each (name, prompts): the engine without and with k-token prompt lookup, interleaved rounds."""
+    print(f"\nprompt-lookup speculative decoding, {k} drafts a step, greedy, prefix cache on, {max_new_tokens} new "
+          f"tokens each; median of {repeat} interleaved rounds (best in brackets)")
+    print(f"{'workload':44} {'accepted':>9} {'tok/s off':>15} {'tok/s on':>15} {'speed-up':>9} {'identical':>10}")
+    for name, prompts in workloads:
+        fns = [engine_runner(path, prompts, max_new_tokens, device, True, speculative=spec) for spec in (0, k)]
+        (out_off, times_off), (out_on, times_on) = timed_rounds(repeat, fns, device)
+        stats = fns[1].llm.stats()
+        generated = len(prompts) * max_new_tokens
+        off, on = statistics.median(times_off), statistics.median(times_on)
+        same = sum(a == b for a, b in zip(out_off, out_on))
+        print(f"{name:44} {stats['spec_acceptance_rate']:8.1%} {generated / off:8.0f} ({generated / min(times_off):4.0f}) "
+              f"{generated / on:8.0f} ({generated / min(times_on):4.0f}) {off / on:8.2f}x {same:>6}/{len(prompts)}")
 
 
 def timed_rounds(repeat, fns, device):
@@ -128,6 +159,10 @@ def main():
     p.add_argument("--repeat", type=int, default=3, help="best time of this many runs each")
     p.add_argument("--hidden", type=int, default=MODEL["hidden_size"])
     p.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="also measure prompt-lookup speculative decoding with K drafts a step")
+    p.add_argument("--init-range", type=float, default=MODEL["initializer_range"],
+                   help="the random model's weight scale (smaller: its greedy outputs repeat more)")
     p.add_argument("--contention", type=int, default=0, metavar="N",
                    help="> 0: time the engine quiet and with N busy processes on the machine, interleaved "
                         "(--repeat rounds each), and report both medians instead")
@@ -135,6 +170,7 @@ def main():
                    help="> 1: compare the engine at TP=1 and at this TP size (--threads per rank) instead")
     args = p.parse_args()
     MODEL.update(hidden_size=args.hidden, intermediate_size=args.hidden * 43 // 16, num_hidden_layers=args.layers)
+    MODEL.update(initializer_range=args.init_range)
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = make_prompts(args.batch, args.system_len)
@@ -150,6 +186,10 @@ def main():
             lambda: run_transformers(hf, prompts, new, args.device),
             engine_runner(tmp, prompts, new, args.device, prefix_caching=False),
             engine_runner(tmp, prompts, new, args.device, prefix_caching=True)], args.device)
+        if args.speculative:
+            speculative_rows(tmp, [(f"this workload ({args.system_len}-token system prompt)", prompts),
+                                   ("prompts repeating a 64-token passage 4 times", repeated_prompts(args.batch, 64, 4))],
+                             new, args.device, args.speculative, args.repeat)
 
     generated = args.batch * new
     print(f"\n{MODEL['num_hidden_layers']}-layer Llama, hidden {MODEL['hidden_size']}, vocab {MODEL['vocab_size']}, "

@@ -21,37 +21,19 @@ END = -1
 
 
 def own_schema():
-    """vLLM 0.32's layout: an array-like batch of events tagged by "type" (maps)."""
-
-    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-        ts: float
-        events: list
-        data_parallel_rank: int | None = None
-
-    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-        pass
-
-    class BlockStored(KVCacheEvent):
-        block_hashes: list[bytes | int]
-        parent_block_hash: bytes | int | None
-        token_ids: list[int]
-        block_size: int
-        lora_id: int | None
-        medium: str | None
-        lora_name: str | None
-        extra_keys: list[tuple | None] | None = None
-
-    class BlockRemoved(KVCacheEvent):
-        block_hashes: list[bytes | int]
-        medium: str | None
-
-    class AllBlocksCleared(KVCacheEvent):
-        pass
-
-    class KVEventBatch(EventBatch):
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-    return KVEventBatch
+    """vLLM 0.32's layout, written out here independently of pagedkv's encoder: an array-like batch
+    [ts, events, data_parallel_rank] of maps tagged by "type"."""
+    block_hash = bytes | int
+    opts = dict(tag=True, omit_defaults=True)
+    stored = msgspec.defstruct("BlockStored", [
+        ("block_hashes", list[block_hash]), ("parent_block_hash", block_hash | None), ("token_ids", list[int]),
+        ("block_size", int), ("lora_id", int | None), ("medium", str | None), ("lora_name", str | None),
+        ("extra_keys", list[tuple | None] | None, None)], **opts)
+    removed = msgspec.defstruct("BlockRemoved", [("block_hashes", list[block_hash]), ("medium", str | None)], **opts)
+    cleared = msgspec.defstruct("AllBlocksCleared", [], **opts)
+    return msgspec.defstruct("KVEventBatch", [("ts", float), ("events", list[stored | removed | cleared]),
+                                              ("data_parallel_rank", int | None, None)],
+                             array_like=True, omit_defaults=True)
 
 
 def vllm_schema():

@@ -194,3 +194,29 @@ def test_reduced_precision_agreement(tiny, dtype):
     plain = LLM(path, dtype=dtype, block_size=8).generate(prompts, GREEDY)
     same = sum(a == b for s, p in zip(spec, plain) for a, b in zip(s.token_ids, p.token_ids))
     assert same >= 0.8 * len(prompts) * MAX_TOKENS
+
+
+@pytest.mark.parametrize("point", [("bm", "truncate", False), ("bm", "truncate", True), ("bm", "can_append", True),
+                                   ("bm", "append_tokens", True), ("runner", "_sample", True),
+                                   ("bm", "mark_computed", False)],
+                         ids=lambda p: f"{'after' if p[2] else 'before'}-{p[1]}")
+def test_failed_speculative_step_is_rolled_back(tiny, point):
+    """A step that raises around the speculative calls leaves no block behind and no draft in any
+    sequence; stepping on gives the exact output."""
+    from test_engine_faults import Fault, Injector, inject
+    path, prompts, expected = tiny
+    llm = LLM(path, block_size=4, num_blocks=40, num_cpu_blocks=40, max_num_seqs=8, **SPEC)
+    inject(llm, point, Injector(Fault, at=3))
+    requests = [llm.add_request(p, GREEDY) for p in prompts]
+    failures = 0
+    while llm.has_unfinished():
+        try:
+            llm.step()
+        except Fault:
+            failures += 1
+            assert llm.stats()["used_blocks"] == 0 and all(r.seqs[0].prefilled is False for r in requests
+                                                           if not r.finished)
+            llm.bm.check_invariants()
+    assert failures == 1
+    assert [llm._output(r).token_ids for r in requests] == expected
+    check_accepted(llm)

@@ -174,6 +174,8 @@ def test_wire_format_and_replay_protocol(tmp_path):
     assert not publisher._thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         publisher.publish([cleared])
+    with pytest.raises(RuntimeError, match="closed"):
+        publisher.flush()
     publisher.close()                               # idempotent
 
 

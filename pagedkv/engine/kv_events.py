@@ -122,6 +122,8 @@ class KVEventPublisher:
 
     def flush(self, timeout: float | None = None) -> None:
         """Waits until every queued batch has been sent."""
+        if self._closed:
+            raise RuntimeError("KVEventPublisher is closed")
         done = threading.Event()
         self._queue.put(done)
         done.wait(timeout)
