@@ -12,15 +12,16 @@
   (2) block manager: bench_block_manager's workload (256 prompts of 300-800 tokens over 8 system
       prompts, block 16). vLLM: v1 `KVCacheManager` (request block hashes, get_computed_blocks,
       allocate_slots) plus what its CPU worker does to build the step's tensors (`BlockTable` rows,
-      positions, query_start_loc, seq_lens, slot mapping). pagedkv: `BlockManager` with numpy token
-      input. Admission of all 256 prompts, then decode steps at batch 256; the cached-token counts of
-      both must agree.
+      positions, query_start_loc, seq_lens, slot mapping). pagedkv: `BlockManager`, prompts given as
+      numpy arrays (vLLM's `Request` takes lists), then bench_block_manager's decode step. Admission of
+      all 256 prompts, one per scheduler step by default (--wave), where the cached-token counts of both
+      must agree; then decode steps at batch 256.
 
 Every round times every contender once more (median of --repeats calls); ratio = vLLM time / pagedkv
 time, given as min / median over rounds. Needs vLLM and pagedkv in one environment
 (scripts/setup_vllm_venv.sh):
 
-    /work/vllm-venv/bin/python benchmarks/bench_vs_vllm.py [--rounds 5] [--threads 2] [--quick]
+    VLLM_VENV/bin/python benchmarks/bench_vs_vllm.py [--rounds 5] [--threads 2] [--quick]
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ except Exception as e:  # noqa: BLE001 (a broken install, e.g. CUDA torchvision,
     VLLM_ERROR = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 if VLLM_ERROR is None:  # both contenders in one process: pagedkv built against the vLLM venv's torch
     import pagedkv
-    from bench_block_manager import BATCH, BLOCK_SIZE, NUM_BLOCKS, make_prompts
+    from bench_block_manager import BATCH, BLOCK_SIZE, NUM_BLOCKS, decode_pagedkv, make_prompts
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 PAGEDKV_BLOCK_SIZE = 16
@@ -72,7 +73,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Two kernels compared with each other (each within the op tests' tolerance of a float64 reference).
 AGREEMENT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 STREAM_BYTES = 256 << 20
-DECODE_BATCH = 256
 
 
 # --------------------------------------------------------------------------------------------------
@@ -284,21 +284,6 @@ def admit_pagedkv(prompts, wave):
     return time.perf_counter() - t0, cached, bm
 
 
-def decode_pagedkv(bm, steps):
-    ids = np.arange(DECODE_BATCH)
-    tokens = np.full(DECODE_BATCH, 7, dtype=np.int64)
-    ones = np.ones(DECODE_BATCH, dtype=np.int32)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        assert bm.can_append(ids)
-        bm.append_tokens(ids, tokens)
-        bm.block_tables(ids)
-        bm.seq_lens(ids)
-        query_start_loc(ones)
-        bm.mark_computed(ids)
-    return (time.perf_counter() - t0) / steps
-
-
 def run_block_manager(args):
     hash_fn = get_hash_fn_by_name(args.vllm_hash)
     init_none_hash(hash_fn)
@@ -315,14 +300,14 @@ def run_block_manager(args):
         times["decode"][1].append(decode_pagedkv(bm, args.steps))
         bm.check_invariants()
     print(f"\n## Block manager (block {BLOCK_SIZE}, {NUM_BLOCKS} blocks, {args.wave} prompt(s) per scheduler "
-          f"step, vLLM hash {args.vllm_hash}, pagedkv xxh64; {args.rounds} rounds, decode: {args.steps} steps "
-          "each)\n")
+          f"step, vLLM hash {args.vllm_hash}, pagedkv xxh64; torch threads {torch.get_num_threads()}; {args.rounds} "
+          f"rounds, decode: {args.steps} steps each)\n")
     total = sum(map(len, prompts))
     print(f"cached prompt tokens (last round): vLLM {hits_vllm}, pagedkv {hits_pkv} of {total}"
           + ("" if args.wave == 1 else " (vLLM's prompts hit others of the same step, pagedkv's do not)") + "\n")
     print("| phase | vLLM ms | pagedkv ms | ratio min / med |")
     print("|---|---|---|---|")
-    labels = {"admit": f"admit {BATCH} prompts (total)", "decode": f"decode step, batch {DECODE_BATCH}"}
+    labels = {"admit": f"admit {BATCH} prompts (total)", "decode": f"decode step, batch {BATCH}"}
     for key, (vllm_s, pkv_s) in times.items():
         ratios = [v / p for v, p in zip(vllm_s, pkv_s)]
         print(f"| {labels[key]} | {statistics.median(vllm_s) * 1e3:.3f} | {statistics.median(pkv_s) * 1e3:.3f} | "
@@ -332,7 +317,9 @@ def run_block_manager(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads, the same for both contenders")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for attention, the same for both")
+    parser.add_argument("--bm-threads", type=int, default=1,
+                        help="torch threads for the block-manager part (1, as bench_block_manager.py)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of fewer calls (a smoke run)")
     parser.add_argument("--repeats", type=int, default=5, help="calls per contender per round (median)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per round (block manager)")
@@ -355,7 +342,7 @@ def main():
     stream = torch.randn(STREAM_BYTES // 4, dtype=torch.float32)
     print(f"# pagedkv vs vLLM CPU\n\npagedkv {pagedkv.__version__} from {pagedkv.__file__}; vllm {vllm.__version__}; "
           f"torch {torch.__version__}; python {platform.python_version()}; {cpu_name()}; torch threads "
-          f"{torch.get_num_threads()}; streaming read {stream_read_gbs(stream, 5):.1f} GB/s "
+          f"{torch.get_num_threads()} (block manager: {args.bm_threads}); streaming read {stream_read_gbs(stream, 5):.1f} GB/s "
           f"(sum of {STREAM_BYTES >> 20} MiB fp32)")
     if args.only != "block-manager":
         # vLLM's "amx" kernels (bf16, block % 32 == 0, where the CPU has AMX) need the per-process AMX
@@ -365,6 +352,7 @@ def main():
         run_attention(args, stream)
     del stream
     if args.only != "attention":
+        torch.set_num_threads(args.bm_threads)
         run_block_manager(args)
 
 
