@@ -100,8 +100,8 @@ class AttentionCase:
     """B sequences of ctx tokens each, the last q_len of them queries: the logical K/V of every token
     (written into each contender's cache by its own op) and the packed queries."""
 
-    def __init__(self, label, batch, ctx, q_len, dtype, seed):
-        self.label, self.batch, self.ctx, self.q_len, self.dtype = label, batch, ctx, q_len, dtype
+    def __init__(self, batch, ctx, q_len, dtype, seed):
+        self.batch, self.ctx, self.dtype = batch, ctx, dtype
         self.generator = torch.Generator().manual_seed(seed)
         rows = (batch * ctx, NUM_KV_HEADS, HEAD_DIM)
         self.key = torch.randn(rows, generator=self.generator).to(dtype)
@@ -165,7 +165,7 @@ def run_attention(args, stream):
     print("|---" * (len(heads) + 5) + "|")
     for dtype_name, dtype in DTYPES.items():
         for seed, (label, batch, ctx, q_len) in enumerate(ATTENTION_CASES):
-            case = AttentionCase(label, batch, ctx, q_len, dtype, seed)
+            case = AttentionCase(batch, ctx, q_len, dtype, seed)
             contenders = [pagedkv_attention(case)] + [vllm_attention(case, b) for b in VLLM_BLOCK_SIZES]
             expected = contenders[0]().float()
             for block_size, step in zip(VLLM_BLOCK_SIZES, contenders[1:]):
