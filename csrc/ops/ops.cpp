@@ -401,17 +401,18 @@ void check_block_mapping_values(const at::Tensor& block_mapping, int64_t num_src
 
 namespace {
 
-// Copies one token's [Hkv, D] rows (any strides) into its cache slot; elements are moved as raw bits.
-template <typename bits_t>
-void reshape_and_cache_cpu_typed(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                                 const at::Tensor& value_cache, const at::Tensor& slots) {
+// Writes each token's [Hkv, D] rows (any strides) into its cache slot: cache element d of head h of token
+// t becomes store(element, h) for the input elements of that row. in_t / cache_t are the element types.
+template <typename in_t, typename cache_t, typename Store>
+void write_cache_rows(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                      const at::Tensor& value_cache, const at::Tensor& slots, Store k_store, Store v_store) {
   const int64_t num_tokens = key.size(0), num_heads = key.size(1), head_dim = key.size(2);
   const int64_t block_size = key_cache.size(1);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const auto* k = static_cast<const bits_t*>(key.data_ptr());
-  const auto* v = static_cast<const bits_t*>(value.data_ptr());
-  auto* kc = static_cast<bits_t*>(key_cache.data_ptr());
-  auto* vc = static_cast<bits_t*>(value_cache.data_ptr());
+  const auto* k = static_cast<const in_t*>(key.data_ptr());
+  const auto* v = static_cast<const in_t*>(value.data_ptr());
+  auto* kc = static_cast<cache_t*>(key_cache.data_ptr());
+  auto* vc = static_cast<cache_t*>(value_cache.data_ptr());
   const auto ks = key.strides(), vs = value.strides();
   at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -419,46 +420,35 @@ void reshape_and_cache_cpu_typed(const at::Tensor& key, const at::Tensor& value,
       const SlotLocation loc = decode_slot(slot[t], block_size);
       for (int64_t h = 0; h < num_heads; ++h) {
         const int64_t dst = cache_row_offset(loc.block * block_size + loc.offset, h, num_heads, head_dim);
-        const bits_t* k_row = k + t * ks[0] + h * ks[1];
-        const bits_t* v_row = v + t * vs[0] + h * vs[1];
+        const in_t* k_row = k + t * ks[0] + h * ks[1];
+        const in_t* v_row = v + t * vs[0] + h * vs[1];
         for (int64_t d = 0; d < head_dim; ++d) {
-          kc[dst + d] = k_row[d * ks[2]];
-          vc[dst + d] = v_row[d * vs[2]];
+          kc[dst + d] = k_store(k_row[d * ks[2]], h);
+          vc[dst + d] = v_store(v_row[d * vs[2]], h);
         }
       }
     }
   });
 }
 
-// The float8 cache: each element divided by its head's scale, saturated and rounded (fp8.h's rule).
+// Same-dtype caches: elements are moved as raw bits.
+template <typename bits_t>
+void reshape_and_cache_cpu_typed(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& slots) {
+  const auto copy = [](bits_t x, int64_t) { return x; };
+  write_cache_rows<bits_t, bits_t>(key, value, key_cache, value_cache, slots, copy, copy);
+}
+
+// Float8 caches: each element divided by its head's scale, saturated and rounded (fp8.h's rule).
 template <typename scalar_t, KvFormat F>
 void reshape_and_cache_fp8_cpu_typed(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& slots, KvScale k_scale,
                                      KvScale v_scale) {
-  const int64_t num_tokens = key.size(0), num_heads = key.size(1), head_dim = key.size(2);
-  const int64_t block_size = key_cache.size(1);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const auto* k = static_cast<const scalar_t*>(key.data_ptr());
-  const auto* v = static_cast<const scalar_t*>(value.data_ptr());
-  auto* kc = static_cast<uint8_t*>(key_cache.data_ptr());
-  auto* vc = static_cast<uint8_t*>(value_cache.data_ptr());
-  const auto ks = key.strides(), vs = value.strides();
-  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (slot[t] < 0) continue;  // padding
-      const SlotLocation loc = decode_slot(slot[t], block_size);
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const int64_t dst = cache_row_offset(loc.block * block_size + loc.offset, h, num_heads, head_dim);
-        const scalar_t* k_row = k + t * ks[0] + h * ks[1];
-        const scalar_t* v_row = v + t * vs[0] + h * vs[1];
-        const float k_s = k_scale.at(h), v_s = v_scale.at(h);
-        for (int64_t d = 0; d < head_dim; ++d) {
-          kc[dst + d] = fp8_saturating_encode<F>(static_cast<float>(k_row[d * ks[2]]) / k_s);
-          vc[dst + d] = fp8_saturating_encode<F>(static_cast<float>(v_row[d * vs[2]]) / v_s);
-        }
-      }
-    }
-  });
+  const auto quantiser = [](KvScale scale) {
+    return [scale](scalar_t x, int64_t h) { return fp8_saturating_encode<F>(static_cast<float>(x) / scale.at(h)); };
+  };
+  write_cache_rows<scalar_t, uint8_t>(key, value, key_cache, value_cache, slots, quantiser(k_scale),
+                                      quantiser(v_scale));
 }
 
 // A private contiguous copy of a scale argument (checked values = read values) and its view.

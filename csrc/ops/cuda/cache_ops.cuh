@@ -13,6 +13,18 @@ namespace cache_cuda {
 
 constexpr int kThreads = 256;
 
+// The cache slot of `token`, or -1 when nothing is written: padding (a negative slot), or a slot >=
+// num_slots, which is recorded in index_error (argument 0, at its token) when checking is on.
+__device__ __forceinline__ int64_t token_slot(const int64_t* slot_mapping, int64_t token, int64_t num_slots,
+                                              IndexError* index_error) {
+  const int64_t slot = slot_mapping[token];
+  if (slot >= num_slots) {
+    if (threadIdx.x == 0) report_bad_index(index_error, 0, slot, token);
+    return -1;
+  }
+  return slot < 0 ? -1 : slot;
+}
+
 // One CTA per token. Elements move as raw bits (bits_t has the element's width); with kVec16 each
 // thread moves 16-byte chunks (head_dim contiguous, rows and pointers 16-byte aligned). Padding
 // (slot < 0) is skipped; a slot >= num_slots is skipped too and recorded in index_error (argument 0,
@@ -26,12 +38,8 @@ __global__ void __launch_bounds__(kThreads)
                              int64_t value_stride_head, int64_t value_stride_dim, int num_heads, int head_dim,
                              int64_t num_slots, IndexError* index_error) {
   const int64_t token = blockIdx.x;
-  const int64_t slot = slot_mapping[token];
-  if (slot < 0) return;  // padding
-  if (slot >= num_slots) {
-    if (threadIdx.x == 0) report_bad_index(index_error, 0, slot, token);
-    return;
-  }
+  const int64_t slot = token_slot(slot_mapping, token, num_slots, index_error);
+  if (slot < 0) return;
   const bits_t* k = key + token * key_stride_token;
   const bits_t* v = value + token * value_stride_token;
   if constexpr (kVec16) {
@@ -75,12 +83,8 @@ __global__ void __launch_bounds__(kThreads)
                                  int64_t value_stride_head, int64_t value_stride_dim, int num_heads, int head_dim,
                                  int64_t num_slots, KvScale k_scale, KvScale v_scale, IndexError* index_error) {
   const int64_t token = blockIdx.x;
-  const int64_t slot = slot_mapping[token];
-  if (slot < 0) return;  // padding
-  if (slot >= num_slots) {
-    if (threadIdx.x == 0) report_bad_index(index_error, 0, slot, token);
-    return;
-  }
+  const int64_t slot = token_slot(slot_mapping, token, num_slots, index_error);
+  if (slot < 0) return;
   const scalar_t* k = key + token * key_stride_token;
   const scalar_t* v = value + token * value_stride_token;
   for (int i = threadIdx.x; i < num_heads * head_dim; i += blockDim.x) {
