@@ -200,7 +200,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     kv_cache_bytes: int = 256 << 20           # CPU budget when num_blocks is None
     gpu_memory_utilization: float = 0.5       # fraction of free GPU memory for the KV cache
-    speculative: str | None = None            # "ngram": prompt-lookup drafts for greedy requests
+    speculative: str | None = None            # "ngram": prompt-lookup drafts (greedy and sampled requests)
     num_speculative_tokens: int = 0           # drafts per step and sequence (speculative="ngram")
     prompt_lookup_min: int = 1                # n-gram sizes the lookup tries, longest first
     prompt_lookup_max: int = 3
