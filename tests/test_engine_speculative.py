@@ -2,14 +2,16 @@
 and the engine's greedy output token for token identical with speculation on and off (and equal to
 transformers), through prefix caching, chunked prefill, preemption by swap and recompute, n > 1 and
 requests that sample."""
+import math
 import random
+from collections import Counter
 
 import pytest
 import torch
 
 from engine_fixtures import hf_greedy, save_tiny_llama
 from pagedkv.engine import LLM, SamplingParams
-from pagedkv.engine.speculative import NgramProposer, accept_greedy, check_speculative
+from pagedkv.engine.speculative import NgramProposer, accept_greedy, accept_sampled, check_speculative
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 MAX_TOKENS = 24
@@ -56,6 +58,29 @@ def test_accept_greedy():
     assert accept_greedy([4, 5, 6], [4, 9, 6, 7]) == [4, 9]          # the model's token replaces a miss
     assert accept_greedy([4], [3, 8]) == [3]
     assert accept_greedy([], [2]) == [2]
+
+
+def test_accept_sampled_keeps_the_model_distribution():
+    """Speculative sampling with a one-hot draft: the first token is distributed as probs[0], and after
+    an accepted first draft the next one as probs[1], whatever the drafts are."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0, 0.0], [0.1, 0.5, 0.1, 0.2, 0.1], [0.2] * 5])
+    trials = 8000
+    first, second = Counter(), Counter()
+    for _ in range(trials):
+        out = accept_sampled(probs, [1, 3], gen)
+        assert 1 <= len(out) <= 3 and out[:-1] == [1, 3][:len(out) - 1]    # kept drafts, then one drawn
+        first[out[0]] += 1
+        if out[0] == 1:
+            second[out[1]] += 1
+
+    def close(counts, total, dist):
+        return all(abs(counts[t] / total - p) <= 4.5 * math.sqrt(p * (1 - p) / total) + 1e-12
+                   for t, p in enumerate(dist.tolist()))
+    assert close(first, trials, probs[0]) and close(second, first[1], probs[1])
+    assert accept_sampled(probs, [3, 0], gen)[0] != 3               # probability 0: never kept
+    certain = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+    assert accept_sampled(certain, [1], gen) == [1, 0]              # probability 1: always kept
 
 
 def test_speculative_settings_are_checked():
@@ -169,19 +194,23 @@ def test_model_length_bounds_drafts(tmp_path):
     assert spec[0].outputs[0].finish_reason == "length"
 
 
-def test_sampled_requests_do_not_speculate(tiny):
+def test_sampled_requests_speculate_next_to_greedy_ones(tiny):
+    """Greedy requests stay exact next to sampled ones; sampled ones speculate too (speculative sampling),
+    reproducibly for a seed, and a near-greedy temperature follows the greedy output."""
     path, prompts, expected = tiny
-    llm = LLM(path, block_size=8, seed=3, **SPEC)
-    sampled = SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompts, [GREEDY, sampled] * (len(prompts) // 2) + [GREEDY] * (len(prompts) % 2))
-    for i, (out, exp) in enumerate(zip(outputs, expected)):
-        if i % 2 == 0:
-            assert out.token_ids == exp
-        else:
-            assert len(out.token_ids) == MAX_TOKENS
-    only_sampled = LLM(path, block_size=8, **SPEC)
-    only_sampled.generate(prompts, sampled)
-    assert only_sampled.stats()["spec_draft_tokens"] == 0
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+    params = [GREEDY, sampled] * (len(prompts) // 2) + [GREEDY] * (len(prompts) % 2)
+    runs = []
+    for _ in range(2):
+        llm = LLM(path, block_size=8, seed=3, **SPEC)
+        runs.append([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)])
+        check_accepted(llm)
+    assert runs[0] == runs[1]
+    for i, (out, exp) in enumerate(zip(runs[0], expected)):
+        assert out == [exp] if i % 2 == 0 else all(len(c) == MAX_TOKENS for c in out) and len(out) == 2
+    cold = SamplingParams(temperature=1e-4, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = LLM(path, block_size=8, **SPEC)
+    assert [o.token_ids for o in llm.generate(prompts, cold)] == expected
     check_accepted(llm)
 
 

@@ -202,7 +202,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5       # fraction of free GPU memory for the KV cache
     tensor_parallel_size: int = 1             # > 1: the model sharded over this many processes
     distributed_backend: str | None = None    # None: nccl on CUDA, gloo on CPU
-    speculative: str | None = None            # "ngram": prompt-lookup drafts for greedy requests
+    speculative: str | None = None            # "ngram": prompt-lookup drafts (greedy and sampled requests)
     num_speculative_tokens: int = 0           # drafts per step and sequence (speculative="ngram")
     prompt_lookup_min: int = 1                # n-gram sizes the lookup tries, longest first
     prompt_lookup_max: int = 3

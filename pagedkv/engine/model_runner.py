@@ -7,9 +7,9 @@ from pagedkv.cache import allocate_kv_cache, block_bytes
 
 from .config import EngineConfig
 from .llama import AttentionMetadata, LlamaForCausalLM
-from .sampling import sample
+from .sampling import sample, sampling_probs
 from .scheduler import ScheduledBatch
-from .speculative import accept_greedy
+from .speculative import accept_greedy, accept_sampled
 
 
 def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -104,15 +104,23 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> list[list[int]]:
         if not batch.decode_drafts:
             return self._sample_last(logits, batch)
-        # Rows: 1 + len(draft) per decode, then one per prefill. Drafting sequences are greedy: they keep
-        # the drafts the model agrees with and the model's next token; the others sample from their last row.
+        # Rows: 1 + len(draft) per decode, then one per prefill. A drafting sequence keeps the drafts the
+        # model accepts and then the model's next token; the others sample from their last row.
         rows = [1 + len(d) for d in batch.decode_drafts] + [1] * len(batch.prefills)
-        ends = torch.tensor(rows).cumsum(0)
-        sampled = self._sample_last(logits[(ends - 1).to(logits.device)], batch)
+        ends = torch.tensor(rows).cumsum(0).tolist()
+        sampled = self._sample_last(logits[torch.tensor(ends, device=logits.device) - 1], batch)
         targets = logits.argmax(dim=-1).tolist()
-        for i, (draft, end) in enumerate(zip(batch.decode_drafts, ends.tolist())):
-            if draft:
-                sampled[i] = accept_greedy(draft, targets[end - 1 - len(draft):end])
+        for i, (seq, draft, end) in enumerate(zip(batch.decodes, batch.decode_drafts, ends)):
+            if not draft:
+                continue
+            params, start = seq.request.params, end - 1 - len(draft)
+            if params.temperature == 0:
+                sampled[i] = accept_greedy(draft, targets[start:end])
+            else:
+                n = len(draft) + 1
+                probs = sampling_probs(logits[start:end], torch.full((n,), params.temperature, device=logits.device),
+                                       torch.full((n,), params.top_p, device=logits.device))
+                sampled[i] = accept_sampled(probs, draft, self.generator)
         return sampled
 
     def _sample_last(self, logits: torch.Tensor, batch: ScheduledBatch) -> list[list[int]]:

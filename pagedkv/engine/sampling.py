@@ -80,17 +80,30 @@ class SamplingParams:
         set_(self, "stop_token_ids", stop)
 
 
+def _nucleus(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor):
+    """The tempered probabilities sorted in descending order, zero outside the top-p nucleus (not
+    renormalised), and the token of each sorted position."""
+    probs = torch.softmax(logits / temperatures.clamp(min=1e-5).unsqueeze(1), dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # Keep the smallest prefix of tokens whose mass reaches top_p (the first token always stays).
+    outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_ps.unsqueeze(1)
+    return sorted_probs.masked_fill(outside, 0.0), order
+
+
+def sampling_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """[B, V]: the distribution sample() draws each row from (temperature > 0), in vocabulary order."""
+    sorted_probs, order = _nucleus(logits, temperatures, top_ps)
+    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [B, V] float32; temperatures, top_ps [B]. Rows with temperature 0 take the argmax."""
     greedy = logits.argmax(dim=-1)
     if bool((temperatures == 0).all()):
         return greedy
-    probs = torch.softmax(logits / temperatures.clamp(min=1e-5).unsqueeze(1), dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # Keep the smallest prefix of tokens whose mass reaches top_p (the first token always stays).
-    outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_ps.unsqueeze(1)
-    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    sorted_probs, order = _nucleus(logits, temperatures, top_ps)
     picked = torch.multinomial(sorted_probs, 1, generator=generator).squeeze(1)
     sampled = order.gather(1, picked.unsqueeze(1)).squeeze(1)
     return torch.where(temperatures == 0, greedy, sampled)

@@ -193,7 +193,7 @@ class Scheduler:
         return batch
 
     def _propose(self, decodes: list[Sequence]) -> list[list[int]]:
-        """Draft tokens for each decoding sequence (greedy ones only), or [] when none has any. Drafts
+        """Draft tokens for each decoding sequence, or [] when none has any. Drafts
         stay within the sequence's max_tokens and the model's length, the step's token budget, and the
         free blocks: speculation never preempts (without room for every draft, none is made)."""
         budget = self.config.max_num_batched_tokens - len(decodes)
@@ -201,7 +201,7 @@ class Scheduler:
         for s in decodes:
             params = s.request.params
             limit = min(params.max_tokens - s.num_output_tokens, self.max_model_len - len(s), budget + 1) - 1
-            draft = self.proposer.propose(s.token_ids, limit) if params.temperature == 0 else []
+            draft = self.proposer.propose(s.token_ids, limit)
             budget -= len(draft)
             drafts.append(draft)
         longest = max(map(len, drafts))

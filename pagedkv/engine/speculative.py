@@ -1,10 +1,14 @@
 """Speculative decoding by prompt lookup: drafts are n-gram continuations found in the sequence's own
 tokens (no draft model), verified by one forward over the input token and the drafts, accepted greedily.
 
-Only greedy requests (temperature 0) speculate: their output is then the output without speculation,
-token for token, wherever the verifying forward computes the same logits as one-token decodes (fp32).
-Sampled requests decode one token a step as before."""
+Greedy requests accept the drafts the model's argmax agrees with: their output is then the output
+without speculation, token for token, wherever the verifying forward computes the same logits as
+one-token decodes (fp32). Sampled requests use speculative sampling for a deterministic draft: a draft
+is kept with the probability the model gives it, and at the first rejection the token is drawn from the
+model's distribution without the draft, so every token is distributed exactly as without speculation."""
 from array import array
+
+import torch
 
 from .sampling import check_int
 
@@ -55,6 +59,25 @@ class NgramProposer:
                     return token_ids[start:start + limit]
                 end = at + len(suffix) - 1   # a misaligned hit: look further left
         return []
+
+
+def accept_sampled(probs: torch.Tensor, drafts: list[int], generator: torch.Generator | None = None) -> list[int]:
+    """probs[i] (normalised, len(drafts) + 1 rows): the model's sampling distribution after the input
+    token and drafts[:i]. Keeps draft i with probability probs[i][draft]; at the first rejection draws
+    from probs[i] with the draft removed (the residual max(p - q, 0) of a one-hot draft q), after
+    accepting all from the last row. Returns the accepted drafts and the drawn token."""
+    k = len(drafts)
+    draft_probs = probs[:k].gather(1, torch.tensor(drafts, device=probs.device)[:, None]).squeeze(1)
+    uniform = torch.rand(k, generator=generator, device=probs.device)
+    rejected = (uniform >= draft_probs).tolist()
+    accepted = rejected.index(True) if True in rejected else k
+    row = probs[accepted]
+    if accepted < k:
+        row = row.clone()
+        row[drafts[accepted]] = 0.0
+        if not bool(row.any()):      # rounding left no mass outside the draft: it was certain after all
+            return drafts[:accepted + 1]
+    return drafts[:accepted] + [int(torch.multinomial(row, 1, generator=generator))]
 
 
 def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
