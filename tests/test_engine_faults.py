@@ -20,7 +20,17 @@ class Fault(RuntimeError):
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
     model = save_tiny_llama(path)
-    prompts = shared_prefix_prompts(model.config.vocab_size, seed=random.randrange(1 << 30))
+    # Fresh prompts each run, drawn until the workload swaps in, forks and chunks (some draws fit the pool
+    # without a swap, and then the swap hook points would never be reached).
+    for _ in range(50):
+        prompts = shared_prefix_prompts(model.config.vocab_size, seed=random.randrange(1 << 30))
+        llm = make_engine(str(path))
+        llm.generate(*workload(prompts))
+        stats = llm.stats()
+        if stats["swapped_in"] and stats["cow_copies"]:
+            break
+    else:
+        raise AssertionError("no draw of prompts made the workload swap")
     return str(path), prompts, [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
 
 
