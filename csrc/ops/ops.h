@@ -82,9 +82,11 @@ void dispatch_float(at::ScalarType dtype, Fn&& fn) {
   }
 }
 
-// Which copy of the CPU attention kernel runs: "auto" (the fastest this CPU has) or "baseline" (the
-// portable one); cpu_attention_isa() says which runs now ("avx2" or "baseline").
+// Which copy of the CPU attention kernels runs: "auto" (the fastest this CPU has), or the best up to
+// "avx512", "avx2" or "baseline" (the portable one; an ISA this CPU lacks is an error);
+// cpu_attention_isa() says which runs now, cpu_attention_isas() lists those this CPU runs.
 void set_cpu_attention_isa(const std::string& isa);
 std::string cpu_attention_isa();
+std::vector<std::string> cpu_attention_isas();
 
 }  // namespace pagedkv

@@ -134,7 +134,7 @@ struct AttnRun {
   // Runs the kernels as attention.cu launches them; returns out [T, Hq, D] and lse [T, Hq].
   void run(bool scalar_path, int64_t max_seq_len, pagedkv::IndexError* index_error, std::vector<double>* out,
            std::vector<float>* lse) {
-    attn::AttentionParams p{};
+    attn::KernelParams p{};
     p.query = query.get();
     p.q_stride_token = q_token_stride;
     p.q_stride_head = D;

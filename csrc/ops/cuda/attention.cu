@@ -22,7 +22,7 @@ namespace pagedkv {
 namespace {
 
 using attention_cuda::AttentionLaunch;
-using attention_cuda::AttentionParams;
+using attention_cuda::KernelParams;
 
 int multiprocessor_count(int device) {
   int count = 0;
@@ -33,7 +33,7 @@ int multiprocessor_count(int device) {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <typename scalar_t>
-void launch_paged_attention(AttentionParams p, int64_t max_seq_len, int device, cudaStream_t stream,
+void launch_paged_attention(KernelParams p, int64_t max_seq_len, int device, cudaStream_t stream,
                             const at::TensorOptions& float_options) {
   const AttentionLaunch launch =
       attention_cuda::plan_paged_attention(p, sizeof(scalar_t), aligned16(p.key_cache) && aligned16(p.value_cache),
@@ -79,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
   const at::Tensor query_start_loc = query_start_loc_in.contiguous();
   DeviceIndexCheck index_check(query.device());
 
-  AttentionParams p{};
+  KernelParams p{};
   p.query = query.data_ptr();
   p.q_stride_token = query.stride(0);
   p.q_stride_head = query.stride(1);
@@ -105,11 +105,9 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
   p.softcap = float(softcap);
   const at::TensorOptions float_options = query.options().dtype(at::kFloat);
   const int device = query.get_device();
-  switch (query.scalar_type()) {
-    case at::kFloat: launch_paged_attention<float>(p, max_seq_len, device, stream, float_options); break;
-    case at::kHalf: launch_paged_attention<c10::Half>(p, max_seq_len, device, stream, float_options); break;
-    default: launch_paged_attention<c10::BFloat16>(p, max_seq_len, device, stream, float_options); break;
-  }
+  dispatch_float(query.scalar_type(), [&](auto type) {
+    launch_paged_attention<decltype(type)>(p, max_seq_len, device, stream, float_options);
+  });
   const char* names[] = {"block_tables", "seq_lens"};
   const int64_t bounds[] = {shape.num_blocks, shape.max_blocks * shape.block_size + 1};
   index_check.raise_if_any("paged_attention", names, bounds);
