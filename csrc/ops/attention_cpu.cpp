@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ops/attention_plan.h"
@@ -65,17 +67,17 @@ Isa active_isa() {
   return Isa::kBaseline;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void run_work_items(Isa isa, const AttentionParams& a, const std::vector<WorkItem>& items) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     thread_local cpu::Scratch scratch;  // grown once, reused by later calls on this thread
     switch (isa) {
 #if defined(__x86_64__)
-      case Isa::kAvx512: cpu::avx512::attend_work_items<scalar_t>(a, items, next, scratch); break;
-      case Isa::kAvx2: cpu::avx2::attend_work_items<scalar_t>(a, items, next, scratch); break;
+      case Isa::kAvx512: cpu::avx512::attend_work_items<scalar_t, cache_t>(a, items, next, scratch); break;
+      case Isa::kAvx2: cpu::avx2::attend_work_items<scalar_t, cache_t>(a, items, next, scratch); break;
 #endif
-      default: cpu::baseline::attend_work_items<scalar_t>(a, items, next, scratch); break;
+      default: cpu::baseline::attend_work_items<scalar_t, cache_t>(a, items, next, scratch); break;
     }
   });
 }
@@ -182,7 +184,7 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
                               const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
                               const at::Tensor& query_start_loc_in, double scale, int64_t sliding_window,
-                              double softcap) {
+                              double softcap, KvScale k_scale, KvScale v_scale) {
   const AttentionShape shape = check_paged_attention(query_in, key_cache, value_cache, block_tables_in, seq_lens_in,
                                                      query_start_loc_in, scale, sliding_window, softcap);
   // The kernel reads private copies of the metadata, so the values checked are the values used even
@@ -225,42 +227,60 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
   args.sliding_window = sliding_window;
   args.scale = static_cast<float>(scale);
   args.softcap = static_cast<float>(softcap);
+  args.k_scale = k_scale;
+  args.v_scale = v_scale;
 
   const Isa isa = active_isa();
   dispatch_float(query.scalar_type(), [&](auto type) {
     using scalar_t = decltype(type);
-    run_work_items<scalar_t>(isa, args, items);
+    if (is_fp8(key_cache.scalar_type())) {
+      dispatch_fp8(kv_format(key_cache.scalar_type()), [&](auto format) {
+        run_work_items<scalar_t, typename Fp8Traits<decltype(format)::value>::type>(isa, args, items);
+      });
+    } else {
+      run_work_items<scalar_t, scalar_t>(isa, args, items);
+    }
     if (num_partial_rows > 0) merge_partitions<scalar_t>(args, items);
   });
 }
 
 namespace {
 
+// Checks every argument, copies the scales (checked values = read values), then runs the kernels.
+std::tuple<at::Tensor, at::Tensor> paged_attention_cpu_impl(
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+    int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale, bool want_lse) {
+  check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                        sliding_window, softcap, k_scale, v_scale);
+  const auto [k_copy, k_s] = cpu_kv_scale(k_scale, "k_scale");
+  const auto [v_copy, v_s] = cpu_kv_scale(v_scale, "v_scale");
+  at::Tensor out = at::empty(query.sizes(), query.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor lse = want_lse ? at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat))
+                            : at::Tensor();
+  paged_attention_cpu_into(out, lse, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                           sliding_window, softcap, k_s, v_s);
+  return {out, lse};
+}
+
+// max_seq_len is a CUDA launch-shape hint; the CPU reads seq_lens directly.
 at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                               const at::Tensor& query_start_loc, double scale, int64_t max_seq_len,
-                               int64_t sliding_window, double softcap) {
-  (void)max_seq_len;  // a CUDA launch-shape hint; the CPU reads seq_lens directly
-  check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                        sliding_window, softcap);
-  at::Tensor out = at::empty(query.sizes(), query.options().memory_format(at::MemoryFormat::Contiguous));
-  paged_attention_cpu_into(out, at::Tensor(), query, key_cache, value_cache, block_tables, seq_lens,
-                           query_start_loc, scale, sliding_window, softcap);
-  return out;
+                               const at::Tensor& query_start_loc, double scale, int64_t /*max_seq_len*/,
+                               int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
+                               const std::optional<at::Tensor>& v_scale) {
+  return std::get<0>(paged_attention_cpu_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                              scale, sliding_window, softcap, k_scale, v_scale, false));
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_attention_with_lse_cpu(
     const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-    int64_t max_seq_len, int64_t sliding_window, double softcap) {
-  (void)max_seq_len;
-  check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                        sliding_window, softcap);
-  at::Tensor out = at::empty(query.sizes(), query.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor lse = at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat));
-  paged_attention_cpu_into(out, lse, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                           scale, sliding_window, softcap);
-  return {out, lse};
+    int64_t /*max_seq_len*/, int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
+  return paged_attention_cpu_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                                  sliding_window, softcap, k_scale, v_scale, true);
 }
 
 }  // namespace

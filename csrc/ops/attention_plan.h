@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "ops/fp8.h"
 #include "ops/paged_kv.h"
 
 namespace pagedkv {
@@ -34,6 +35,7 @@ struct AttentionParams {
   int64_t num_blocks;
   int64_t sliding_window;  // -1: none
   float scale, softcap;
+  KvScale k_scale, v_scale;  // float8 caches: x = stored * scale of the KV head (null: 1)
 };
 
 // How many partitions to split a range of num_keys keys into when only work_units units of work

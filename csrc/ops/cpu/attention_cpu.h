@@ -8,6 +8,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "ops/attention_plan.h"
+#include "ops/fp8.h"
 #include "ops/paged_kv.h"
 
 namespace pagedkv {
@@ -136,10 +138,11 @@ void write_item_row(const AttentionParams& a, const WorkItem& item, int64_t r, c
 enum class Isa : int8_t { kAvx512, kAvx2, kBaseline };
 
 // Entry point of each ISA copy: runs items[next++] until none is left (items differ in cost, so the
-// threads pull them from a shared counter).
+// threads pull them from a shared counter). scalar_t: query/output type; cache_t: the cache's (scalar_t
+// or a float8 type).
 #define PAGEDKV_CPU_ATTENTION_ENTRY(isa)                                                           \
   namespace isa {                                                                                   \
-  template <typename scalar_t>                                                                     \
+  template <typename scalar_t, typename cache_t>                                                   \
   void attend_work_items(const AttentionParams& a, const std::vector<WorkItem>& items,              \
                          std::atomic<int64_t>& next, Scratch& scratch);                             \
   }
