@@ -141,18 +141,20 @@ __device__ __forceinline__ int64_t checked_slot(const KernelParams& p, int seq, 
   return block * p.block_size + pos % p.block_size;
 }
 
-template <typename scalar_t, bool kVec16>
+// scalar_t: the query and output type; cache_t: the caches' (scalar_t, or a float8 type staged as such
+// in shared memory: the K scale is folded into the query and the V scale into the output).
+template <typename scalar_t, typename cache_t, bool kVec16>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelParams p) {
   PAGEDKV_DYNAMIC_SHARED(smem);
-  const SmemLayout L = SmemLayout::make(p.head_dim, p.key_tile, sizeof(scalar_t), kVec16);
+  const SmemLayout L = SmemLayout::make(p.head_dim, p.key_tile, sizeof(cache_t), kVec16);
   float* q_s = reinterpret_cast<float*>(smem + L.q);
   float* acc_s = reinterpret_cast<float*>(smem + L.acc);
   float* logits_s = reinterpret_cast<float*>(smem + L.logits);
   OnlineSoftmax* state_s = reinterpret_cast<OnlineSoftmax*>(smem + L.state);
   float* alpha_s = reinterpret_cast<float*>(smem + L.alpha);
   int64_t* slots_s = reinterpret_cast<int64_t*>(smem + L.slots);
-  scalar_t* k_s = reinterpret_cast<scalar_t*>(smem + L.k_tile);
-  scalar_t* v_s = reinterpret_cast<scalar_t*>(smem + L.v_tile);
+  cache_t* k_s = reinterpret_cast<cache_t*>(smem + L.k_tile);
+  cache_t* v_s = reinterpret_cast<cache_t*>(smem + L.v_tile);
   PAGEDKV_SHARED(int, seq_s);
   PAGEDKV_SHARED(int, tile_s);
 
@@ -182,18 +184,19 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
 
   // --- queries (pre-scaled, fp32) and fresh softmax state
   const auto* query = static_cast<const scalar_t*>(p.query);
+  const float q_scale = p.scale * p.k_scale.at(kv_head), v_scale = p.v_scale.at(kv_head);
   for (int i = tid; i < rows * D; i += kThreads) {
     const int r = i / D, d = i % D;
     const int64_t token = q_start + q_begin + r / num_heads, head = head0 + r % num_heads;
     q_s[i] = static_cast<float>(query[token * p.q_stride_token + head * p.q_stride_head + d * p.q_stride_dim]) *
-             p.scale;
+             q_scale;
     acc_s[i] = 0.f;
   }
   if (tid < rows) state_s[tid] = OnlineSoftmax{};
 
-  const auto* key_cache = static_cast<const scalar_t*>(p.key_cache);
-  const auto* value_cache = static_cast<const scalar_t*>(p.value_cache);
-  constexpr int kPerVec = 16 / sizeof(scalar_t);
+  const auto* key_cache = static_cast<const cache_t*>(p.key_cache);
+  const auto* value_cache = static_cast<const cache_t*>(p.value_cache);
+  constexpr int kPerVec = 16 / sizeof(cache_t);
   for (int64_t tile = keys.begin; tile < keys.end; tile += KT) {
     const int n = int(min_i64(KT, keys.end - tile));
     __syncthreads();  // previous tile's readers are done with slots, KV and logits
@@ -218,7 +221,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
     } else {
       for (int i = tid; i < n * D; i += kThreads) {
         const int j = i / D, d = i % D;
-        scalar_t k = static_cast<scalar_t>(0.f), v = k;
+        cache_t k = static_cast<cache_t>(0.f), v = k;
         if (slots_s[j] >= 0) {
           const int64_t src = cache_row_offset(slots_s[j], kv_head, p.num_kv_heads, D) + d;
           k = key_cache[src];
@@ -239,12 +242,12 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
       const int64_t pos = tile + j;
       if (j < n && pos >= visible.begin && pos < visible.end && slots_s[j] >= 0) {
         const float* q = q_s + r * D;
-        const scalar_t* k = k_s + j * L.row_stride;
+        const cache_t* k = k_s + j * L.row_stride;
         float dot = 0.f;
         if constexpr (kVec16) {
           for (int d = 0; d < D; d += kPerVec) {
             const uint4 raw = *reinterpret_cast<const uint4*>(k + d);
-            const scalar_t* e = reinterpret_cast<const scalar_t*>(&raw);
+            const cache_t* e = reinterpret_cast<const cache_t*>(&raw);
 #pragma unroll
             for (int x = 0; x < kPerVec; ++x) dot += q[d + x] * static_cast<float>(e[x]);
           }
@@ -300,7 +303,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
         a.x *= alpha, a.y *= alpha, a.z *= alpha, a.w *= alpha;
         for (int j = int(max_i64(0, visible.begin - tile)); j < j_end; ++j) {
           const float pj = prob[j];
-          const scalar_t* v = v_s + j * L.row_stride + d;
+          const cache_t* v = v_s + j * L.row_stride + d;
           a.x += pj * static_cast<float>(v[0]);
           a.y += pj * static_cast<float>(v[1]);
           a.z += pj * static_cast<float>(v[2]);
@@ -330,7 +333,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
     const int r = i / D, d = i % D;
     const int64_t token = q_start + q_begin + r / num_heads, head = head0 + r % num_heads;
     const int64_t row = token * p.num_q_heads + head;
-    const float o = acc_s[i] * state_s[r].inv_sum();
+    const float o = acc_s[i] * state_s[r].inv_sum() * v_scale;
     if (num_parts == 1) {
       static_cast<scalar_t*>(p.out)[row * D + d] = static_cast<scalar_t>(o);
     } else {
