@@ -166,3 +166,19 @@ def test_fp8_attention_argument_errors(device):
     for head, kwargs, message in cases:
         with pytest.raises(RuntimeError, match=message):
             ops.paged_attention(*head, bt, sl, qsl, scale, **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_ops_pass_opcheck(device):
+    """Fakes and autograd registration agree with the kernels for float8 caches and scales. (opcheck's
+    test_schema cannot run here: it multiplies the float8 caches, which torch does not implement.)"""
+    batch = Fp8Batch([9, 4], [1, 3], fp8=torch.float8_e5m2, q_dtype=torch.bfloat16, scales="head", device=device)
+    scales = {"k_scale": batch.k_scale, "v_scale": batch.v_scale}
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.pagedkv.paged_attention.default, batch.args(), {"softcap": 3.0, **scales},
+                          test_utils=utils)
+    torch.library.opcheck(torch.ops.pagedkv.paged_attention_with_lse.default, batch.args(), scales, test_utils=utils)
+    key = torch.randn(3, 2, 64, device=device)
+    torch.library.opcheck(torch.ops.pagedkv.reshape_and_cache.default,
+                          (key, torch.randn_like(key), batch.key_cache, batch.value_cache,
+                           torch.tensor([3, -1, 17], device=device), batch.k_scale, batch.v_scale), test_utils=utils)
