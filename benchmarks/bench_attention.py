@@ -6,12 +6,19 @@ share of a measured device-to-device copy. FlexAttention is compiled once per sh
 
     python benchmarks/bench_attention.py                  # CPU (or CUDA when present), short run
     python benchmarks/bench_attention.py --device cpu --dtype float32 --repeats 20
+    python benchmarks/bench_attention.py --roofline       # CPU decode against the machine's read bandwidth
+
+`--roofline` times CPU decode (best of --repeats calls) on shuffled block tables for fp32, bf16 and fp16
+K/V and prints each case's K/V bytes per second as a share of a streaming read measured in the same
+process (the sum of a 256 MiB fp32 tensor, best of the same number of calls, measured again before
+every case so that load from other processes shows in both).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +38,53 @@ def copy_bandwidth_gbs(device, warmup, repeats):
     return 2 * src.numel() / ms / 1e6
 
 
+def read_bandwidth_gbs(repeats):
+    """Streaming read bandwidth of this process's threads: bytes of a 256 MiB fp32 tensor summed per second
+    (best of repeats)."""
+    data = torch.ones(64 << 20, dtype=torch.float32)
+    best = min(_seconds(data.sum) for _ in range(repeats + 1))
+    return data.numel() * data.element_size() / best / 1e9
+
+
+def _seconds(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+ROOFLINE_CASES = [(16, 2048), (4, 8192), (4, 32768), (64, 512)]
+ROOFLINE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def roofline(args):
+    """Decode paged_attention on the CPU as a share of the read bandwidth, per case and K/V dtype."""
+    repeats = args.repeats or 7
+    print(f"CPU decode roofline: Hq={args.num_q_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
+          f"block_size={args.block_size} threads={torch.get_num_threads()} best of {repeats} calls; "
+          f"share = K/V bytes / time / read bandwidth (measured before each case)")
+    names = [str(d).split(".")[-1] for d in ROOFLINE_DTYPES]
+    print(f"{'case':<14}{'read GB/s':>10}" + "".join(f"{n + ' ms':>13}{'share':>7}" for n in names)
+          + f"{'bf16 speed / fp32':>19}")
+    for batch, ctx in ROOFLINE_CASES:
+        bandwidth = read_bandwidth_gbs(repeats)
+        line, ms = f"{f'B{batch} L{ctx}':<14}{bandwidth:>10.1f}", {}
+        for dtype in ROOFLINE_DTYPES:
+            case = Case(batch, ctx, 1, num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads,
+                        head_dim=args.head_dim, block_size=args.block_size, dtype=dtype, device=torch.device("cpu"),
+                        contiguous_copies=False)
+            case.paged()
+            ms[dtype] = 1e3 * min(_seconds(case.paged) for _ in range(repeats))
+            line += f"{ms[dtype]:>13.2f}{case.kv_bytes / ms[dtype] / 1e6 / bandwidth:>7.2f}"
+            del case
+        print(line + f"{ms[torch.float32] / ms[torch.bfloat16]:>18.2f}x", flush=True)
+
+
 class Case:
     """B sequences of equal length ctx (q_len new tokens each) over a shuffled paged cache, plus the
     same K/V laid out contiguously for SDPA."""
 
-    def __init__(self, batch, ctx, q_len, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device):
+    def __init__(self, batch, ctx, q_len, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device,
+                 contiguous_copies=True):
         self.batch, self.ctx, self.q_len = batch, ctx, q_len
         blocks_per_seq = -(-ctx // block_size)
         num_blocks = batch * blocks_per_seq
@@ -47,6 +96,9 @@ class Case:
         self.query_start_loc = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device)
         self.query = torch.randn(batch * q_len, num_q_heads, head_dim, dtype=dtype, device=device)
         self.scale = head_dim ** -0.5
+        self.kv_bytes = 2 * self.key_cache[0].numel() * self.key_cache.element_size() * num_blocks
+        if not contiguous_copies:
+            return
         # SDPA layout: [B, H, L, D]; keys gathered once through the block tables (outside the timing).
         blocks = self.block_tables.long()
         def contiguous(cache):
@@ -60,7 +112,6 @@ class Case:
         pos_q = torch.arange(ctx - q_len, ctx, device=device).view(-1, 1)
         self.mask = None if q_len == 1 else (torch.arange(ctx, device=device).view(1, -1) <= pos_q)
         self.block_mask = None   # set by use_flex
-        self.kv_bytes = 2 * self.key_cache[0].numel() * self.key_cache.element_size() * num_blocks
 
     def paged(self):
         return ops.paged_attention(self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
@@ -110,7 +161,11 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=None, help="default: 10 on CPU, 50 on CUDA")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiled once per shape)")
+    parser.add_argument("--roofline", action="store_true",
+                        help="CPU decode as a share of the read bandwidth (fp32, bf16, fp16; default 7 repeats)")
     args = parser.parse_args()
+    if args.roofline:
+        return roofline(args)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]

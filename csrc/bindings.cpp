@@ -331,8 +331,14 @@ PYBIND11_MODULE(_C, m) {
       "Hash of one block: xxh64(seed=0, parent as 8 little-endian bytes + tokens as int64 little-endian).");
   m.def("sha256_available", &sha256_available);
   m.def("_set_cpu_attention_isa", &set_cpu_attention_isa, py::arg("isa"),
-        "Testing hook: 'baseline' forces the portable CPU attention kernel, 'auto' picks the fastest.");
-  m.def("_cpu_attention_isa", &cpu_attention_isa, "The CPU attention kernel copy in use: 'avx2' or 'baseline'.");
+        "Testing hook: 'avx512', 'avx2' or 'baseline' caps the CPU attention kernel copy, 'auto' picks the fastest.");
+  m.def("_cpu_attention_isa", &cpu_attention_isa,
+        "The CPU attention kernel copy in use: 'avx512', 'avx2' or 'baseline'.");
+  m.def("_cpu_attention_isas", [] {
+    py::list names;
+    for (const std::string& name : cpu_attention_isas()) names.append(name);
+    return names;
+  }, "The CPU attention kernel copies this CPU runs, best first.");
 
   py::class_<BlockManager> block_manager(m, "BlockManager");
   block_manager

@@ -53,13 +53,16 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, *, max_seq_len: int = -1, sliding_window: int = -1,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed queries over a paged KV cache (decode and prefill in one batch).
 
     Args:
         query: ``[T, num_q_heads, head_dim]`` packed over ``B`` sequences (``head_dim`` contiguous or
             not; a copy is made when not). ``num_q_heads % num_kv_heads == 0`` (GQA / MQA).
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, query's dtype.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, query's dtype,
+            or both ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (any query dtype): element ``x`` is
+            read as ``float(x) * scale`` of its KV head and everything else is computed in float32.
         block_tables: ``[B, M]`` int32; row ``b`` maps logical block ``i`` of sequence ``b`` to a
             physical block. Entries past a sequence's length are never read (may be anything).
         seq_lens: ``[B]`` int32, the KV length of each sequence *including* this step's tokens (which
@@ -74,6 +77,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             -1 disables it.
         softcap: when > 0, logits become ``softcap * tanh(logit / softcap)`` (after ``scale``); finite
             and >= 0.
+        k_scale, v_scale: float8 caches only, the scales they were written with (see
+            :func:`reshape_and_cache`): float32 ``[]`` or ``[num_kv_heads]`` on the query's device; None
+            means 1. On CPU they must be finite and > 0.
 
     Masking is causal and bottom-right aligned: query ``j`` of sequence ``b`` with ``q_len`` queries
     sits at position ``seq_lens[b] - q_len + j``. Decode is ``q_len == 1``. A masked key contributes
@@ -91,13 +97,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         out = paged_attention(q, key_cache, value_cache, block_tables, seq_lens, qsl, 128 ** -0.5)
     """
     return _ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                                max_seq_len=max_seq_len, sliding_window=sliding_window, softcap=softcap)
+                                max_seq_len=max_seq_len, sliding_window=sliding_window, softcap=softcap,
+                                k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention_with_lse(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                              scale: float, *, max_seq_len: int = -1, sliding_window: int = -1,
-                             softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                             softcap: float = 0.0, k_scale: torch.Tensor | None = None,
+                             v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`paged_attention`, and also returns the log-sum-exp of each query row's logits.
 
     Returns:
@@ -108,7 +116,7 @@ def paged_attention_with_lse(query: torch.Tensor, key_cache: torch.Tensor, value
     """
     return _ops.paged_attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                          scale, max_seq_len=max_seq_len, sliding_window=sliding_window,
-                                         softcap=softcap)
+                                         softcap=softcap, k_scale=k_scale, v_scale=v_scale)
 
 
 def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
@@ -218,7 +226,7 @@ def _check_not_mixed_with_meta(op: str, **tensors) -> None:
 
 
 @torch.library.register_fake("pagedkv::reshape_and_cache")
-def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping):
+def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
     _check_not_mixed_with_meta("reshape_and_cache", key=key, value=value, key_cache=key_cache,
                                value_cache=value_cache, slot_mapping=slot_mapping)
     return None
@@ -226,7 +234,7 @@ def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping):
 
 @torch.library.register_fake("pagedkv::paged_attention")
 def _paged_attention_fake(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
-                          max_seq_len=-1, sliding_window=-1, softcap=0.0):
+                          max_seq_len=-1, sliding_window=-1, softcap=0.0, k_scale=None, v_scale=None):
     _check_not_mixed_with_meta("paged_attention", query=query, key_cache=key_cache, value_cache=value_cache,
                                block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
     return query.new_empty(query.shape)
@@ -234,7 +242,8 @@ def _paged_attention_fake(query, key_cache, value_cache, block_tables, seq_lens,
 
 @torch.library.register_fake("pagedkv::paged_attention_with_lse")
 def _paged_attention_with_lse_fake(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                                   *, max_seq_len=-1, sliding_window=-1, softcap=0.0):
+                                   *, max_seq_len=-1, sliding_window=-1, softcap=0.0, k_scale=None,
+                                   v_scale=None):
     _check_not_mixed_with_meta("paged_attention_with_lse", query=query, key_cache=key_cache,
                                value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens,
                                query_start_loc=query_start_loc)

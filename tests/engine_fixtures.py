@@ -37,3 +37,11 @@ def shared_prefix_prompts(vocab_size: int, seed=0, num_systems=2, per_system=3, 
     prompts = [sys + [rng.randrange(3, vocab_size) for _ in range(rng.randrange(1, 20))]
                for sys in systems for _ in range(per_system)]
     return prompts + [list(prompts[0])]
+
+
+def tiny_llama_and_outputs(tmp_path_factory, name, max_new_tokens, **overrides):
+    """(checkpoint dir, prompts with shared prefixes, their HF greedy outputs) of a tiny random Llama."""
+    path = tmp_path_factory.mktemp(name)
+    model = save_tiny_llama(path, **overrides)
+    prompts = shared_prefix_prompts(model.config.vocab_size)
+    return str(path), prompts, [hf_greedy(model, p, max_new_tokens) for p in prompts]

@@ -1,6 +1,6 @@
 """What the op tests share: plain-PyTorch float64 references for the paged-KV ops (gather by block
-table, masked causal softmax), the devices and tolerances, random paged batches, and a switch to the
-portable CPU attention kernel."""
+table, masked causal softmax), the devices and tolerances, random paged batches, and a switch between
+the ISA copies of the CPU attention kernels."""
 from __future__ import annotations
 
 import contextlib
@@ -139,10 +139,13 @@ class PagedBatch:
         return paged_attention(*self.args(), **kwargs)
 
 
+CPU_ISAS = _C._cpu_attention_isas()  # the copies of the CPU attention kernels this CPU runs, best first
+
+
 @contextlib.contextmanager
-def baseline_cpu_kernel():
-    """Runs the portable copy of the CPU attention kernel inside the block (the AVX2 one otherwise)."""
-    _C._set_cpu_attention_isa("baseline")
+def cpu_attention_isa(isa):
+    """Runs the given copy of the CPU attention kernels inside the block ("avx512", "avx2", "baseline")."""
+    _C._set_cpu_attention_isa(isa)
     try:
         yield
     finally:

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import pagedkv.ops as ops
+from pagedkv import _C
 from pagedkv.cache import allocate_kv_cache, block_bytes, num_blocks_for
 
 import ops_reference as ref
-from ops_reference import BF16, DEVICES, F16, F32, HAS_CUDA, PagedBatch, assert_close, baseline_cpu_kernel
+from ops_reference import BF16, CPU_ISAS, DEVICES, F16, F32, HAS_CUDA, PagedBatch, assert_close, cpu_attention_isa
 
 # dtype, block_size, num_kv_heads, group (Hq / Hkv), head_dim, query layout: every value of each axis
 # appears at least once without running the full product.
@@ -229,14 +230,47 @@ def test_paged_attention_random_batches_cpu(data, block_size, num_kv_heads, grou
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
 
 
-def test_paged_attention_cpu_baseline_isa():
-    """The portable (non-AVX2) copy of the CPU kernel."""
-    for dtype in (F32, F16, BF16):
-        batch = PagedBatch([40, 0, 700, 90], [1, 9, 3, 20], block_size=16, num_kv_heads=2, group=4, head_dim=80,
-                           dtype=dtype, device="cpu")
-        with baseline_cpu_kernel():
-            out = ops.paged_attention(*batch.args(), softcap=5.0)
-        assert_close(out, batch.reference(softcap=5.0)[0], dtype, str(dtype))
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("config", ATTENTION_CONFIGS, ids=config_id)
+def test_paged_attention_cpu_each_isa(isa, config):
+    """Every copy of the CPU kernels this CPU runs, on the mixed batch (decode, per-row and GEMM prefill)."""
+    dtype, block_size, num_kv_heads, group, head_dim, layout = config
+    prefixes = [p + int(torch.randint(0, 5, ())) for p, _ in MIXED_BATCH]
+    batch = PagedBatch(prefixes, [q for _, q in MIXED_BATCH], block_size=block_size, num_kv_heads=num_kv_heads,
+                       group=group, head_dim=head_dim, dtype=dtype, device="cpu", query_layout=layout)
+    with cpu_attention_isa(isa):
+        assert _C._cpu_attention_isa() == isa
+        out, lse = ops.paged_attention_with_lse(*batch.args(), softcap=5.0)
+    expected, expected_lse = batch.reference(softcap=5.0)
+    assert_close(out, expected, dtype, f"{isa} prefixes={prefixes}")
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("batch_size,seq_len,num_threads", [(1, 3000, 2), (4, 1300, 8), (3, 700, 1)])
+def test_paged_attention_cpu_each_isa_decode(isa, dtype, batch_size, seq_len, num_threads):
+    """Decode in every copy: split-K (few items, many threads) and whole items, Llama GQA shape."""
+    lens = [seq_len - 1 - int(torch.randint(0, 40, ())) for _ in range(batch_size)]
+    batch = PagedBatch(lens, [1] * batch_size, block_size=16, num_kv_heads=2, group=4, head_dim=128, dtype=dtype,
+                       device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        with cpu_attention_isa(isa):
+            out, lse = ops.paged_attention_with_lse(*batch.args())
+    finally:
+        torch.set_num_threads(threads)
+    expected, expected_lse = batch.reference()
+    assert_close(out, expected, dtype, isa)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_cpu_attention_isa_switch_rejects_unknown_names():
+    before = _C._cpu_attention_isa()
+    with pytest.raises(ValueError, match="cpu attention isa"):
+        _C._set_cpu_attention_isa("sse9")
+    assert _C._cpu_attention_isa() == before
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Non-finite keys and values at masked positions (after a query, outside its sliding window, past a
 sequence's length, in other sequences' blocks) must not reach that query's output: on every CPU
-attention path (single-query decode, per-row, micro-GEMM prefill, split-K, baseline ISA) and dtype."""
+attention path (single-query decode, per-row, micro-GEMM prefill, split-K, each ISA copy) and dtype."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 
 import pagedkv.ops as ops
 
-from ops_reference import BF16, F16, F32, PagedBatch, assert_close, baseline_cpu_kernel
+from ops_reference import BF16, CPU_ISAS, F16, F32, PagedBatch, assert_close, cpu_attention_isa
 
 POISONS = [float("inf"), float("-inf"), float("nan")]
 
@@ -125,8 +125,9 @@ def test_masked_nonfinite_split_k(dtype, q_len, softcap):
         check_masked_poison(batch, sliding_window=window, softcap=softcap, num_threads=8)
 
 
-def test_masked_nonfinite_baseline_isa():
-    with baseline_cpu_kernel():
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_masked_nonfinite_each_isa(isa):
+    with cpu_attention_isa(isa):
         for path, (prefixes, q_lens, bs, hkv, group, d) in PATH_SHAPES.items():
             for dtype in (F32, F16, BF16):
                 for window in (-1, 6):

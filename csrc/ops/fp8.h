@@ -23,6 +23,7 @@ struct Fp8Traits;
 
 template <>
 struct Fp8Traits<KvFormat::kE4M3> {
+  using type = c10::Float8_e4m3fn;
   static constexpr float kMax = 448.0f;
   static C10_HOST_DEVICE uint8_t encode(float x) { return c10::detail::fp8e4m3fn_from_fp32_value(x); }
   static C10_HOST_DEVICE float decode(uint8_t b) { return c10::detail::fp8e4m3fn_to_fp32_value(b); }
@@ -30,6 +31,7 @@ struct Fp8Traits<KvFormat::kE4M3> {
 
 template <>
 struct Fp8Traits<KvFormat::kE5M2> {
+  using type = c10::Float8_e5m2;
   static constexpr float kMax = 57344.0f;
   static C10_HOST_DEVICE uint8_t encode(float x) { return c10::detail::fp8e5m2_from_fp32_value(x); }
   static C10_HOST_DEVICE float decode(uint8_t b) { return c10::detail::fp8e5m2_to_fp32_value(b); }

@@ -99,7 +99,7 @@ void check_block_mapping_shape(const at::Tensor& block_mapping) {
 // Checks
 
 void check_kv_scale(const std::optional<at::Tensor>& scale, const char* name, const at::Tensor& cache,
-                    const at::Tensor& key) {
+                    const at::Tensor& ref, const char* ref_name) {
   if (!scale.has_value()) return;
   const at::Tensor& s = *scale;
   TORCH_CHECK(is_fp8(cache.scalar_type()), name, " is given but the cache dtype is ", cache.scalar_type(),
@@ -107,7 +107,7 @@ void check_kv_scale(const std::optional<at::Tensor>& scale, const char* name, co
   TORCH_CHECK(s.scalar_type() == at::kFloat, name, " must be float32, got ", s.scalar_type());
   TORCH_CHECK(s.dim() == 0 || (s.dim() == 1 && s.size(0) == cache.size(2)), name,
               " must have shape [] (one scale) or [num_kv_heads] = [", cache.size(2), "], got ", s.sizes());
-  check_same_device(s, name, key, "key");
+  check_same_device(s, name, ref, ref_name);
 }
 
 void check_kv_scale_values(const at::Tensor& scale, const char* name) {
@@ -116,6 +116,13 @@ void check_kv_scale_values(const at::Tensor& scale, const char* name) {
     TORCH_CHECK(std::isfinite(v[i]) && v[i] > 0.f, name, " must hold finite numbers > 0, got ", v[i],
                 scale.dim() ? " at kv head " + std::to_string(i) : std::string());
   }
+}
+
+std::pair<at::Tensor, KvScale> cpu_kv_scale(const std::optional<at::Tensor>& scale, const char* name) {
+  if (!scale.has_value()) return {at::Tensor(), KvScale{}};
+  at::Tensor copy = scale->clone(at::MemoryFormat::Contiguous);
+  check_kv_scale_values(copy, name);
+  return {copy, KvScale{copy.data_ptr<float>(), copy.dim() == 0 ? 0 : 1}};
 }
 
 bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
@@ -168,16 +175,21 @@ void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, con
 AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                     double scale, int64_t sliding_window, double softcap) {
+                                     double scale, int64_t sliding_window, double softcap,
+                                     const std::optional<at::Tensor>& k_scale,
+                                     const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_q_heads, head_dim], got shape ", query.sizes());
   check_float_dtype(query, "query");
   check_cache(key_cache, "key_cache");
   check_cache(value_cache, "value_cache");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "value_cache shape ", value_cache.sizes(),
               " must equal key_cache shape ", key_cache.sizes());
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() &&
+                  (key_cache.scalar_type() == query.scalar_type() || is_fp8(key_cache.scalar_type())),
               "key_cache/value_cache dtype (", key_cache.scalar_type(), "/", value_cache.scalar_type(),
-              ") must equal query dtype ", query.scalar_type());
+              ") must equal query dtype ", query.scalar_type(), " or both be float8_e4m3fn or float8_e5m2");
+  check_kv_scale(k_scale, "k_scale", key_cache, query, "query");
+  check_kv_scale(v_scale, "v_scale", value_cache, query, "query");
   TORCH_CHECK(query.size(2) == key_cache.size(3), "query head_dim ", query.size(2),
               " must equal key_cache head_dim ", key_cache.size(3));
   const int64_t num_kv_heads = key_cache.size(2);
@@ -451,14 +463,6 @@ void reshape_and_cache_fp8_cpu_typed(const at::Tensor& key, const at::Tensor& va
                                       quantiser(v_scale));
 }
 
-// A private contiguous copy of a scale argument (checked values = read values) and its view.
-std::pair<at::Tensor, KvScale> cpu_kv_scale(const std::optional<at::Tensor>& scale, const char* name) {
-  if (!scale.has_value()) return {at::Tensor(), KvScale{}};
-  at::Tensor copy = scale->clone(at::MemoryFormat::Contiguous);
-  check_kv_scale_values(copy, name);
-  return {copy, KvScale{copy.data_ptr<float>(), copy.dim() == 0 ? 0 : 1}};
-}
-
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping,
                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
@@ -535,11 +539,11 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, *, int max_seq_len=-1, int sliding_window=-1, "
-      "float softcap=0.0) -> Tensor");
+      "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def(
       "paged_attention_with_lse(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, *, int max_seq_len=-1, int sliding_window=-1, "
-      "float softcap=0.0) -> (Tensor, Tensor)");
+      "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor, Tensor)");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   // Model-layer ops (layer_ops.cpp, cuda/layer_ops.cu).

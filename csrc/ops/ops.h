@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace pagedkv {
@@ -31,14 +32,17 @@ struct AttentionShape {
 void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& slot_mapping,
                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
-// A float8 cache's optional scale: float32, shape [] or [num_kv_heads], on key's device; an error when the
-// cache is not float8.
+// A float8 cache's optional scale: float32, shape [] or [num_kv_heads], on ref's device (ref_name: key
+// or query); an error when the cache is not float8.
 void check_kv_scale(const std::optional<at::Tensor>& scale, const char* name, const at::Tensor& cache,
-                    const at::Tensor& key);
+                    const at::Tensor& ref, const char* ref_name = "key");
+// The caches have query's dtype, or both one float8 dtype (then k_scale / v_scale may be given).
 AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                     double scale, int64_t sliding_window, double softcap);
+                                     double scale, int64_t sliding_window, double softcap,
+                                     const std::optional<at::Tensor>& k_scale = std::nullopt,
+                                     const std::optional<at::Tensor>& v_scale = std::nullopt);
 void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
                        const at::Tensor& block_mapping);
 void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
@@ -56,6 +60,8 @@ void check_rotary_embedding(const at::Tensor& positions, const at::Tensor& x, co
 
 // Checks that read tensor values; only for tensors that live on the CPU.
 void check_kv_scale_values(const at::Tensor& scale, const char* name);  // finite and > 0
+// A private contiguous copy of a CPU scale argument (checked values = read values) and its view.
+std::pair<at::Tensor, KvScale> cpu_kv_scale(const std::optional<at::Tensor>& scale, const char* name);
 void check_slot_values(const at::Tensor& slot_mapping, int64_t num_slots);
 void check_attention_metadata_values(const AttentionShape& shape, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -70,7 +76,7 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
                               const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                              double softcap);
+                              double softcap, KvScale k_scale = {}, KvScale v_scale = {});
 
 // Calls fn with a value of the C++ type of a (checked) float32 / float16 / bfloat16 dtype.
 template <typename Fn>
@@ -82,9 +88,11 @@ void dispatch_float(at::ScalarType dtype, Fn&& fn) {
   }
 }
 
-// Which copy of the CPU attention kernel runs: "auto" (the fastest this CPU has) or "baseline" (the
-// portable one); cpu_attention_isa() says which runs now ("avx2" or "baseline").
+// Which copy of the CPU attention kernels runs: "auto" (the fastest this CPU has), or the best up to
+// "avx512", "avx2" or "baseline" (the portable one; an ISA this CPU lacks is an error);
+// cpu_attention_isa() says which runs now, cpu_attention_isas() lists those this CPU runs.
 void set_cpu_attention_isa(const std::string& isa);
 std::string cpu_attention_isa();
+std::vector<std::string> cpu_attention_isas();
 
 }  // namespace pagedkv

@@ -5,11 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define PAGEDKV_HD __host__ __device__ __forceinline__
-#else
-#define PAGEDKV_HD inline
-#endif
+#include "ops/host_device.h"
 
 namespace pagedkv {
 
@@ -62,7 +58,14 @@ PAGEDKV_HD float apply_softcap(float s, float softcap) { return softcap > 0.f ? 
 
 // ---------------------------------------------------------------------------------------------
 // Online softmax for one query row: running max m and running sum l of exp(s - m); the caller
-// keeps the unnormalised accumulator acc = sum_j exp(s_j - m) v_j next to it.
+// keeps the unnormalised accumulator acc = sum_j exp(s_j - m) v_j next to it. The same state folds
+// split-K partition results (add_partial), as FlashInfer's state_t merges softmax states.
+
+// Factors of one step of the online softmax: acc = acc * alpha + weight * (what is added).
+struct SoftmaxStep {
+  float alpha;
+  float weight;
+};
 
 struct OnlineSoftmax {
   float m = kNegInf;
@@ -77,31 +80,20 @@ struct OnlineSoftmax {
     m = m_new;
     return alpha;
   }
+  // Folds in a normalised partial result o over a disjoint set of keys whose log-sum-exp is lse
+  // (the state of that partial is m = lse, l = 1). A partial that saw no key (lse = -inf) gets weight
+  // 0 and must be skipped: its o may hold anything.
+  PAGEDKV_HD SoftmaxStep add_partial(float lse) {
+    if (lse == kNegInf) return {1.f, 0.f};
+    const float alpha = rescale_to(lse);
+    const float weight = expf(lse - m);
+    l += weight;
+    return {alpha, weight};
+  }
   PAGEDKV_HD float inv_sum() const { return l > 0.f ? 1.f / l : 0.f; }
   // Natural-log log-sum-exp of the logits seen so far; -inf when none.
   PAGEDKV_HD float lse() const { return l > 0.f ? m + logf(l) : kNegInf; }
 };
-
-// Merging partial results over disjoint key sets (split-K partitions). Each partial is a
-// normalised output o_i with its log-sum-exp lse_i; the merged output is
-// sum_i w_i o_i / sum_i w_i with w_i = exp(lse_i - max_lse), and the merged lse is
-// max_lse + log(sum_i w_i). Empty partials (lse = -inf) get weight 0.
-PAGEDKV_HD float lse_merge_weight(float lse, float max_lse) {
-  return lse == kNegInf ? 0.f : expf(lse - max_lse);
-}
-PAGEDKV_HD float lse_merged(float max_lse, float weight_sum) {
-  return weight_sum > 0.f ? max_lse + logf(weight_sum) : kNegInf;
-}
-
-// Split-K partitioning of a key range into num_partitions pieces of partition_size keys; the last
-// partition runs to the end whatever its nominal size, so a too-small size hint never drops keys.
-PAGEDKV_HD KeyRange partition_keys(KeyRange keys, int64_t partition, int64_t num_partitions,
-                                   int64_t partition_size) {
-  const int64_t begin = keys.begin + partition * partition_size;
-  int64_t end = partition + 1 == num_partitions ? keys.end : begin + partition_size;
-  if (end > keys.end) end = keys.end;
-  return {begin < keys.end ? begin : keys.end, end};
-}
 
 PAGEDKV_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

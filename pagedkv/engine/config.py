@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kv_quant import check_kv_cache_dtype, check_kv_scale
 from .sampling import check_bool, check_float, check_int
 from .speculative import check_speculative
 
@@ -206,6 +207,8 @@ class EngineConfig:
     num_speculative_tokens: int = 0           # drafts per step and sequence (speculative="ngram")
     prompt_lookup_min: int = 1                # n-gram sizes the lookup tries, longest first
     prompt_lookup_max: int = 3
+    kv_cache_dtype: str = "auto"              # "auto" (the model's dtype), "fp8_e4m3", "fp8_e5m2"
+    kv_scale: str | float = "dynamic"         # float8 KV: "dynamic" (per layer and KV head), or a fixed scale
 
     def __post_init__(self):
         self.device = parse_device(self.device)
@@ -226,6 +229,8 @@ class EngineConfig:
             raise ValueError(f"distributed_backend must be None, 'gloo' or 'nccl', got {self.distributed_backend!r}")
         if self.distributed_backend == "nccl" and self.device.type != "cuda":
             raise ValueError("distributed_backend='nccl' needs device='cuda'")
+        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
+        self.kv_scale = check_kv_scale(self.kv_scale)
         (self.speculative, self.num_speculative_tokens, self.prompt_lookup_min,
          self.prompt_lookup_max) = check_speculative(self.speculative, self.num_speculative_tokens,
                                                      self.prompt_lookup_min, self.prompt_lookup_max)

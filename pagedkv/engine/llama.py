@@ -87,6 +87,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.kv_scales = None   # float8 KV cache: this layer's kv_quant.LayerKvScales (set by the runner)
 
     def forward(self, positions, x, rope, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj.forward(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -94,10 +95,14 @@ class Attention(nn.Module):
         rope.forward(positions, qk)                  # in place: queries and keys in one call
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         key_cache, value_cache = kv_cache
-        torch.ops.pagedkv.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        k_scale = v_scale = None
+        if self.kv_scales is not None:
+            self.kv_scales.observe(k, v)             # dynamic scales: set by the first prefill, then fixed
+            k_scale, v_scale = self.kv_scales.k_scale, self.kv_scales.v_scale
+        torch.ops.pagedkv.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.ops.pagedkv.paged_attention(q, key_cache, value_cache, meta.block_tables,
                                                 meta.seq_lens, meta.query_start_loc, self.scale,
-                                                max_seq_len=meta.max_seq_len)
+                                                max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)
         out = self.o_proj.forward(out.reshape(-1, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 

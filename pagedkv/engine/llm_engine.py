@@ -19,6 +19,7 @@ from . import parallel
 from .config import EngineConfig
 from .cpu_linear import pack_wide_linears
 from .kv_events import KVEventPublisher, require_packages as require_kv_events_packages
+from .kv_quant import cache_salt, kv_cache_dtype
 from .loader import load_model
 from .metrics import PrometheusExporter, require_prometheus
 from .model_runner import ModelRunner, kv_cache_block_bytes
@@ -38,7 +39,8 @@ class LLM:
                  prompt_lookup_min: int = 1, prompt_lookup_max: int = 3, kv_events_endpoint: str | None = None,
                  kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "",
                  kv_events_include_token_ids: bool = True, metrics_port: int | None = None,
-                 metrics_addr: str = "127.0.0.1"):
+                 metrics_addr: str = "127.0.0.1", kv_cache_dtype: str = "auto",
+                 kv_scale: str | float = "dynamic"):
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError(f"model_path must be a path, got {model_path!r}")
         self.config = EngineConfig(device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
@@ -47,7 +49,8 @@ class LLM:
                                    kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
                                    tensor_parallel_size=tensor_parallel_size, distributed_backend=distributed_backend,
                                    speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-                                   prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max)
+                                   prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
+                                   kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale)
         if self.config.device.type == "cpu" and torch.get_num_threads() > available_cpus():
             torch.set_num_threads(available_cpus())   # e.g. a container's CPU quota below the core count
         seed = check_int("seed", seed, minimum=0)
@@ -76,6 +79,7 @@ class LLM:
                 self.tp.close(stop_workers=False)
             raise
         self.scheduler = Scheduler(self.bm, self.config, self.model_config.eos_token_ids, self.max_model_len)
+        self._update_cache_salt()
         self.tokenizer = self._load_tokenizer(model_path)
         # The last history_size steps (blocks used / cached, batch shape), for plots; 0 keeps none.
         self.history: deque[dict] = deque(maxlen=history_size)
@@ -117,9 +121,16 @@ class LLM:
         self.bm = BlockManager(self.num_blocks, self.config.block_size, num_cpu_blocks=self.config.num_cpu_blocks,
                                enable_prefix_caching=self.config.enable_prefix_caching, enable_events=enable_events)
 
+    def _update_cache_salt(self) -> None:
+        """float8 KV: blocks are cached under a salt naming the format and the scales (rank 0's under
+        tensor parallelism), so blocks written under other scales never hit."""
+        if self.scheduler.cache_salt is None or self.scheduler.cache_salt.endswith(b":unset"):
+            self.scheduler.cache_salt = cache_salt(self.config.kv_cache_dtype, self.runner.kv_scales)
+
     def _num_blocks_from_budget(self) -> int:
         cfg = self.config
-        block_bytes = kv_cache_block_bytes(self.model, cfg.block_size, next(self.model.parameters()).dtype)
+        block_bytes = kv_cache_block_bytes(self.model, cfg.block_size,
+                                           kv_cache_dtype(cfg.kv_cache_dtype, next(self.model.parameters()).dtype))
         if cfg.device.type == "cuda":
             budget = int(torch.cuda.mem_get_info(cfg.device)[0] * cfg.gpu_memory_utilization)
             what = f"gpu_memory_utilization={cfg.gpu_memory_utilization} of the free GPU memory ({budget} bytes)"
@@ -200,6 +211,7 @@ class LLM:
             if batch.empty:
                 raise RuntimeError("scheduler made no progress: the KV pool is too small for any waiting sequence")
             sampled = self.runner.execute(batch, self.bm)
+            self._update_cache_salt()
             finished = self.scheduler.postprocess(batch, sampled)
         except BaseException:
             self.scheduler.restore(snapshot)

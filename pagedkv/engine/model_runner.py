@@ -6,6 +6,7 @@ from pagedkv import BlockManager
 from pagedkv.cache import allocate_kv_cache, block_bytes
 
 from .config import EngineConfig
+from .kv_quant import attach_kv_scales, kv_cache_dtype
 from .llama import AttentionMetadata, LlamaForCausalLM
 from .sampling import sample, sampling_probs
 from .scheduler import ScheduledBatch
@@ -25,7 +26,8 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(config.device)
         self.block_size = config.block_size
-        dtype = next(model.parameters()).dtype
+        dtype = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
+        self.kv_scales = attach_kv_scales(model, config.kv_cache_dtype, config.kv_scale, self.device)
         self.kv_caches = self._allocate(num_blocks, self.device, dtype)
         self.cpu_kv_caches = self._allocate(num_cpu_blocks, torch.device("cpu"), dtype,
                                             pin=self.device.type == "cuda") if num_cpu_blocks else []

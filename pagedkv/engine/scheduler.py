@@ -70,6 +70,7 @@ class Scheduler:
         self.running: list[Sequence] = []          # arrival order: the newest is preempted first
         self.swapped: deque[list[Sequence]] = deque()   # groups swapped out together, oldest first
         self.next_seq_id = 0
+        self.cache_salt: bytes | None = None       # prefix-cache salt of new blocks (float8 KV: its scales)
         self.stats = dict(preempted_swap=0, preempted_recompute=0, swapped_in=0,
                           prefill_tokens=0, cached_prompt_tokens=0, decode_tokens=0, steps=0, failed_steps=0,
                           generation_tokens=0, spec_draft_tokens=0, spec_accepted_tokens=0)
@@ -285,7 +286,7 @@ class Scheduler:
             if first is not None and first in first_blocks:
                 deferred.append(self.waiting.popleft())
                 continue
-            status = self.bm.can_allocate(seq.token_ids)
+            status = self.bm.can_allocate(seq.token_ids, cache_salt=self.cache_salt)
             if status == AllocStatus.LATER:
                 break
             self.waiting.popleft()
@@ -295,7 +296,7 @@ class Scheduler:
                                          f"{_cdiv(len(seq), bs)} blocks of {bs} tokens, the pool has "
                                          f"{self.bm.num_blocks}")
                 continue
-            num_cached = self.bm.allocate(seq.seq_id, seq.token_ids)
+            num_cached = self.bm.allocate(seq.seq_id, seq.token_ids, cache_salt=self.cache_salt)
             seq.status = SequenceStatus.RUNNING
             batch.admitted.append(seq)
             self._add_prefill_chunk(batch, seq, budget, samples=width)

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <gtest/gtest.h>
 
@@ -50,6 +52,8 @@ template <typename T>
 const char* dtype_name() {
   if constexpr (std::is_same_v<T, float>) return "float32";
   if constexpr (std::is_same_v<T, c10::Half>) return "float16";
+  if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) return "float8_e4m3fn";
+  if constexpr (std::is_same_v<T, c10::Float8_e5m2>) return "float8_e5m2";
   return "bfloat16";
 }
 

@@ -1,7 +1,8 @@
 // The CUDA paged attention kernels (csrc/ops/cuda/attention.cuh) run on the CPU emulator against a
 // float64 reference: every dtype, the 16-byte and the scalar staging paths, both schedules; decode,
 // prefill over a cached prefix, GQA up to 32, more than 32 sequences, split-K, sliding window,
-// softcap, head sizes up to 256, strided queries. Cache entries that must never be read (unused
+// softcap, head sizes up to 256, strided queries; float8 caches (e4m3fn, e5m2) under every query dtype
+// with no, per-tensor and per-head scales, against the reference of the stored bytes times the scale. Cache entries that must never be read (unused
 // blocks, the tail of a sequence's last block) hold NaN; masked keys hold inf/NaN and must contribute
 // nothing; metadata pointing outside the cache is skipped and reported under the index check.
 #include <gtest/gtest.h>
@@ -45,19 +46,26 @@ struct AttnCase {
   int multiprocessors = 4;  // many: small grids are split over keys (split-K)
 };
 
+// Float8 caches: how the scales are given.
+enum class Scales { kNone, kTensor, kHead };
+
 const double kNaN = std::numeric_limits<double>::quiet_NaN();
 const double kInf = std::numeric_limits<double>::infinity();
 
-template <typename T>
+// T: query and output type; C: the caches' (T, or a float8 type written as fp8(x / scale)).
+template <typename T, typename C = T>
 struct AttnRun {
   const AttnCase& c;
   int B, T_total, Hq, Hkv, D, bs, num_blocks, max_blocks, q_token_stride;
   std::vector<int32_t> q_lens, seq_lens, query_start_loc, block_tables;
-  Buffer<T> query, key_cache, value_cache;
+  Buffer<T> query;
+  Buffer<C> key_cache, value_cache;
   std::vector<std::pair<int, int64_t>> planted;  // (seq, pos) holding inf K / NaN V, masked for most rows
   float scale;
+  Scales scales;
+  std::vector<float> k_scale, v_scale;  // one per KV head (all equal for kTensor; 1 for kNone)
 
-  AttnRun(const AttnCase& cs, std::mt19937_64& rng) : c(cs) {
+  AttnRun(const AttnCase& cs, std::mt19937_64& rng, Scales sc = Scales::kNone) : c(cs), scales(sc) {
     B = int(c.q_lens.size());
     Hq = c.num_q_heads, Hkv = c.num_kv_heads, D = c.head_dim, bs = c.block_size;
     q_lens = std::vector<int32_t>(c.q_lens.begin(), c.q_lens.end());
@@ -84,22 +92,29 @@ struct AttnRun {
         block_tables[size_t(b) * max_blocks + i] = i < used ? perm[next++] : int32_t(num_blocks + rng() % 100) * (i % 2 ? -1 : 1);
       }
     }
-    // Keys and values uniform in [-1, 1]; every row nobody may read is NaN.
+    // Scales in [0.01, 4) (kTensor: one for all heads); keys and values uniform in [-1, 1] stored as
+    // x / scale; every row nobody may read is NaN.
+    std::uniform_real_distribution<double> log_scale(std::log(0.01), std::log(4.0));
+    const float k_all = float(std::exp(log_scale(rng))), v_all = float(std::exp(log_scale(rng)));
+    for (int h = 0; h < Hkv; ++h) {
+      k_scale.push_back(scales == Scales::kNone ? 1.f : scales == Scales::kTensor ? k_all : float(std::exp(log_scale(rng))));
+      v_scale.push_back(scales == Scales::kNone ? 1.f : scales == Scales::kTensor ? v_all : float(std::exp(log_scale(rng))));
+    }
     const size_t cache_elems = size_t(num_blocks) * bs * Hkv * D;
-    key_cache = Buffer<T>(cache_elems);
-    value_cache = Buffer<T>(cache_elems);
+    key_cache = Buffer<C>(cache_elems);
+    value_cache = Buffer<C>(cache_elems);
     std::uniform_real_distribution<double> unit(-1.0, 1.0);
     for (size_t i = 0; i < cache_elems; ++i) {
-      key_cache[i] = from_double<T>(kNaN);
-      value_cache[i] = from_double<T>(kNaN);
+      key_cache[i] = from_double<C>(kNaN);
+      value_cache[i] = from_double<C>(kNaN);
     }
     for (int b = 0; b < B; ++b) {
       for (int64_t pos = 0; pos < seq_lens[b]; ++pos) {
         for (int h = 0; h < Hkv; ++h) {
           for (int d = 0; d < D; ++d) {
             const size_t at = cache_at(b, pos, h, d);
-            key_cache[at] = from_double<T>(unit(rng));
-            value_cache[at] = from_double<T>(unit(rng));
+            key_cache[at] = from_double<C>(unit(rng) / k_scale[h]);
+            value_cache[at] = from_double<C>(unit(rng) / v_scale[h]);
           }
         }
       }
@@ -112,8 +127,8 @@ struct AttnRun {
       for (int h = 0; h < Hkv; ++h) {
         for (int d = 0; d < D; ++d) {
           const size_t at = cache_at(b, pos, h, d);
-          key_cache[at] = from_double<T>(d % 2 ? kInf : -kInf);
-          value_cache[at] = from_double<T>(d % 3 ? kNaN : kInf);
+          key_cache[at] = from_double<C>(d % 2 ? kInf : -kInf);
+          value_cache[at] = from_double<C>(d % 3 ? kNaN : kInf);
         }
       }
     }
@@ -134,14 +149,14 @@ struct AttnRun {
   // Runs the kernels as attention.cu launches them; returns out [T, Hq, D] and lse [T, Hq].
   void run(bool scalar_path, int64_t max_seq_len, pagedkv::IndexError* index_error, std::vector<double>* out,
            std::vector<float>* lse) {
-    attn::AttentionParams p{};
+    attn::KernelParams p{};
     p.query = query.get();
     p.q_stride_token = q_token_stride;
     p.q_stride_head = D;
     p.q_stride_dim = 1;
     // The scalar path: copies of the caches one element off 16-byte alignment.
     const size_t cache_elems = size_t(num_blocks) * bs * Hkv * D;
-    Buffer<T> k_shifted(cache_elems + 1), v_shifted(cache_elems + 1);
+    Buffer<C> k_shifted(cache_elems + 1), v_shifted(cache_elems + 1);
     std::copy(key_cache.get(), key_cache.get() + cache_elems, k_shifted.get() + 1);
     std::copy(value_cache.get(), value_cache.get() + cache_elems, v_shifted.get() + 1);
     p.key_cache = scalar_path ? k_shifted.get() + 1 : key_cache.get();
@@ -159,11 +174,15 @@ struct AttnRun {
     p.sliding_window = c.sliding_window;
     p.scale = scale;
     p.softcap = c.softcap;
+    if (scales != Scales::kNone) {
+      p.k_scale = pagedkv::KvScale{k_scale.data(), scales == Scales::kHead ? 1 : 0};
+      p.v_scale = pagedkv::KvScale{v_scale.data(), scales == Scales::kHead ? 1 : 0};
+    }
     const bool aligned = reinterpret_cast<uintptr_t>(p.key_cache) % 16 == 0 &&
                          reinterpret_cast<uintptr_t>(p.value_cache) % 16 == 0;
-    const attn::AttentionLaunch launch = attn::plan_paged_attention(p, sizeof(T), aligned, max_seq_len, c.multiprocessors);
+    const attn::AttentionLaunch launch = attn::plan_paged_attention(p, sizeof(C), aligned, max_seq_len, c.multiprocessors);
     ASSERT_TRUE(launch.smem_fits);
-    ASSERT_EQ(launch.vec16, !scalar_path && (D * sizeof(T)) % 16 == 0);
+    ASSERT_EQ(launch.vec16, !scalar_path && (D * sizeof(C)) % 16 == 0);
     std::vector<float> partial_out, partial_lse;
     if (launch.grid_z > 1) {
       partial_out.assign(size_t(launch.grid_z) * T_total * Hq * D, std::nanf(""));
@@ -171,7 +190,8 @@ struct AttnRun {
       p.partial_out = partial_out.data();
       p.partial_lse = partial_lse.data();
     }
-    const auto kernel = launch.vec16 ? attn::paged_attention_kernel<T, true> : attn::paged_attention_kernel<T, false>;
+    const auto kernel =
+        launch.vec16 ? attn::paged_attention_kernel<T, C, true> : attn::paged_attention_kernel<T, C, false>;
     cuda_emu::launch(dim3(launch.grid_x, launch.grid_y, launch.grid_z), dim3(attn::kThreads), launch.smem, kernel, p);
     if (launch.grid_z > 1) {
       const int64_t rows = int64_t(T_total) * Hq;
@@ -183,6 +203,11 @@ struct AttnRun {
     splits = launch.grid_z;
   }
   unsigned splits = 1;
+
+  // What the kernel must read: the stored element times its head's scale.
+  double kv_value(const Buffer<C>& cache, const std::vector<float>& sc, int b, int64_t pos, int h, int d) const {
+    return to_double(cache.data[cache_at(b, pos, h, d)]) * double(sc[h]);
+  }
 
   // float64 reference of row (token of sequence b, query j, head h); false when the row sees a
   // planted non-finite key (no reference then).
@@ -198,7 +223,7 @@ struct AttnRun {
     double m = -kInf;
     for (int64_t k = vis.begin; k < vis.end; ++k) {
       double s = 0;
-      for (int d = 0; d < D; ++d) s += to_double(query.data[q_off + d]) * to_double(key_cache.data[cache_at(b, k, kv, d)]);
+      for (int d = 0; d < D; ++d) s += to_double(query.data[q_off + d]) * kv_value(key_cache, k_scale, b, k, kv, d);
       s *= double(scale);
       if (c.softcap > 0) s = c.softcap * std::tanh(s / c.softcap);
       logits.push_back(s);
@@ -209,7 +234,7 @@ struct AttnRun {
     for (int64_t k = vis.begin; k < vis.end; ++k) {
       const double w = std::exp(logits[k - vis.begin] - m);
       l += w;
-      for (int d = 0; d < D; ++d) (*out)[d] += w * to_double(value_cache.data[cache_at(b, k, kv, d)]);
+      for (int d = 0; d < D; ++d) (*out)[d] += w * kv_value(value_cache, v_scale, b, k, kv, d);
     }
     for (double& o : *out) o /= l;
     *lse = m + std::log(l);
@@ -249,15 +274,16 @@ struct AttnRun {
   }
 };
 
-template <typename T>
-void run_all_variants(const AttnCase& c, bool expect_split) {
+template <typename T, typename C = T>
+void run_all_variants(const AttnCase& c, bool expect_split, Scales scales = Scales::kNone) {
   for (const cuda_emu::Schedule schedule : schedules()) {
     for (const bool scalar_path : {false, true}) {
-      SCOPED_TRACE(std::string(dtype_name<T>()) + (scalar_path ? " scalar" : " 16-byte") + " path, " +
+      SCOPED_TRACE(std::string(dtype_name<T>()) + " query, " + dtype_name<C>() + " cache, scales " +
+                   std::to_string(int(scales)) + (scalar_path ? ", scalar" : ", 16-byte") + " path, " +
                    schedule_name(schedule) + " schedule");
       const ScheduleScope scope(schedule);
       std::mt19937_64 rng = make_rng();
-      AttnRun<T> run(c, rng);
+      AttnRun<T, C> run(c, rng, scales);
       pagedkv::IndexError error{};
       std::vector<double> out;
       std::vector<float> lse;
@@ -304,6 +330,27 @@ TEST(CudaAttention, Softcap) { run_case({"softcap", 4, 2, 64, 16, {6, 1}, 0, 40,
 TEST(CudaAttention, HeadDim256) { run_case({"d256", 2, 1, 256, 16, {1, 3}, 60, 100}); }
 
 TEST(CudaAttention, OddHeadDimStridedQuery) { run_case({"d36_strided", 6, 2, 36, 8, {4, 1}, 0, 20, -1, 0.f, 1.0, true}); }
+
+// Float8 caches: every query dtype x both formats x three kinds of scales.
+template <typename C>
+void run_fp8_case(const AttnCase& c, bool expect_split = false) {
+  for (const Scales scales : {Scales::kNone, Scales::kTensor, Scales::kHead}) {
+    run_all_variants<float, C>(c, expect_split, scales);
+    run_all_variants<c10::Half, C>(c, expect_split, scales);
+    run_all_variants<c10::BFloat16, C>(c, expect_split, scales);
+  }
+}
+
+TEST(CudaAttentionFp8, E4M3DecodeAndPrefillGqa) { run_fp8_case<c10::Float8_e4m3fn>({"fp8_mixed", 8, 2, 64, 16, {1, 6, 1}, 0, 40}); }
+
+TEST(CudaAttentionFp8, E5M2DecodeAndPrefillGqa) { run_fp8_case<c10::Float8_e5m2>({"fp8_mixed", 8, 2, 64, 16, {1, 6, 1}, 0, 40}); }
+
+TEST(CudaAttentionFp8, E4M3SlidingWindowSoftcapSplitK) {
+  run_fp8_case<c10::Float8_e4m3fn>({"fp8_window_splitk", 4, 2, 64, 16, {1, 3}, 600, 700, 300, 20.f, 4.0, false, 132},
+                                   true);
+}
+
+TEST(CudaAttentionFp8, E5M2OddHeadDimBlockSize1) { run_fp8_case<c10::Float8_e5m2>({"fp8_d12_bs1", 4, 1, 12, 1, {3, 1}, 0, 20}); }
 
 // PAGEDKV_CHECK_INDICES: a block id outside the cache, or seq_lens beyond the block table, is skipped
 // (never read: ASan would see it) and recorded; the other sequences are still right.

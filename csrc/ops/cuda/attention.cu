@@ -11,10 +11,12 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 
 #include "ops/cuda/attention.cuh"
 #include "ops/cuda/index_check.h"
+#include "ops/fp8.h"
 #include "ops/ops.h"
 #include "ops/paged_kv.h"
 
@@ -22,7 +24,7 @@ namespace pagedkv {
 namespace {
 
 using attention_cuda::AttentionLaunch;
-using attention_cuda::AttentionParams;
+using attention_cuda::KernelParams;
 
 int multiprocessor_count(int device) {
   int count = 0;
@@ -32,11 +34,11 @@ int multiprocessor_count(int device) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-template <typename scalar_t>
-void launch_paged_attention(AttentionParams p, int64_t max_seq_len, int device, cudaStream_t stream,
+template <typename scalar_t, typename cache_t>
+void launch_paged_attention(KernelParams p, int64_t max_seq_len, int device, cudaStream_t stream,
                             const at::TensorOptions& float_options) {
   const AttentionLaunch launch =
-      attention_cuda::plan_paged_attention(p, sizeof(scalar_t), aligned16(p.key_cache) && aligned16(p.value_cache),
+      attention_cuda::plan_paged_attention(p, sizeof(cache_t), aligned16(p.key_cache) && aligned16(p.value_cache),
                                            max_seq_len, multiprocessor_count(device));
   TORCH_CHECK(launch.smem_fits, "paged_attention: head_dim ", p.head_dim, " needs too much shared memory");
   at::Tensor partial_out, partial_lse;
@@ -46,8 +48,8 @@ void launch_paged_attention(AttentionParams p, int64_t max_seq_len, int device, 
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();
   }
-  const auto kernel = launch.vec16 ? attention_cuda::paged_attention_kernel<scalar_t, true>
-                                   : attention_cuda::paged_attention_kernel<scalar_t, false>;
+  const auto kernel = launch.vec16 ? attention_cuda::paged_attention_kernel<scalar_t, cache_t, true>
+                                   : attention_cuda::paged_attention_kernel<scalar_t, cache_t, false>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(launch.smem)));
   const dim3 grid(launch.grid_x, launch.grid_y, launch.grid_z);
   kernel<<<grid, attention_cuda::kThreads, launch.smem, stream>>>(p);
@@ -64,9 +66,11 @@ void launch_paged_attention(AttentionParams p, int64_t max_seq_len, int device, 
 std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
     const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in, const at::Tensor& query_start_loc_in,
-    double scale, int64_t max_seq_len, int64_t sliding_window, double softcap, bool want_lse) {
+    double scale, int64_t max_seq_len, int64_t sliding_window, double softcap,
+    const std::optional<at::Tensor>& k_scale_in, const std::optional<at::Tensor>& v_scale_in, bool want_lse) {
   const AttentionShape shape = check_paged_attention(query, key_cache, value_cache, block_tables_in, seq_lens_in,
-                                                     query_start_loc_in, scale, sliding_window, softcap);
+                                                     query_start_loc_in, scale, sliding_window, softcap, k_scale_in,
+                                                     v_scale_in);
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor for the CUDA paged_attention");
   const c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -77,9 +81,12 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
   const at::Tensor block_tables = block_tables_in.contiguous();
   const at::Tensor seq_lens = seq_lens_in.contiguous();
   const at::Tensor query_start_loc = query_start_loc_in.contiguous();
+  // Scales stay on the device (reading them here would sync); null means 1.
+  const at::Tensor k_scale = k_scale_in.has_value() ? k_scale_in->contiguous() : at::Tensor();
+  const at::Tensor v_scale = v_scale_in.has_value() ? v_scale_in->contiguous() : at::Tensor();
   DeviceIndexCheck index_check(query.device());
 
-  AttentionParams p{};
+  KernelParams p{};
   p.query = query.data_ptr();
   p.q_stride_token = query.stride(0);
   p.q_stride_head = query.stride(1);
@@ -103,13 +110,21 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
   p.sliding_window = sliding_window;
   p.scale = float(scale);
   p.softcap = float(softcap);
+  if (k_scale.defined()) p.k_scale = KvScale{k_scale.data_ptr<float>(), k_scale.dim() == 0 ? 0 : 1};
+  if (v_scale.defined()) p.v_scale = KvScale{v_scale.data_ptr<float>(), v_scale.dim() == 0 ? 0 : 1};
   const at::TensorOptions float_options = query.options().dtype(at::kFloat);
   const int device = query.get_device();
-  switch (query.scalar_type()) {
-    case at::kFloat: launch_paged_attention<float>(p, max_seq_len, device, stream, float_options); break;
-    case at::kHalf: launch_paged_attention<c10::Half>(p, max_seq_len, device, stream, float_options); break;
-    default: launch_paged_attention<c10::BFloat16>(p, max_seq_len, device, stream, float_options); break;
-  }
+  dispatch_float(query.scalar_type(), [&](auto type) {
+    using scalar_t = decltype(type);
+    if (is_fp8(key_cache.scalar_type())) {
+      dispatch_fp8(kv_format(key_cache.scalar_type()), [&](auto format) {
+        using cache_t = typename Fp8Traits<decltype(format)::value>::type;
+        launch_paged_attention<scalar_t, cache_t>(p, max_seq_len, device, stream, float_options);
+      });
+    } else {
+      launch_paged_attention<scalar_t, scalar_t>(p, max_seq_len, device, stream, float_options);
+    }
+  });
   const char* names[] = {"block_tables", "seq_lens"};
   const int64_t bounds[] = {shape.num_blocks, shape.max_blocks * shape.block_size + 1};
   index_check.raise_if_any("paged_attention", names, bounds);
@@ -119,17 +134,19 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
 at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                 const at::Tensor& query_start_loc, double scale, int64_t max_seq_len,
-                                int64_t sliding_window, double softcap) {
+                                int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
+                                const std::optional<at::Tensor>& v_scale) {
   return std::get<0>(paged_attention_cuda_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                               scale, max_seq_len, sliding_window, softcap, false));
+                                               scale, max_seq_len, sliding_window, softcap, k_scale, v_scale, false));
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_attention_with_lse_cuda(
     const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-    int64_t max_seq_len, int64_t sliding_window, double softcap) {
+    int64_t max_seq_len, int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
   return paged_attention_cuda_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                                   max_seq_len, sliding_window, softcap, true);
+                                   max_seq_len, sliding_window, softcap, k_scale, v_scale, true);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ops/attention_plan.h"
 #include "ops/cuda/device_compat.cuh"
 #include "ops/paged_kv.h"
 
@@ -21,8 +22,6 @@ constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRows = 16;          // rows (query x head) per CTA
 constexpr int kMaxKeyTile = 64;       // keys staged per step (the softmax step assumes <= 64)
-constexpr int64_t kMinPartitionKeys = 256;
-constexpr int kMaxPartitions = 64;
 constexpr size_t kSmemBudget = 96 * 1024;
 
 // Index arguments named in an IndexError (see index_error_message).
@@ -55,24 +54,9 @@ struct SmemLayout {
   }
 };
 
-struct AttentionParams {
-  const void* query;
-  int64_t q_stride_token, q_stride_head, q_stride_dim;
-  const void* key_cache;
-  const void* value_cache;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  const int32_t* query_start_loc;
-  void* out;           // [T, Hq, D]
-  float* lse;          // [T, Hq] or nullptr
-  float* partial_out;  // [P, T, Hq, D] when P > 1
-  float* partial_lse;  // [P, T, Hq]
-  IndexError* index_error;  // non-null under PAGEDKV_CHECK_INDICES=1
-  int num_seqs, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, max_blocks;
-  int64_t num_blocks;
+// The call's parameters plus the CTA tiling chosen by plan_paged_attention.
+struct KernelParams : AttentionParams {
   int heads_per_cta, head_chunks, queries_per_cta, key_tile;
-  int64_t sliding_window;
-  float scale, softcap;
 };
 
 // What launch_paged_attention needs beyond the params: grid, dynamic shared memory, kernel variant.
@@ -87,7 +71,7 @@ struct AttentionLaunch {
 // queries_per_cta, key_tile) from its shapes. caches_aligned16: both cache pointers are 16-byte
 // aligned; max_seq_len: the caller's hint (<= 0: the block tables' capacity); multiprocessors: SMs of
 // the device.
-inline AttentionLaunch plan_paged_attention(AttentionParams& p, int elem_size, bool caches_aligned16,
+inline AttentionLaunch plan_paged_attention(KernelParams& p, int elem_size, bool caches_aligned16,
                                             int64_t max_seq_len, int multiprocessors) {
   AttentionLaunch launch{};
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -108,17 +92,16 @@ inline AttentionLaunch plan_paged_attention(AttentionParams& p, int elem_size, b
   // e.g. decode at small batch and long context; partials cost parts x T x Hq x D floats.
   const int64_t max_len = max_seq_len > 0 ? max_seq_len : int64_t(p.max_blocks) * p.block_size;
   const int64_t ctas = std::max<int64_t>(1, num_tiles * p.num_kv_heads * p.head_chunks);
-  const int64_t parts = std::min<int64_t>(ceil_div(max_len, kMinPartitionKeys),
-                                          ceil_div(2 * int64_t(multiprocessors), ctas));
+  const int64_t parts = num_partitions(max_len, ctas, 2 * int64_t(multiprocessors));
   launch.grid_x = unsigned(num_tiles);
   launch.grid_y = unsigned(p.num_kv_heads * p.head_chunks);
-  launch.grid_z = unsigned(std::clamp<int64_t>(parts, 1, kMaxPartitions));
+  launch.grid_z = unsigned(parts);
   return launch;
 }
 
 // Which (sequence, query tile) linear tile `tile` is: sequences own ceil(q_len / queries_per_cta)
 // consecutive tiles. Warp 0 scans query_start_loc 32 sequences at a time; -1 when past the end.
-__device__ inline void find_query_tile(const AttentionParams& p, int tile, int* seq_out, int* tile_out) {
+__device__ inline void find_query_tile(const KernelParams& p, int tile, int* seq_out, int* tile_out) {
   const int lane = threadIdx.x % 32;
   int carry = 0;
   for (int base = 0; base < p.num_seqs; base += 32) {
@@ -144,7 +127,7 @@ __device__ inline void find_query_tile(const AttentionParams& p, int tile, int* 
 
 // Slot of key position pos of sequence seq, or -1 when the metadata points outside the cache
 // (recorded in p.index_error when checking is on): the key then takes part in nothing.
-__device__ __forceinline__ int64_t checked_slot(const AttentionParams& p, int seq, int64_t pos) {
+__device__ __forceinline__ int64_t checked_slot(const KernelParams& p, int seq, int64_t pos) {
   const int64_t column = pos / p.block_size;
   if (column >= p.max_blocks) {
     report_bad_index(p.index_error, kBadSeqLen, p.seq_lens[seq], seq);
@@ -158,18 +141,20 @@ __device__ __forceinline__ int64_t checked_slot(const AttentionParams& p, int se
   return block * p.block_size + pos % p.block_size;
 }
 
-template <typename scalar_t, bool kVec16>
-__global__ void __launch_bounds__(kThreads) paged_attention_kernel(const AttentionParams p) {
+// scalar_t: the query and output type; cache_t: the caches' (scalar_t, or a float8 type staged as such
+// in shared memory: the K scale is folded into the query and the V scale into the output).
+template <typename scalar_t, typename cache_t, bool kVec16>
+__global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelParams p) {
   PAGEDKV_DYNAMIC_SHARED(smem);
-  const SmemLayout L = SmemLayout::make(p.head_dim, p.key_tile, sizeof(scalar_t), kVec16);
+  const SmemLayout L = SmemLayout::make(p.head_dim, p.key_tile, sizeof(cache_t), kVec16);
   float* q_s = reinterpret_cast<float*>(smem + L.q);
   float* acc_s = reinterpret_cast<float*>(smem + L.acc);
   float* logits_s = reinterpret_cast<float*>(smem + L.logits);
   OnlineSoftmax* state_s = reinterpret_cast<OnlineSoftmax*>(smem + L.state);
   float* alpha_s = reinterpret_cast<float*>(smem + L.alpha);
   int64_t* slots_s = reinterpret_cast<int64_t*>(smem + L.slots);
-  scalar_t* k_s = reinterpret_cast<scalar_t*>(smem + L.k_tile);
-  scalar_t* v_s = reinterpret_cast<scalar_t*>(smem + L.v_tile);
+  cache_t* k_s = reinterpret_cast<cache_t*>(smem + L.k_tile);
+  cache_t* v_s = reinterpret_cast<cache_t*>(smem + L.v_tile);
   PAGEDKV_SHARED(int, seq_s);
   PAGEDKV_SHARED(int, tile_s);
 
@@ -194,23 +179,24 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
   const KeyRange cta_keys{visible_keys(query_position(seq_len, q_len, q_begin), p.sliding_window).begin,
                           query_position(seq_len, q_len, q_begin + q_count - 1) + 1};
   const int num_parts = gridDim.z;
-  const int64_t part_size = max_i64(ceil_div(cta_keys.end - cta_keys.begin, num_parts), kMinPartitionKeys);
+  const int64_t part_size = partition_size(cta_keys.end - cta_keys.begin, num_parts);
   const KeyRange keys = partition_keys(cta_keys, blockIdx.z, num_parts, part_size);
 
   // --- queries (pre-scaled, fp32) and fresh softmax state
   const auto* query = static_cast<const scalar_t*>(p.query);
+  const float q_scale = p.scale * p.k_scale.at(kv_head), v_scale = p.v_scale.at(kv_head);
   for (int i = tid; i < rows * D; i += kThreads) {
     const int r = i / D, d = i % D;
     const int64_t token = q_start + q_begin + r / num_heads, head = head0 + r % num_heads;
     q_s[i] = static_cast<float>(query[token * p.q_stride_token + head * p.q_stride_head + d * p.q_stride_dim]) *
-             p.scale;
+             q_scale;
     acc_s[i] = 0.f;
   }
   if (tid < rows) state_s[tid] = OnlineSoftmax{};
 
-  const auto* key_cache = static_cast<const scalar_t*>(p.key_cache);
-  const auto* value_cache = static_cast<const scalar_t*>(p.value_cache);
-  constexpr int kPerVec = 16 / sizeof(scalar_t);
+  const auto* key_cache = static_cast<const cache_t*>(p.key_cache);
+  const auto* value_cache = static_cast<const cache_t*>(p.value_cache);
+  constexpr int kPerVec = 16 / sizeof(cache_t);
   for (int64_t tile = keys.begin; tile < keys.end; tile += KT) {
     const int n = int(min_i64(KT, keys.end - tile));
     __syncthreads();  // previous tile's readers are done with slots, KV and logits
@@ -235,7 +221,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
     } else {
       for (int i = tid; i < n * D; i += kThreads) {
         const int j = i / D, d = i % D;
-        scalar_t k = static_cast<scalar_t>(0.f), v = k;
+        cache_t k = static_cast<cache_t>(0.f), v = k;
         if (slots_s[j] >= 0) {
           const int64_t src = cache_row_offset(slots_s[j], kv_head, p.num_kv_heads, D) + d;
           k = key_cache[src];
@@ -256,12 +242,12 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
       const int64_t pos = tile + j;
       if (j < n && pos >= visible.begin && pos < visible.end && slots_s[j] >= 0) {
         const float* q = q_s + r * D;
-        const scalar_t* k = k_s + j * L.row_stride;
+        const cache_t* k = k_s + j * L.row_stride;
         float dot = 0.f;
         if constexpr (kVec16) {
           for (int d = 0; d < D; d += kPerVec) {
             const uint4 raw = *reinterpret_cast<const uint4*>(k + d);
-            const scalar_t* e = reinterpret_cast<const scalar_t*>(&raw);
+            const cache_t* e = reinterpret_cast<const cache_t*>(&raw);
 #pragma unroll
             for (int x = 0; x < kPerVec; ++x) dot += q[d + x] * static_cast<float>(e[x]);
           }
@@ -317,7 +303,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
         a.x *= alpha, a.y *= alpha, a.z *= alpha, a.w *= alpha;
         for (int j = int(max_i64(0, visible.begin - tile)); j < j_end; ++j) {
           const float pj = prob[j];
-          const scalar_t* v = v_s + j * L.row_stride + d;
+          const cache_t* v = v_s + j * L.row_stride + d;
           a.x += pj * static_cast<float>(v[0]);
           a.y += pj * static_cast<float>(v[1]);
           a.z += pj * static_cast<float>(v[2]);
@@ -347,7 +333,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
     const int r = i / D, d = i % D;
     const int64_t token = q_start + q_begin + r / num_heads, head = head0 + r % num_heads;
     const int64_t row = token * p.num_q_heads + head;
-    const float o = acc_s[i] * state_s[r].inv_sum();
+    const float o = acc_s[i] * state_s[r].inv_sum() * v_scale;
     if (num_parts == 1) {
       static_cast<scalar_t*>(p.out)[row * D + d] = static_cast<scalar_t>(o);
     } else {
@@ -366,27 +352,21 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
   }
 }
 
-// One CTA per (token, query head) row: folds the split-K partials with the shared lse merge.
+// One CTA per (token, query head) row: folds the split-K partials with the shared merge.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     merge_partitions_kernel(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
                             scalar_t* __restrict__ out, float* __restrict__ lse, int num_parts, int64_t num_rows,
                             int head_dim) {
   const int64_t row = blockIdx.x;
-  float max_lse = kNegInf;
-  for (int part = 0; part < num_parts; ++part) max_lse = fmaxf(max_lse, partial_lse[part * num_rows + row]);
-  float weight_sum = 0.f;
-  for (int part = 0; part < num_parts; ++part) weight_sum += lse_merge_weight(partial_lse[part * num_rows + row], max_lse);
-  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
+  OnlineSoftmax state;
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float o = 0.f;
-    for (int part = 0; part < num_parts; ++part) {
-      const float w = lse_merge_weight(partial_lse[part * num_rows + row], max_lse);
-      if (w > 0.f) o += w * partial_out[(part * num_rows + row) * head_dim + d];
-    }
-    out[row * head_dim + d] = static_cast<scalar_t>(o * inv);
+    state = OnlineSoftmax{};
+    const float o = merge_partition_element(partial_out + row * head_dim, num_rows * head_dim, partial_lse + row,
+                                            num_rows, num_parts, d, state);
+    out[row * head_dim + d] = static_cast<scalar_t>(o);
   }
-  if (lse != nullptr && threadIdx.x == 0) lse[row] = lse_merged(max_lse, weight_sum);
+  if (lse != nullptr && threadIdx.x == 0) lse[row] = state.lse();  // thread 0 merged element 0 (head_dim >= 1)
 }
 
 }  // namespace attention_cuda

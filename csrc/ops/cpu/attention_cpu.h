@@ -1,0 +1,157 @@
+// The CPU paged attention between its glue (ops/attention_cpu.cpp: checks, plan, merge) and its kernels
+// (one file per kernel: decode.inc, prefill_rows.inc, prefill_gemm.inc), which are compiled once per
+// instruction set (attention_<isa>.cpp) and chosen at run time: work items, per-thread scratch, the
+// entry point of each ISA copy, and the row output shared by the kernels and the split-K merge.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "ops/attention_plan.h"
+#include "ops/fp8.h"
+#include "ops/paged_kv.h"
+
+namespace pagedkv {
+namespace cpu {
+
+// Per-row kernel: keys gathered (and converted to fp32) per step, and query rows (query x GQA head)
+// per work item (at least one GQA group).
+constexpr int64_t kKeyTile = 32;
+constexpr int64_t kRowsPerItem = 32;
+// Prefill: sequences with more than one query and at least kGemmMinRows rows (queries x GQA group)
+// run register-tiled micro-GEMMs (Q K^T and P V over fp32 tiles of kGemmKeyTile keys).
+constexpr int64_t kGemmMinRows = 16;
+constexpr int64_t kGemmKeyTile = 128;
+constexpr int64_t kGemmRowsPerItem = 64;
+constexpr int64_t kGemmRowAlign = 16;  // rows and head_dim padded to a multiple of this in the GEMM path
+// Single-query (decode) kernel: head_dim must be a multiple of this.
+constexpr int64_t kDecodeDimAlign = 8;
+// Split-K partitions are planned so that there are this many items per thread.
+constexpr int64_t kItemsPerThread = 4;
+
+enum class Kernel : int8_t {
+  kDecode,       // one query: every row (GQA head) sees the same keys; may span several KV heads
+  kPrefillRows,  // a few queries: per-row dot products
+  kPrefillGemm,  // many rows: micro-GEMMs
+};
+
+inline bool use_gemm_path(int64_t q_len, int64_t group) { return q_len >= 2 && q_len * group >= kGemmMinRows; }
+
+// The rows (queries q_begin.. x query heads of KV heads kv_head..) of one sequence over one range of
+// keys. Row r is query q_begin + r / heads() and query head kv_head * group + r % heads().
+struct WorkItem {
+  int32_t seq, kv_head, q_begin, q_count;
+  int32_t kv_head_count;  // > 1 only for unsplit decode items
+  int32_t part, num_parts;
+  int64_t partial_row;  // first partial row of partition 0 (split items only)
+  KeyRange keys;        // keys this item attends to (one partition of the chunk's visible keys)
+  Kernel kernel;
+
+  int64_t heads(int64_t group) const { return int64_t(kv_head_count) * group; }
+  int64_t rows(int64_t group) const { return int64_t(q_count) * heads(group); }
+  int64_t row_token(const AttentionParams& a, int64_t r, int64_t group) const {
+    return a.query_start_loc[seq] + q_begin + r / heads(group);
+  }
+  int64_t row_head(int64_t r, int64_t group) const { return int64_t(kv_head) * group + r % heads(group); }
+};
+
+// Per-thread buffers, grown on demand and reused across items and calls.
+struct Scratch {
+  std::vector<float> q, acc, k_tile, v_tile, scores;
+  std::vector<OnlineSoftmax> state;
+  std::vector<KeyRange> row_keys;
+  int64_t slot_rows[kKeyTile];  // element offset of each tile key's slot (head 0)
+  const float* k_rows[kKeyTile];
+  const float* v_rows[kKeyTile];
+  // GEMM path: Qt [Dp][R] (scaled, transposed, zero-padded), K/V tiles [kGemmKeyTile][Dp], scores
+  // St [kGemmKeyTile][R], accumulator [R][Dp], per-row alpha and visible key range.
+  std::vector<float> g_qt, g_k, g_v, g_st, g_acc, g_alpha;
+  std::vector<int32_t> g_begin, g_end;
+
+  void reserve(int64_t rows, int64_t head_dim) {
+    grow(q, rows * head_dim);
+    grow(acc, rows * head_dim);
+    grow(state, rows);
+    grow(row_keys, rows);
+    grow(k_tile, kKeyTile * head_dim);
+    grow(v_tile, kKeyTile * head_dim);
+    grow(scores, rows * (kKeyTile + 8));
+  }
+
+  void reserve_gemm(int64_t R, int64_t Dp) {
+    grow(g_qt, R * Dp);
+    grow(g_acc, R * Dp);
+    grow(g_alpha, R);
+    grow(g_begin, R);
+    grow(g_end, R);
+    grow(g_st, kGemmKeyTile * R);
+    grow(state, R);
+    grow(g_k, kGemmKeyTile * Dp);
+    grow(g_v, kGemmKeyTile * Dp);
+  }
+
+ private:
+  template <typename T>
+  static void grow(std::vector<T>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  }
+};
+
+// Final output of one row: out = acc / l (rounded to the query dtype) and, when asked, its lse.
+template <typename scalar_t>
+void write_output_row(const AttentionParams& a, int64_t token, int64_t head, const float* acc,
+                      const OnlineSoftmax& state) {
+  const int64_t D = a.head_dim, row = token * a.num_q_heads + head;
+  const float inv = state.inv_sum();
+  auto* out = static_cast<scalar_t*>(a.out) + row * D;
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<scalar_t>(acc[d] * inv);
+  if (a.lse != nullptr) a.lse[row] = state.lse();
+}
+
+// Row r of an item: the final output when the item is whole, else its partition's normalised partial
+// output and lse (partial rows of an item: partition-major, then row).
+template <typename scalar_t>
+void write_item_row(const AttentionParams& a, const WorkItem& item, int64_t r, const float* acc,
+                    const OnlineSoftmax& state) {
+  const int64_t G = a.num_q_heads / a.num_kv_heads;
+  if (item.num_parts == 1) {
+    write_output_row<scalar_t>(a, item.row_token(a, r, G), item.row_head(r, G), acc, state);
+    return;
+  }
+  const int64_t p = item.partial_row + item.part * item.rows(G) + r;
+  const float inv = state.inv_sum();
+  float* out = a.partial_out + p * a.head_dim;
+  for (int64_t d = 0; d < a.head_dim; ++d) out[d] = acc[d] * inv;
+  a.partial_lse[p] = state.lse();
+}
+
+// The copies of the kernels, best first; only the first that this CPU runs and that is not above a
+// forced choice is used.
+enum class Isa : int8_t { kAvx512, kAvx2, kBaseline };
+
+// Entry point of each ISA copy: runs items[next++] until none is left (items differ in cost, so the
+// threads pull them from a shared counter). scalar_t: query/output type; cache_t: the cache's (scalar_t
+// or a float8 type).
+#define PAGEDKV_CPU_ATTENTION_ENTRY(isa)                                                           \
+  namespace isa {                                                                                   \
+  template <typename scalar_t, typename cache_t>                                                   \
+  void attend_work_items(const AttentionParams& a, const std::vector<WorkItem>& items,              \
+                         std::atomic<int64_t>& next, Scratch& scratch);                             \
+  }
+PAGEDKV_CPU_ATTENTION_ENTRY(baseline)
+#if defined(__x86_64__)
+PAGEDKV_CPU_ATTENTION_ENTRY(avx2)
+PAGEDKV_CPU_ATTENTION_ENTRY(avx512)
+#endif
+#undef PAGEDKV_CPU_ATTENTION_ENTRY
+
+}  // namespace cpu
+}  // namespace pagedkv

@@ -1,0 +1,97 @@
+"""float8 KV cache in the engine: the cache dtype (`kv_cache_dtype`), each layer's K/V scales
+(`kv_scale`) and the prefix-cache salt they imply.
+
+Scales are float32 tensors, one per KV head of the layer (of this rank's heads under tensor
+parallelism), filled in place and never replaced, so a captured or compiled graph holding them stays
+valid. The stored value of ``x`` is ``fp8(x / scale)`` (saturating); attention reads
+``stored * scale``.
+
+Dynamic rule (``kv_scale="dynamic"``): on a layer's first forward (the engine's first prefill),
+``scale[h] = HEADROOM * amax_h / max_finite``, where ``amax_h`` is the largest finite ``|x|`` of that
+step's keys (or values) of KV head ``h`` and ``max_finite`` the format's largest finite value (448
+for e4m3, 57344 for e5m2): later tokens may exceed the first prompt's range by ``HEADROOM`` times
+before they saturate. A head whose first values are all zero gets ``amax_h = MIN_AMAX``. The scales are
+never changed afterwards (that would invalidate every cached block). ``"dynamic_tensor"`` is the same
+with one scale per layer (the amax over all its heads); a float fixes every scale to it."""
+import hashlib
+import math
+
+import torch
+
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+DYNAMIC_MODES = ("dynamic", "dynamic_tensor")
+HEADROOM = 2.0
+MIN_AMAX = 1e-4
+
+
+def check_kv_cache_dtype(kv_cache_dtype) -> str:
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return kv_cache_dtype
+
+
+def check_kv_scale(kv_scale) -> str | float:
+    if isinstance(kv_scale, str):
+        if kv_scale not in DYNAMIC_MODES:
+            raise ValueError(f"kv_scale must be 'dynamic', 'dynamic_tensor' or a float > 0, got {kv_scale!r}")
+        return kv_scale
+    if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)):
+        raise TypeError(f"kv_scale must be 'dynamic', 'dynamic_tensor' or a float > 0, got {kv_scale!r}")
+    if not (math.isfinite(kv_scale) and kv_scale > 0 and math.isfinite(float(torch.tensor(kv_scale)))):
+        raise ValueError(f"kv_scale must be a finite float32 > 0, got {kv_scale!r}")
+    return float(kv_scale)
+
+
+def kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the KV cache: the model's for "auto", else the float8 one."""
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
+class LayerKvScales:
+    """One layer's K and V scales ([num_kv_heads] float32 on the cache's device) and whether they are
+    set; `observe` sets dynamic ones from the first K/V it sees."""
+
+    def __init__(self, num_kv_heads: int, fp8: torch.dtype, kv_scale: str | float, device):
+        self.fp8, self.mode = fp8, kv_scale
+        value = 1.0 if isinstance(kv_scale, str) else kv_scale
+        self.k_scale = torch.full((num_kv_heads,), value, dtype=torch.float32, device=device)
+        self.v_scale = torch.full((num_kv_heads,), value, dtype=torch.float32, device=device)
+        self.fixed = not isinstance(kv_scale, str)
+
+    def observe(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key, value: [T, num_kv_heads, head_dim] of this step. Sets dynamic scales once."""
+        if self.fixed or key.shape[0] == 0:
+            return
+        limit = torch.finfo(self.fp8).max
+        for x, scale in ((key, self.k_scale), (value, self.v_scale)):
+            amax = torch.nan_to_num(x.detach().float().abs(), nan=0.0, posinf=0.0).amax(dim=(0, 2))
+            if self.mode == "dynamic_tensor":
+                amax = amax.amax().expand_as(amax)
+            scale.copy_(amax.clamp_min(MIN_AMAX) * (HEADROOM / limit))
+        self.fixed = True
+
+
+def attach_kv_scales(model, kv_cache_dtype_name: str, kv_scale: str | float, device) -> list[LayerKvScales]:
+    """Gives each attention layer of `model` its scales (float8 caches; none for "auto")."""
+    fp8 = KV_CACHE_DTYPES[kv_cache_dtype_name]
+    scales = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.kv_scales = None if fp8 is None else LayerKvScales(attn.num_kv_heads, fp8, kv_scale, device)
+        scales.append(attn.kv_scales)
+    return scales
+
+
+def cache_salt(kv_cache_dtype_name: str, scales: list) -> bytes | None:
+    """Prefix-cache salt of blocks written under these scales: None for "auto" (no salt), else the
+    format and the scales' bytes, or a marker while dynamic ones are still unset (such blocks never
+    match blocks written after the scales are set)."""
+    if KV_CACHE_DTYPES[kv_cache_dtype_name] is None:
+        return None
+    digest = hashlib.sha256(kv_cache_dtype_name.encode())
+    if not all(s.fixed for s in scales):
+        return digest.hexdigest().encode() + b":unset"
+    for s in scales:
+        digest.update(s.k_scale.cpu().numpy().tobytes())
+        digest.update(s.v_scale.cpu().numpy().tobytes())
+    return digest.hexdigest().encode()
