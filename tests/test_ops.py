@@ -44,17 +44,23 @@ def config_id(c):
     return f"{str(c[0]).split('.')[-1]}-bs{c[1]}-kv{c[2]}-g{c[3]}-d{c[4]}-{c[5]}"
 
 
+def mixed_batch(config, device):
+    """MIXED_BATCH (each prefix a little longer at random) in one of ATTENTION_CONFIGS."""
+    dtype, block_size, num_kv_heads, group, head_dim, layout = config
+    prefixes = [p + int(torch.randint(0, 5, ())) for p, _ in MIXED_BATCH]
+    return PagedBatch(prefixes, [q for _, q in MIXED_BATCH], block_size=block_size, num_kv_heads=num_kv_heads,
+                      group=group, head_dim=head_dim, dtype=dtype, device=device, query_layout=layout)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", ATTENTION_CONFIGS, ids=config_id)
 def test_paged_attention_mixed_batch(device, config):
-    dtype, block_size, num_kv_heads, group, head_dim, layout = config
-    prefixes = [p + int(torch.randint(0, 5, ())) for p, _ in MIXED_BATCH]
-    batch = PagedBatch(prefixes, [q for _, q in MIXED_BATCH], block_size=block_size, num_kv_heads=num_kv_heads,
-                       group=group, head_dim=head_dim, dtype=dtype, device=device, query_layout=layout)
+    dtype = config[0]
+    batch = mixed_batch(config, device)
     out = ops.paged_attention(*batch.args())
     expected, _ = batch.reference()
     assert out.shape == batch.query.shape and out.dtype == dtype and out.is_contiguous()
-    assert_close(out, expected, dtype, f"prefixes={prefixes}")
+    assert_close(out, expected, dtype, f"seq_lens={batch.seq_lens_list}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -234,15 +240,13 @@ def test_paged_attention_random_batches_cpu(data, block_size, num_kv_heads, grou
 @pytest.mark.parametrize("config", ATTENTION_CONFIGS, ids=config_id)
 def test_paged_attention_cpu_each_isa(isa, config):
     """Every copy of the CPU kernels this CPU runs, on the mixed batch (decode, per-row and GEMM prefill)."""
-    dtype, block_size, num_kv_heads, group, head_dim, layout = config
-    prefixes = [p + int(torch.randint(0, 5, ())) for p, _ in MIXED_BATCH]
-    batch = PagedBatch(prefixes, [q for _, q in MIXED_BATCH], block_size=block_size, num_kv_heads=num_kv_heads,
-                       group=group, head_dim=head_dim, dtype=dtype, device="cpu", query_layout=layout)
+    dtype = config[0]
+    batch = mixed_batch(config, "cpu")
     with cpu_attention_isa(isa):
         assert _C._cpu_attention_isa() == isa
         out, lse = ops.paged_attention_with_lse(*batch.args(), softcap=5.0)
     expected, expected_lse = batch.reference(softcap=5.0)
-    assert_close(out, expected, dtype, f"{isa} prefixes={prefixes}")
+    assert_close(out, expected, dtype, f"{isa} seq_lens={batch.seq_lens_list}")
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
 
 

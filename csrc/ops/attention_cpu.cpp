@@ -202,31 +202,10 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
                 &num_partial_rows);
   std::vector<float> partial_out(num_partial_rows * shape.head_dim), partial_lse(num_partial_rows);
 
-  AttentionParams args{};
-  args.query = query.data_ptr();
-  args.q_stride_token = query.stride(0);
-  args.q_stride_head = query.stride(1);
-  args.q_stride_dim = 1;
-  args.key_cache = key_cache.data_ptr();
-  args.value_cache = value_cache.data_ptr();
-  args.block_tables = block_tables.data_ptr<int32_t>();
-  args.seq_lens = seq_lens.data_ptr<int32_t>();
-  args.query_start_loc = query_start_loc.data_ptr<int32_t>();
-  args.out = out.data_ptr();
-  args.lse = lse.defined() ? lse.data_ptr<float>() : nullptr;
+  AttentionParams args = attention_params(shape, query, key_cache, value_cache, block_tables, seq_lens,
+                                          query_start_loc, out, lse, scale, sliding_window, softcap);
   args.partial_out = partial_out.data();
   args.partial_lse = partial_lse.data();
-  args.num_seqs = int(shape.num_seqs);
-  args.num_tokens = int(shape.num_tokens);
-  args.num_q_heads = int(shape.num_q_heads);
-  args.num_kv_heads = int(shape.num_kv_heads);
-  args.head_dim = int(shape.head_dim);
-  args.block_size = int(shape.block_size);
-  args.max_blocks = int(shape.max_blocks);
-  args.num_blocks = shape.num_blocks;
-  args.sliding_window = sliding_window;
-  args.scale = static_cast<float>(scale);
-  args.softcap = static_cast<float>(softcap);
   args.k_scale = k_scale;
   args.v_scale = v_scale;
 

@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "ops/attention_plan.h"
+
 namespace pagedkv {
 
 // Shapes of one paged_attention call, read off the (already checked) arguments.
@@ -70,6 +72,39 @@ void check_attention_metadata_values(const AttentionShape& shape, const at::Tens
 // tensors) also no chains: no destination may be the source of another pair.
 void check_block_mapping_values(const at::Tensor& block_mapping, int64_t num_src_blocks, int64_t num_dst_blocks,
                                 bool same_pool = false);
+
+// The parameters of a paged_attention call (checked shapes; metadata tensors contiguous; lse may be
+// undefined). Split-K buffers and the index check are the backend's to fill.
+inline AttentionParams attention_params(const AttentionShape& shape, const at::Tensor& query, const at::Tensor& key_cache,
+                                        const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                        const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                        const at::Tensor& out, const at::Tensor& lse, double scale,
+                                        int64_t sliding_window, double softcap) {
+  AttentionParams p{};
+  p.query = query.data_ptr();
+  p.q_stride_token = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.q_stride_dim = query.stride(2);
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.out = out.data_ptr();
+  p.lse = lse.defined() ? lse.data_ptr<float>() : nullptr;
+  p.num_seqs = int(shape.num_seqs);
+  p.num_tokens = int(shape.num_tokens);
+  p.num_q_heads = int(shape.num_q_heads);
+  p.num_kv_heads = int(shape.num_kv_heads);
+  p.head_dim = int(shape.head_dim);
+  p.block_size = int(shape.block_size);
+  p.max_blocks = int(shape.max_blocks);
+  p.num_blocks = shape.num_blocks;
+  p.sliding_window = sliding_window;
+  p.scale = float(scale);
+  p.softcap = float(softcap);
+  return p;
+}
 
 // CPU paged attention (csrc/ops/attention_cpu.cpp): fills out [T, Hq, D] and, when defined, lse [T, Hq].
 void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& query,

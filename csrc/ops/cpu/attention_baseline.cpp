@@ -2,9 +2,7 @@
 #pragma GCC diagnostic ignored "-Wpsabi"  // vectors wider than the baseline ISA between inline helpers
 #include "ops/cpu/attention_cpu.h"
 
+#define PAGEDKV_CPU_ISA baseline
 #define PAGEDKV_CPU_AVX2 0
 #define PAGEDKV_CPU_AVX512 0
-
-namespace pagedkv::cpu::baseline {
 #include "ops/cpu/kernels.inc"
-}  // namespace pagedkv::cpu::baseline

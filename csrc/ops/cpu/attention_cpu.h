@@ -15,6 +15,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>  // used by the x86 copies of the kernels only (PAGEDKV_CPU_AVX2)
+#endif
+
 #include "ops/attention_plan.h"
 #include "ops/fp8.h"
 #include "ops/paged_kv.h"

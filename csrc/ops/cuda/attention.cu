@@ -87,29 +87,9 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
   DeviceIndexCheck index_check(query.device());
 
   KernelParams p{};
-  p.query = query.data_ptr();
-  p.q_stride_token = query.stride(0);
-  p.q_stride_head = query.stride(1);
-  p.q_stride_dim = query.stride(2);
-  p.key_cache = key_cache.data_ptr();
-  p.value_cache = value_cache.data_ptr();
-  p.block_tables = block_tables.data_ptr<int32_t>();
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
-  p.out = out.data_ptr();
-  p.lse = want_lse ? lse.data_ptr<float>() : nullptr;
+  static_cast<AttentionParams&>(p) = attention_params(shape, query, key_cache, value_cache, block_tables, seq_lens,
+                                                      query_start_loc, out, lse, scale, sliding_window, softcap);
   p.index_error = index_check.error();
-  p.num_seqs = int(shape.num_seqs);
-  p.num_tokens = int(shape.num_tokens);
-  p.num_q_heads = int(shape.num_q_heads);
-  p.num_kv_heads = int(shape.num_kv_heads);
-  p.head_dim = int(shape.head_dim);
-  p.block_size = int(shape.block_size);
-  p.max_blocks = int(shape.max_blocks);
-  p.num_blocks = shape.num_blocks;
-  p.sliding_window = sliding_window;
-  p.scale = float(scale);
-  p.softcap = float(softcap);
   if (k_scale.defined()) p.k_scale = KvScale{k_scale.data_ptr<float>(), k_scale.dim() == 0 ? 0 : 1};
   if (v_scale.defined()) p.v_scale = KvScale{v_scale.data_ptr<float>(), v_scale.dim() == 0 ? 0 : 1};
   const at::TensorOptions float_options = query.options().dtype(at::kFloat);
