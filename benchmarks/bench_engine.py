@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-import pagedkv  # before torch: pagedkv picks the OpenMP wait policy (pagedkv/_threads.py)
+import pagedkv
 import torch
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.engine.model_runner import kv_cache_block_bytes

@@ -8,13 +8,9 @@
 - ``pagedkv.allocate_kv_cache`` / ``pagedkv.num_blocks_for``: cache tensors and pool sizing.
 - ``pagedkv.engine``: a small reference engine for Llama-family models.
 """
-from ._threads import prefer_passive_openmp
+import torch  # noqa: F401  (loads libtorch before the extension)
 
-prefer_passive_openmp()  # before torch loads OpenMP: see pagedkv/_threads.py
-
-import torch  # noqa: E402,F401  (loads libtorch before the extension)
-
-from . import ops  # noqa: E402
+from . import ops
 from ._C import AllocStatus, BlockManager, hash_block_tokens  # also registers torch.ops.pagedkv.*
 from .cache import allocate_kv_cache, block_bytes, num_blocks_for
 

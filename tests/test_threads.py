@@ -1,38 +1,63 @@
-"""pagedkv sets OMP_WAIT_POLICY=PASSIVE when it is imported before torch (idle OpenMP threads must not spin
-against a busy machine: pagedkv/_threads.py), never overrides a user's choice, and counts usable CPUs."""
+"""The engine's CPU thread choice: the tuner runs with the CPUs other processes leave free and follows a
+change of load; the thread count respects the CPUs the process may use; cpu_threads= fixes it."""
 import os
-import subprocess
-import sys
 
 import pytest
+import torch
 
-from pagedkv import _threads
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def policy_after(code, **env):
-    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", code + "; import os; print(os.environ.get('OMP_WAIT_POLICY'))"],
-                         env={**clean, "PYTHONPATH": REPO, **env}, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.split()[-1]
+from pagedkv import _threads as threads_module
+from pagedkv._threads import ThreadTuner, available_cpus
 
 
-@pytest.mark.parametrize("code,env,want", [
-    ("import pagedkv", {}, "PASSIVE"),
-    ("import pagedkv.engine", {}, "PASSIVE"),
-    ("import torch, pagedkv", {}, "None"),                 # too late: libgomp already read it
-    ("import pagedkv", {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
-    ("import pagedkv", {"GOMP_SPINCOUNT": "1000"}, "None"),
-    ("import pagedkv", {"PAGEDKV_KEEP_OMP_WAIT_POLICY": "1"}, "None"),
-])
-def test_wait_policy(code, env, want):
-    assert policy_after(code, **env) == want
+def write_stat(path, running):
+    path.write_text(f"cpu  1 2 3 4\nprocs_running {running}\nprocs_blocked 0\n")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_tuner_leaves_the_cpus_other_processes_use(tmp_path, monkeypatch):
+    """Runs with every thread on a quiet machine, one when another process holds a core, and back."""
+    monkeypatch.setattr(threads_module, "available_cpus", lambda: 2)
+    monkeypatch.setattr(threads_module, "_own_running_threads", lambda: 1)
+    stat = tmp_path / "stat"
+    write_stat(stat, 1)
+    tuner = ThreadTuner(2, stat_path=str(stat))
+    assert [tuner.threads for _ in range(5)] == [2] * 5
+    write_stat(stat, 2)                                # one other runnable thread: one CPU left
+    assert [tuner.threads for _ in range(5)][-3:] == [1, 1, 1]
+    write_stat(stat, 1)
+    assert [tuner.threads for _ in range(8)][-3:] == [2, 2, 2]
+    write_stat(stat, 7)                                # more than the machine: still one thread
+    assert [tuner.threads for _ in range(5)][-1] == 1
+
+
+def test_tuner_without_proc_stat_keeps_its_threads(tmp_path):
+    tuner = ThreadTuner(2, stat_path=str(tmp_path / "missing"))
+    assert [tuner.threads for _ in range(3)] == [2, 2, 2]
+    assert ThreadTuner(1).threads == 1
+
+
+def test_own_running_threads_counts_the_caller():
+    assert threads_module._own_running_threads() >= 1
 
 
 def test_available_cpus_follows_affinity():
-    n = _threads.available_cpus()
+    n = available_cpus()
     assert 1 <= n <= (os.cpu_count() or 1)
     if hasattr(os, "sched_getaffinity"):
         assert n <= len(os.sched_getaffinity(0))
+
+
+def test_cpu_threads_argument(tmp_path):
+    from pagedkv.demo import build_tiny_llama
+    from pagedkv.engine import LLM
+
+    build_tiny_llama(str(tmp_path), hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(str(tmp_path), cpu_threads=1)
+        assert llm.thread_tuner is None and torch.get_num_threads() == 1
+        assert LLM(str(tmp_path)).thread_tuner is not None or before == 1
+        with pytest.raises(ValueError, match="cpu_threads"):
+            LLM(str(tmp_path), cpu_threads=0)
+    finally:
+        torch.set_num_threads(before)

@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedkv import BlockManager
-from pagedkv._threads import available_cpus
+from pagedkv._threads import ThreadTuner, available_cpus
 
 from . import parallel
 from .config import EngineConfig
@@ -39,7 +39,7 @@ class LLM:
                  prompt_lookup_min: int = 1, prompt_lookup_max: int = 3, kv_events_endpoint: str | None = None,
                  kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "",
                  kv_events_include_token_ids: bool = True, metrics_port: int | None = None,
-                 metrics_addr: str = "127.0.0.1", kv_cache_dtype: str = "auto",
+                 metrics_addr: str = "127.0.0.1", cpu_threads: int | str = "auto", kv_cache_dtype: str = "auto",
                  kv_scale: str | float = "dynamic"):
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError(f"model_path must be a path, got {model_path!r}")
@@ -51,8 +51,14 @@ class LLM:
                                    speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                                    prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
                                    kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale)
-        if self.config.device.type == "cpu" and torch.get_num_threads() > available_cpus():
-            torch.set_num_threads(available_cpus())   # e.g. a container's CPU quota below the core count
+        self.thread_tuner = None
+        if self.config.device.type == "cpu":
+            if torch.get_num_threads() > available_cpus():
+                torch.set_num_threads(available_cpus())   # e.g. a container's CPU quota below the core count
+            if cpu_threads == "auto" and self.config.tensor_parallel_size == 1:
+                self.thread_tuner = ThreadTuner(torch.get_num_threads())
+            elif cpu_threads != "auto":
+                torch.set_num_threads(check_int("cpu_threads", cpu_threads, minimum=1))
         seed = check_int("seed", seed, minimum=0)
         pack_cpu_weights = check_bool("pack_cpu_weights", pack_cpu_weights)
         history_size = check_int("history_size", history_size, minimum=0)
@@ -210,6 +216,10 @@ class LLM:
             batch = self.scheduler.schedule()
             if batch.empty:
                 raise RuntimeError("scheduler made no progress: the KV pool is too small for any waiting sequence")
+            if self.thread_tuner is not None:
+                threads = self.thread_tuner.threads
+                if torch.get_num_threads() != threads:
+                    torch.set_num_threads(threads)
             sampled = self.runner.execute(batch, self.bm)
             self._update_cache_salt()
             finished = self.scheduler.postprocess(batch, sampled)
