@@ -156,3 +156,9 @@ def cos_sin_cache(max_position, head_dim, dtype=torch.float32, device="cpu"):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype=dtype, device=device)
+
+
+def small_batch(device="cpu", dtype=torch.float32) -> "PagedBatch":
+    """Three sequences (a decode, a fresh prefill, a prefill over a cached prefix) for argument tests."""
+    return PagedBatch([5, 0, 20], [1, 4, 3], block_size=8, num_kv_heads=2, group=2, head_dim=64, dtype=dtype,
+                      device=device)

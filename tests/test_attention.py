@@ -1,0 +1,265 @@
+"""paged_attention and paged_attention_with_lse against float64 references on fresh random inputs
+(every dtype, block size, GQA ratio, head dim, mixed decode/prefill, split-K, window, softcap, lse), on
+every CPU ISA copy; CUDA variants are skipped without a GPU."""
+from __future__ import annotations
+
+import hypothesis
+import hypothesis.strategies as st
+import pytest
+import torch
+
+from pagedkv import _C
+import pagedkv.ops as ops
+
+from ops_reference import BF16, CPU_ISAS, DEVICES, F16, F32, PagedBatch, assert_close, cpu_attention_isa
+
+
+# dtype, block_size, num_kv_heads, group (Hq / Hkv), head_dim, query layout: every value of each axis
+# appears at least once without running the full product.
+ATTENTION_CONFIGS = [
+    (F32, 16, 2, 1, 64, "contiguous"),
+    (F16, 1, 1, 4, 80, "strided_tokens"),
+    (BF16, 8, 2, 2, 96, "transposed"),
+    (F32, 32, 1, 8, 128, "contiguous"),
+    (F16, 256, 2, 1, 256, "contiguous"),
+    (BF16, 16, 4, 8, 128, "strided_tokens"),
+    (F32, 8, 1, 2, 80, "transposed"),
+    (BF16, 256, 1, 4, 64, "contiguous"),
+    (F16, 32, 2, 8, 96, "contiguous"),
+    (BF16, 1, 2, 1, 256, "contiguous"),
+    (F16, 16, 8, 1, 128, "transposed"),
+    (F32, 256, 2, 4, 96, "strided_tokens"),
+    (F32, 16, 4, 2, 32, "contiguous"),       # the engine benchmark's shape
+    (BF16, 16, 2, 3, 40, "strided_tokens"),  # decode: 32 + 8 columns, odd group (a lone row in P V)
+    (F16, 8, 1, 2, 36, "contiguous"),        # head_dim % 8 != 0: the generic per-row kernel
+]
+
+# (cached prefix, query tokens) per sequence: decodes, a fresh prefill, prefills over cached prefixes.
+MIXED_BATCH = [(36, 1), (0, 9), (50, 13), (300, 1), (4, 1), (17, 40), (0, 1)]
+
+
+def config_id(c):
+    return f"{str(c[0]).split('.')[-1]}-bs{c[1]}-kv{c[2]}-g{c[3]}-d{c[4]}-{c[5]}"
+
+
+def mixed_batch(config, device):
+    """MIXED_BATCH (each prefix a little longer at random) in one of ATTENTION_CONFIGS."""
+    dtype, block_size, num_kv_heads, group, head_dim, layout = config
+    prefixes = [p + int(torch.randint(0, 5, ())) for p, _ in MIXED_BATCH]
+    return PagedBatch(prefixes, [q for _, q in MIXED_BATCH], block_size=block_size, num_kv_heads=num_kv_heads,
+                      group=group, head_dim=head_dim, dtype=dtype, device=device, query_layout=layout)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", ATTENTION_CONFIGS, ids=config_id)
+def test_paged_attention_mixed_batch(device, config):
+    dtype = config[0]
+    batch = mixed_batch(config, device)
+    out = ops.paged_attention(*batch.args())
+    expected, _ = batch.reference()
+    assert out.shape == batch.query.shape and out.dtype == dtype and out.is_contiguous()
+    assert_close(out, expected, dtype, f"seq_lens={batch.seq_lens_list}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_paged_attention_long_context_split_k(device, dtype, q_len):
+    # Few sequences x KV heads and a long context: the CPU and CUDA paths split the keys into
+    # partitions and merge them by log-sum-exp.
+    seq_len = 3000 + int(torch.randint(0, 500, ()))
+    batch = PagedBatch([seq_len - q_len], [q_len], block_size=16, num_kv_heads=1, group=4, head_dim=128,
+                       dtype=dtype, device=device)
+    out, lse = ops.paged_attention_with_lse(*batch.args())
+    expected, expected_lse = batch.reference()
+    assert_close(out, expected, dtype, f"seq_len={seq_len}")
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("sliding_window,softcap", [(1, 0.0), (7, 0.0), (64, 0.0), (-1, 3.0), (20, 10.0)])
+def test_paged_attention_window_softcap_lse(device, dtype, sliding_window, softcap):
+    batch = PagedBatch([40, 0, 100, 7], [1, 12, 30, 1], block_size=8, num_kv_heads=2, group=2, head_dim=64,
+                       dtype=dtype, device=device)
+    out, lse = ops.paged_attention_with_lse(*batch.args(), sliding_window=sliding_window, softcap=softcap)
+    expected, expected_lse = batch.reference(sliding_window=sliding_window, softcap=softcap)
+    assert lse.shape == batch.query.shape[:2] and lse.dtype == F32
+    assert_close(out, expected, dtype, "out")
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+    plain = ops.paged_attention(*batch.args(), sliding_window=sliding_window, softcap=softcap)
+    torch.testing.assert_close(plain, out, atol=0, rtol=0)
+
+
+CPU_GEMM_MIN_ROWS = 16  # kGemmMinRows in csrc/ops/attention_cpu.cpp: q_len >= 2 and q_len * group >= it -> micro-GEMM path
+CPU_GEMM_ROWS_PER_ITEM = 64  # kGemmRowsPerItem: query rows (queries x group) per micro-GEMM work item
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(4, 2, 32), (3, 3, 40), (2, 1, 64)])
+@pytest.mark.parametrize("num_threads", [1, 2, 8])
+def test_paged_attention_many_decodes(device, dtype, num_kv_heads, group, head_dim, num_threads):
+    # A decode batch large enough that the CPU folds each sequence's KV heads into one work item
+    # (at least 4 sequences per thread), mixed with a micro-GEMM prefill whose last query chunk
+    # (CPU_GEMM_ROWS_PER_ITEM // group queries per chunk) is a single query; odd lengths leave
+    # partial key tiles and blocks; sliding window and lse included.
+    prefixes = [5, 300, 17, 64, 1, 129, 40, 90, 3, 250, 33, 16, 77, 8, 200, 15, 0, 47]
+    q_lens = [1] * 17 + [CPU_GEMM_ROWS_PER_ITEM // group + 1]
+    batch = PagedBatch(prefixes, q_lens, block_size=16, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                       dtype=dtype, device=device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out, lse = ops.paged_attention_with_lse(*batch.args())
+        windowed = ops.paged_attention(*batch.args(), sliding_window=50)
+    finally:
+        torch.set_num_threads(threads)
+    expected, expected_lse = batch.reference()
+    assert_close(out, expected, dtype, "out")
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+    assert_close(windowed, batch.reference(sliding_window=50)[0], dtype, "windowed")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("sliding_window,softcap", [(-1, 0.0), (9, 0.0), (100, 5.0)])
+@pytest.mark.parametrize("group", [3, 8])
+@pytest.mark.parametrize("num_threads", [1, 8])
+def test_paged_attention_prefill_gemm_threshold(device, dtype, sliding_window, softcap, group, num_threads):
+    # Sequences just below, at and above the CPU GEMM-path threshold, plus a long one that spans
+    # several query items and key tiles (head_dim 72: padded to 80 inside the GEMM path; group 3:
+    # rows padded to a multiple of 16), in one batch with a decode.
+    t = max(2, -(-CPU_GEMM_MIN_ROWS // group))
+    batch = PagedBatch([0, 37, 200, 5, 130], [t - 1, t, t + 1, 1, 70], block_size=16, num_kv_heads=2, group=group,
+                       head_dim=72, dtype=dtype, device=device, query_layout="strided_tokens")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out, lse = ops.paged_attention_with_lse(*batch.args(), sliding_window=sliding_window, softcap=softcap)
+    finally:
+        torch.set_num_threads(threads)
+    expected, expected_lse = batch.reference(sliding_window=sliding_window, softcap=softcap)
+    assert_close(out, expected, dtype, "out")
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_lse_merges_disjoint_key_sets(device, dtype):
+    # Cascade property: attention over keys [0, L) equals the lse-weighted merge of attention over
+    # [0, L - w) (a decode at length L - w) and over [L - w, L) (sliding window w at length L).
+    seq_len, window = 300 + int(torch.randint(0, 50, ())), 64
+    batch = PagedBatch([seq_len - 1], [1], block_size=16, num_kv_heads=2, group=4, head_dim=64, dtype=dtype,
+                       device=device)
+    q, kc, vc, bt, sl, qsl, scale = batch.args()
+    full, full_lse = ops.paged_attention_with_lse(q, kc, vc, bt, sl, qsl, scale)
+    head, head_lse = ops.paged_attention_with_lse(q, kc, vc, bt, sl - window, qsl, scale)
+    tail, tail_lse = ops.paged_attention_with_lse(q, kc, vc, bt, sl, qsl, scale, sliding_window=window)
+    top = torch.maximum(head_lse, tail_lse)
+    w_head, w_tail = torch.exp(head_lse - top), torch.exp(tail_lse - top)
+    merged = (w_head[..., None] * head.float() + w_tail[..., None] * tail.float()) / (w_head + w_tail)[..., None]
+    merged_lse = top + torch.log(w_head + w_tail)
+    expected, expected_lse = batch.reference()
+    assert_close(full, expected, dtype, "full")
+    assert_close(merged, expected, dtype, "merged")
+    torch.testing.assert_close(merged_lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(full_lse, merged_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_empty_and_zero_query_sequences(device):
+    batch = PagedBatch([10, 5], [0, 2], block_size=4, num_kv_heads=1, group=2, head_dim=64, dtype=F32, device=device)
+    out = ops.paged_attention(*batch.args())
+    assert_close(out, batch.reference()[0], F32, "out")
+    empty = PagedBatch([3], [0], block_size=4, num_kv_heads=1, group=2, head_dim=64, dtype=F32, device=device)
+    assert ops.paged_attention(*empty.args()).shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_noncontiguous_metadata(device):
+    batch = PagedBatch([30, 3, 70], [1, 6, 2], block_size=8, num_kv_heads=2, group=2, head_dim=64, dtype=F32,
+                       device=device)
+    q, kc, vc, bt, sl, qsl, scale = batch.args()
+    wide_tables = torch.stack([bt, torch.full_like(bt, -7)], dim=2)[..., 0]  # column stride 2
+    strided_lens = torch.stack([sl, sl], dim=1)[:, 0]
+    strided_qsl = torch.stack([qsl, qsl], dim=1)[:, 1]
+    assert not (wide_tables.is_contiguous() or strided_lens.is_contiguous() or strided_qsl.is_contiguous())
+    out = ops.paged_attention(q, kc, vc, wide_tables, strided_lens, strided_qsl, scale)
+    assert_close(out, batch.reference()[0], F32, "out")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_paged_attention_max_seq_len_hint(device, dtype):
+    # max_seq_len only sizes the CUDA launch; any value (even a too-small one) gives the same result.
+    batch = PagedBatch([900, 20], [1, 1], block_size=16, num_kv_heads=2, group=4, head_dim=128, dtype=dtype,
+                       device=device)
+    expected, _ = batch.reference()
+    for hint in (-1, 901, 64):
+        assert_close(ops.paged_attention(*batch.args(), max_seq_len=hint), expected, dtype, f"max_seq_len={hint}")
+
+
+@hypothesis.settings(max_examples=30, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(
+    data=st.data(),
+    block_size=st.sampled_from([1, 2, 5, 16, 64]),
+    num_kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3, 8]),
+    head_dim=st.sampled_from([8, 12, 64, 80]),
+    dtype=st.sampled_from([F32, BF16]),
+    sliding_window=st.sampled_from([-1, -1, 1, 5, 300]),
+    num_threads=st.sampled_from([1, 2, 8]),  # more threads -> more split-K partitions on CPU
+)
+def test_paged_attention_random_batches_cpu(data, block_size, num_kv_heads, group, head_dim, dtype, sliding_window,
+                                            num_threads):
+    num_seqs = data.draw(st.integers(1, 4), label="num_seqs")
+    q_lens = data.draw(st.lists(st.integers(0, 40), min_size=num_seqs, max_size=num_seqs), label="q_lens")
+    prefixes = data.draw(st.lists(st.sampled_from([0, 1, 7, 33, 600, 1500]), min_size=num_seqs, max_size=num_seqs),
+                         label="prefixes")
+    hypothesis.assume(sum(q_lens) > 0)
+    batch = PagedBatch(prefixes, q_lens, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
+                       head_dim=head_dim, dtype=dtype, device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out, lse = ops.paged_attention_with_lse(*batch.args(), sliding_window=sliding_window)
+    finally:
+        torch.set_num_threads(threads)
+    expected, expected_lse = batch.reference(sliding_window=sliding_window)
+    assert_close(out, expected, dtype, "out")
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("config", ATTENTION_CONFIGS, ids=config_id)
+def test_paged_attention_cpu_each_isa(isa, config):
+    """Every copy of the CPU kernels this CPU runs, on the mixed batch (decode, per-row and GEMM prefill)."""
+    dtype = config[0]
+    batch = mixed_batch(config, "cpu")
+    with cpu_attention_isa(isa):
+        assert _C._cpu_attention_isa() == isa
+        out, lse = ops.paged_attention_with_lse(*batch.args(), softcap=5.0)
+    expected, expected_lse = batch.reference(softcap=5.0)
+    assert_close(out, expected, dtype, f"{isa} seq_lens={batch.seq_lens_list}")
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("batch_size,seq_len,num_threads", [(1, 3000, 2), (4, 1300, 8), (3, 700, 1)])
+def test_paged_attention_cpu_each_isa_decode(isa, dtype, batch_size, seq_len, num_threads):
+    """Decode in every copy: split-K (few items, many threads) and whole items, Llama GQA shape."""
+    lens = [seq_len - 1 - int(torch.randint(0, 40, ())) for _ in range(batch_size)]
+    batch = PagedBatch(lens, [1] * batch_size, block_size=16, num_kv_heads=2, group=4, head_dim=128, dtype=dtype,
+                       device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        with cpu_attention_isa(isa):
+            out, lse = ops.paged_attention_with_lse(*batch.args())
+    finally:
+        torch.set_num_threads(threads)
+    expected, expected_lse = batch.reference()
+    assert_close(out, expected, dtype, isa)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
