@@ -56,8 +56,12 @@ def test_cpu_threads_argument(tmp_path):
     try:
         llm = LLM(str(tmp_path), cpu_threads=1)
         assert llm.thread_tuner is None and torch.get_num_threads() == 1
-        assert LLM(str(tmp_path)).thread_tuner is not None or before == 1
+        torch.set_num_threads(2)
+        tuned = LLM(str(tmp_path))
+        assert tuned.thread_tuner is not None and tuned.thread_tuner.max_threads == min(2, available_cpus())
         with pytest.raises(ValueError, match="cpu_threads"):
             LLM(str(tmp_path), cpu_threads=0)
+        with pytest.raises(TypeError, match="cpu_threads"):
+            LLM(str(tmp_path), cpu_threads="x")
     finally:
         torch.set_num_threads(before)

@@ -51,14 +51,17 @@ class LLM:
                                    speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                                    prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
                                    kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale)
+        if cpu_threads != "auto":
+            cpu_threads = check_int("cpu_threads", cpu_threads, minimum=1)
         self.thread_tuner = None
         if self.config.device.type == "cpu":
-            if torch.get_num_threads() > available_cpus():
+            if cpu_threads != "auto":
+                torch.set_num_threads(cpu_threads)
+            elif torch.get_num_threads() > available_cpus():
                 torch.set_num_threads(available_cpus())   # e.g. a container's CPU quota below the core count
             if cpu_threads == "auto" and self.config.tensor_parallel_size == 1:
+                # The CPUs other processes leave free decide each step's thread count (pagedkv/_threads.py).
                 self.thread_tuner = ThreadTuner(torch.get_num_threads())
-            elif cpu_threads != "auto":
-                torch.set_num_threads(check_int("cpu_threads", cpu_threads, minimum=1))
         seed = check_int("seed", seed, minimum=0)
         pack_cpu_weights = check_bool("pack_cpu_weights", pack_cpu_weights)
         history_size = check_int("history_size", history_size, minimum=0)
