@@ -6,8 +6,8 @@
       a Gemma-2-style model (layers alternate windowed / full: two groups of half the layers each, where
       layer i of both groups shares one cache tensor, so a block id costs half the layers' bytes). Same
       geometry for all three (--layers 32, 8 KV heads of 128, bfloat16, block 16). Then how many such
-      sequences of 8 x window tokens a fixed KV budget (--budget-gib) admits, one after the other, each
-      computed after its admission (admission itself still allocates the whole prompt: see the README).
+      sequences of 8 x window tokens a fixed KV budget (--budget-gib) holds, admitted one after the
+      other and prefilled in chunks of --chunk tokens (allocate(num_new_tokens=), reserve()).
   (b) one decode step's bookkeeping at batch 256 (can_append, append_tokens, block_tables and seq_lens of
       every group, mark_computed, which releases the blocks that leave the window), windows off vs on,
       for one group and for two; contenders interleaved in one process, median of --rounds rounds.
@@ -62,19 +62,27 @@ def bytes_held(windows, layers_per_group, context, decode_steps=4):
     return used * block_bytes(layers_per_group)
 
 
-def sequences_in_budget(windows, layers_per_group, context, budget_bytes):
-    """Sequences of `context` tokens admitted one after the other (each computed after its admission)
-    until the pool says LATER; returns (count, blocks in the pool)."""
+def sequences_in_budget(windows, layers_per_group, context, budget_bytes, chunk):
+    """Sequences of `context` tokens admitted one after the other, each prefilled in chunks, until one
+    does not fit; returns (sequences fully prefilled, block ids in the pool)."""
     num_blocks = budget_bytes // block_bytes(layers_per_group)
     bm = pagedkv.BlockManager(num_blocks, BLOCK_SIZE, group_windows=windows, enable_prefix_caching=False)
     rng = random.Random(1)
     n = 0
     while True:
         prompt = [rng.randrange(32_000) for _ in range(context)]
-        if bm.can_allocate(prompt) != pagedkv.AllocStatus.OK:
+        if bm.can_allocate(prompt, num_new_tokens=chunk) != pagedkv.AllocStatus.OK:
             return n, num_blocks
-        bm.allocate(n, prompt)
-        bm.mark_computed(n)
+        bm.allocate(n, prompt, num_new_tokens=chunk)
+        done = 0
+        while done < context:
+            end = min(context, done + chunk)
+            if bm.num_allocated_tokens(n) < end:
+                if not bm.can_reserve(n, end):
+                    return n, num_blocks
+                bm.reserve(n, end)
+            bm.mark_computed(n, end)
+            done = end
         n += 1
 
 
@@ -92,13 +100,13 @@ def memory_tables(args):
                                       for i, x in enumerate(cells)) + " |")
     context = 8 * args.window
     budget = int(args.budget_gib * 2 ** 30)
-    print(f"\nsequences of {context} tokens (8 x window) admitted into {args.budget_gib:g} GiB of KV, one after "
-          "the other, each computed after its admission")
+    print(f"\nsequences of {context} tokens (8 x window) in {args.budget_gib:g} GiB of KV, admitted one after "
+          f"the other, each prefilled in chunks of {args.chunk} tokens")
     print("| model | block ids in the budget | sequences | vs full attention |")
     print("|---|---|---|---|")
     base = None
     for name, (w, lpg) in ms.items():
-        n, blocks = sequences_in_budget(w, lpg, context, budget)
+        n, blocks = sequences_in_budget(w, lpg, context, budget, args.chunk)
         base = base or n
         print(f"| {name} | {blocks} | {n} | {n / base:.1f}x |")
 
@@ -158,6 +166,7 @@ def main():
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--budget-gib", type=float, default=8.0)
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens) in the budget table")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=64, help="decode steps per round")
     ap.add_argument("--cpu-time", action="store_true", help="time with thread CPU time, not the wall clock")

@@ -56,6 +56,7 @@ class Figures:
     pins_refused: int = 0
     pinned_hit_tokens_checked: int = 0
     released_blocks_seen: int = 0
+    reserved_chunks: int = 0
 
 
 def prefix_ids(tokens, salt):
@@ -188,12 +189,12 @@ class Fuzzer:
     # --- operations ----------------------------------------------------------------------------------------
     def op_allocate(self):
         tokens, salt = self.prompt()
-        status = self.bm.can_allocate(tokens, cache_salt=salt)
-        if status != AllocStatus.OK:
+        chunk = self.rng.choice([None, None, self.rng.randint(1, 3 * self.bs)])  # chunked prefill
+        if self.bm.can_allocate(tokens, cache_salt=salt, num_new_tokens=chunk) != AllocStatus.OK:
             return
         sid = self.new_id()
-        self.admitted(sid, tokens, salt,
-                      self.bm.allocate(sid, tokens, cache_salt=salt, retention=self.retention(len(tokens))))
+        self.admitted(sid, tokens, salt, self.bm.allocate(sid, tokens, cache_salt=salt, num_new_tokens=chunk,
+                                                          retention=self.retention(len(tokens))))
 
     def op_allocate_batch(self):
         batch = [self.prompt() for _ in range(self.rng.randint(1, 4))]
@@ -210,11 +211,22 @@ class Fuzzer:
         ids = self.rng.sample(todo, self.rng.randint(1, min(4, len(todo))))
         self.perform_copies()  # the runner copies before it writes
         counts = []
-        for sid in ids:
+        for sid in list(ids):
             s = self.seqs[sid]
-            n = len(s.tokens) if self.rng.random() < 0.7 else self.rng.randint(s.computed + 1, len(s.tokens))
+            allocated = self.bm.num_allocated_tokens(sid)
+            if allocated == s.computed:  # a chunked prefill: the next chunk's blocks first
+                end = min(len(s.tokens), allocated + self.rng.randint(1, 3 * self.bs))
+                if not self.bm.can_reserve(sid, end):
+                    ids.remove(sid)
+                    continue
+                self.bm.reserve(sid, end)
+                self.fig.reserved_chunks += 1
+                allocated = end
+            n = allocated if self.rng.random() < 0.7 else self.rng.randint(s.computed + 1, allocated)
             self.write_kv(sid, s.computed, n)
             counts.append(n)
+        if not ids:
+            return
         self.bm.mark_computed(ids, counts)
         for sid, n in zip(ids, counts):
             self.seqs[sid].computed = n
@@ -434,6 +446,11 @@ class Fuzzer:
             if len(bm.block_table(sid)) > 1:
                 calls.append((ValueError, lambda: bm.block_tables([sid], max_blocks=0)))
             calls.append((ValueError, lambda: bm.block_table(sid, group=len(self.windows))))
+            calls.append((ValueError, lambda: bm.reserve([sid], [n + 1])))
+            if bm.num_allocated_tokens(sid) < n:  # in the middle of a chunked prefill
+                calls += [(ValueError, lambda: bm.append_tokens([sid], [1])),
+                          (ValueError, lambda: bm.mark_computed([sid])),
+                          (ValueError, lambda: bm.slot_mapping(sid, 0, n))]
             for g in range(len(self.windows)):
                 released = bm.num_released_blocks(sid, group=g)
                 if released:  # the window's released blocks: no slots, no rollback into them
@@ -564,7 +581,7 @@ def main():
           f"{fig.retained_prompts:,} prompts with retention ranges; {fig.pins:,} pins ({fig.pins_refused:,} refused "
           f"by the cap), {fig.pinned_hit_tokens_checked:,} pinned prefix tokens hit with their own KV; {fig.events:,} KV events "
           f"replayed to cached_blocks() ({fig.event_resyncs:,} resyncs after a full buffer); "
-          f"{fig.released_blocks_seen:,} released table entries checked")
+          f"{fig.released_blocks_seen:,} released table entries checked; {fig.reserved_chunks:,} prefill chunks reserved")
     print("operations: " + ", ".join(f"{k} {v:,}" for k, v in sorted(fig.ops.items())))
     return 0
 

@@ -739,3 +739,32 @@ TEST(SlidingWindow, AdmissionCountsHeldBlocksOfEveryGroup) {
   EXPECT_EQ(bm.can_allocate(too_long.data(), too_long.size()), AllocStatus::kNever);
   EXPECT_THROW(bm.blocks_held(3, 4), ValueError);
 }
+
+TEST(SlidingWindow, PromptLongerThanThePoolIsPrefilledInChunks) {
+  BlockManager bm = windowed(8, 4, {8});  // 32 tokens of pool
+  const auto prompt = iota_tokens(100);
+  EXPECT_EQ(bm.can_allocate(prompt.data(), prompt.size()), AllocStatus::kNever);
+  ASSERT_EQ(bm.can_allocate(prompt.data(), prompt.size(), {}, 8), AllocStatus::kOk);
+  EXPECT_EQ(bm.allocate(1, prompt.data(), prompt.size(), {}, {}, 8), 0);
+  EXPECT_EQ(bm.num_allocated_tokens(1), 8);
+  std::vector<int64_t> slots(100);
+  EXPECT_THROW(bm.slot_mapping(1, 0, 9, slots.data()), ValueError);
+  EXPECT_THROW(bm.append_token(1, 5), ValueError);
+  for (int64_t done = 0; done < 100;) {
+    const int64_t end = std::min<int64_t>(100, done + 8);
+    if (bm.num_allocated_tokens(1) < end) {
+      ASSERT_TRUE(bm.can_reserve({1}, {end}));
+      bm.reserve({1}, {end});
+    }
+    bm.slot_mapping(1, done, end, slots.data());
+    const std::vector<int64_t> n{end};
+    bm.mark_computed({1}, &n);
+    done = end;
+    EXPECT_LE(8 - bm.num_free_blocks(), 8 / 4 + 1 + 2);
+    bm.check_invariants();
+  }
+  EXPECT_THROW(bm.reserve({1}, {101}), ValueError);
+  bm.append_token(1, 7);
+  bm.mark_computed({1});
+  bm.check_invariants();
+}
