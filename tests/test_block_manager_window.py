@@ -398,3 +398,22 @@ def test_prompt_longer_than_the_pool_is_prefilled_in_chunks(windows):
     for call in bad:
         with pytest.raises(ValueError):
             call()
+
+
+# --- layers to groups ------------------------------------------------------------------------------------
+
+def test_kv_cache_groups_from_layer_windows():
+    rng = random.Random()
+    w = rng.randrange(1, 5000)
+    assert pagedkv.kv_cache_groups([None] * 3) == ([None], [(0, 0), (0, 1), (0, 2)])
+    assert pagedkv.kv_cache_groups([w] * 2) == ([w], [(0, 0), (0, 1)])
+    gemma = [w if i % 2 == 0 else None for i in range(6)]  # Gemma 2: sliding, full, sliding, ...
+    windows, placement = pagedkv.kv_cache_groups(gemma)
+    assert windows == [w, None]
+    assert placement == [(i % 2, i // 2) for i in range(6)]
+    for layer, (g, _) in enumerate(placement):
+        assert windows[g] == gemma[layer]
+    BlockManager(8, 4, group_windows=windows)  # the manager takes them as they are
+    for bad, error in (([], ValueError), ([4, 0], ValueError), ([2.5], TypeError), ([True], TypeError)):
+        with pytest.raises(error):
+            pagedkv.kv_cache_groups(bad)
