@@ -483,7 +483,7 @@ AllocStatus BlockManager::can_allocate(const int64_t* tokens, size_t num_tokens,
   if (max_blocks_held(len, num_new_tokens) > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
   const PrefixMatch& m = match_prefix_memo(tokens, num_tokens, salt);
   const int64_t computed = int64_t(m.num_blocks) * block_size_;
-  const int64_t first = num_new_tokens == kWholePrompt ? len : std::min(len, computed + num_new_tokens);
+  const int64_t first = num_new_tokens == kWholePrompt || num_new_tokens >= len - computed ? len : computed + num_new_tokens;
   const int32_t needed = static_cast<int32_t>(blocks_held(first, computed));
   const int32_t from_free = from_free_for(m, blocks_for_tokens(first));
   if (pinned_blocks_ > 0) {  // pinned blocks never come free: what does not fit beside them waits forever
@@ -504,10 +504,10 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
   const int32_t total = blocks_for_tokens(static_cast<int64_t>(num_tokens));
   const PrefixMatch m = match_prefix_memo(tokens, num_tokens, salt);
   // Blocks allocated now: the whole prompt's, or those of the cached tokens and the first chunk.
-  const int32_t needed = num_new_tokens == kWholePrompt
+  const int64_t len = static_cast<int64_t>(num_tokens), computed = int64_t(m.num_blocks) * block_size_;
+  const int32_t needed = num_new_tokens == kWholePrompt || num_new_tokens >= len - computed
                              ? total
-                             : blocks_for_tokens(std::min<int64_t>(static_cast<int64_t>(num_tokens),
-                                                                   int64_t(m.num_blocks) * block_size_ + num_new_tokens));
+                             : blocks_for_tokens(computed + num_new_tokens);
   const int32_t from_free = from_free_for(m, needed);
   if (from_free > gpu_free_.size())
     throw OutOfBlocks(cat("allocate: ", seq_str(seq_id), " needs ", from_free, " free blocks but only ",
