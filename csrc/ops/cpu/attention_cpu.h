@@ -139,7 +139,7 @@ void write_item_row(const AttentionParams& a, const WorkItem& item, int64_t r, c
 
 // The copies of the kernels, best first; only the first that this CPU runs and that is not above a
 // forced choice is used.
-enum class Isa : int8_t { kAvx512, kAvx2, kBaseline };
+enum class Isa : int8_t { kAmx, kAvx512, kAvx2, kBaseline };
 
 // Entry point of each ISA copy: runs items[next++] until none is left (items differ in cost, so the
 // threads pull them from a shared counter). scalar_t: query/output type; cache_t: the cache's (scalar_t
@@ -154,6 +154,7 @@ PAGEDKV_CPU_ATTENTION_ENTRY(baseline)
 #if defined(__x86_64__)
 PAGEDKV_CPU_ATTENTION_ENTRY(avx2)
 PAGEDKV_CPU_ATTENTION_ENTRY(avx512)
+PAGEDKV_CPU_ATTENTION_ENTRY(amx)
 #endif
 #undef PAGEDKV_CPU_ATTENTION_ENTRY
 
