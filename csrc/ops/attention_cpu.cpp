@@ -109,8 +109,9 @@ void run_work_items(Isa isa, const AttentionParams& a, const std::vector<WorkIte
 
 // Work items. A decode sequence is one item over all its KV heads (a block's rows for those heads are
 // adjacent in memory); a prefill sequence gives one item per (KV head, chunk of queries). With fewer
-// items than kItemsPerThread per thread, long key ranges are split into partitions merged afterwards
-// (split-K), and decode sequences too short to split are divided over their KV heads instead.
+// items than kItemsPerThread (decode: kDecodeItemsPerThread) per thread, long key ranges are split into
+// partitions merged afterwards (split-K), and decode sequences too short to split are divided over
+// their KV heads instead.
 std::vector<WorkItem> plan_work(const AttentionShape& shape, const int32_t* seq_lens, const int32_t* qsl,
                                 int64_t sliding_window, int64_t* num_partial_rows) {
   const int64_t G = shape.num_q_heads / shape.num_kv_heads, Hkv = shape.num_kv_heads;
@@ -134,10 +135,11 @@ std::vector<WorkItem> plan_work(const AttentionShape& shape, const int32_t* seq_
     }
   }
   *num_partial_rows = 0;
-  const int64_t target_items = cpu::kItemsPerThread * at::get_num_threads();
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::vector<WorkItem> split;
   for (const WorkItem& item : items) {
+    const int64_t target_items =
+        (item.kernel == Kernel::kDecode ? cpu::kDecodeItemsPerThread : cpu::kItemsPerThread) * at::get_num_threads();
     const int64_t num_keys = item.keys.end - item.keys.begin;
     const int64_t parts = num_partitions(num_keys, num_items, target_items);
     // Head groups for decode items that key splitting leaves short of the target.

@@ -38,8 +38,10 @@ constexpr int64_t kGemmRowsPerItem = 64;
 constexpr int64_t kGemmRowAlign = 16;  // rows and head_dim padded to a multiple of this in the GEMM path
 // Single-query (decode) kernel: head_dim must be a multiple of this.
 constexpr int64_t kDecodeDimAlign = 8;
-// Split-K partitions are planned so that there are this many items per thread.
+// Split-K partitions are planned so that there are this many items per thread; decode items are
+// cut finer, so that a thread that another process delays holds back a smaller share of the call.
 constexpr int64_t kItemsPerThread = 4;
+constexpr int64_t kDecodeItemsPerThread = 8;
 
 enum class Kernel : int8_t {
   kDecode,       // one query: every row (GQA head) sees the same keys; may span several KV heads
