@@ -7,6 +7,7 @@ share of a measured device-to-device copy. FlexAttention is compiled once per sh
     python benchmarks/bench_attention.py                  # CPU (or CUDA when present), short run
     python benchmarks/bench_attention.py --device cpu --dtype float32 --repeats 20
     python benchmarks/bench_attention.py --roofline       # CPU decode against the machine's read bandwidth
+    python benchmarks/bench_attention.py --roofline --isa avx2 --threads 1   # one ISA copy, one thread
 
 `--roofline` times CPU decode (best of --repeats calls) on shuffled block tables for fp32, bf16 and fp16
 K/V and prints each case's K/V bytes per second as a share of a streaming read measured in the same
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 import pagedkv.ops as ops  # noqa: E402
+from pagedkv import _C  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import DTYPES, time_ms  # noqa: E402
@@ -60,7 +62,8 @@ def roofline(args):
     """Decode paged_attention on the CPU as a share of the read bandwidth, per case and K/V dtype."""
     repeats = args.repeats or 7
     print(f"CPU decode roofline: Hq={args.num_q_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
-          f"block_size={args.block_size} threads={torch.get_num_threads()} best of {repeats} calls; "
+          f"block_size={args.block_size} threads={torch.get_num_threads()} isa={_C._cpu_attention_isa()} "
+          f"best of {repeats} calls; "
           f"share = K/V bytes / time / read bandwidth (measured before each case)")
     names = [str(d).split(".")[-1] for d in ROOFLINE_DTYPES]
     print(f"{'case':<14}{'read GB/s':>10}" + "".join(f"{n + ' ms':>13}{'share':>7}" for n in names)
@@ -163,7 +166,13 @@ def main():
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiled once per shape)")
     parser.add_argument("--roofline", action="store_true",
                         help="CPU decode as a share of the read bandwidth (fp32, bf16, fp16; default 7 repeats)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--isa", default="auto", choices=["auto"] + _C._cpu_attention_isas(),
+                        help="copy of the CPU attention kernels (default: the best this CPU runs)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    _C._set_cpu_attention_isa(args.isa)
     if args.roofline:
         return roofline(args)
     device = torch.device(args.device)
@@ -178,6 +187,7 @@ def main():
 
     print(f"device={device} dtype={str(dtype).split('.')[-1]} Hq={args.num_q_heads} Hkv={args.num_kv_heads} "
           f"D={args.head_dim} block_size={args.block_size} threads={torch.get_num_threads()}"
+          + ("" if cuda else f" isa={_C._cpu_attention_isa()}")
           + (f" d2d_copy={copy_gbs:.0f} GB/s" if cuda else ""))
     header = f"{'kind':<8}{'B':>5}{'ctx':>7}{'q_len':>6}{'paged ms':>10}{'sdpa_gqa ms':>12}{'sdpa_exp ms':>12}" \
              f"{'flex ms':>9}{'speed vs best sdpa':>20}{'vs flex':>9}{'max err':>10}"

@@ -100,8 +100,8 @@ CPU_GEMM_ROWS_PER_ITEM = 64  # kGemmRowsPerItem: query rows (queries x group) pe
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", [(4, 2, 32), (3, 3, 40), (2, 1, 64)])
 @pytest.mark.parametrize("num_threads", [1, 2, 8])
 def test_paged_attention_many_decodes(device, dtype, num_kv_heads, group, head_dim, num_threads):
-    # A decode batch large enough that the CPU folds each sequence's KV heads into one work item
-    # (at least 4 sequences per thread), mixed with a micro-GEMM prefill whose last query chunk
+    # A decode batch (on the CPU each sequence is one work item over its KV heads, or split over keys
+    # or heads when the threads outnumber the sequences), mixed with a micro-GEMM prefill whose last query chunk
     # (CPU_GEMM_ROWS_PER_ITEM // group queries per chunk) is a single query; odd lengths leave
     # partial key tiles and blocks; sliding window and lse included.
     prefixes = [5, 300, 17, 64, 1, 129, 40, 90, 3, 250, 33, 16, 77, 8, 200, 15, 0, 47]

@@ -10,6 +10,11 @@
 #include <atomic>
 #include <cstdlib>
 #include <optional>
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <string>
 #include <tuple>
 #include <vector>
@@ -28,16 +33,34 @@ using cpu::WorkItem;
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAmx: return "amx";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     default: return "baseline";
   }
 }
 
+// AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), and Linux's permission for this process
+// to use the tile data state (asked once: arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool amx_bf16_usable() {
+#if defined(__x86_64__) && defined(__linux__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 22))) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
 // Whether this CPU runs a copy (and this build has it).
 bool cpu_supports(Isa isa) {
 #if defined(__x86_64__)
   switch (isa) {
+    case Isa::kAmx: {
+      static const bool has = cpu_supports(Isa::kAvx512) && amx_bf16_usable();
+      return has;
+    }
     case Isa::kAvx512: {
       static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -58,7 +81,7 @@ bool cpu_supports(Isa isa) {
 
 // The best copy allowed: set_cpu_attention_isa(), else PAGEDKV_CPU_BASELINE=1 at start-up (tests run
 // each copy in one process).
-Isa initial_isa_limit() { return std::getenv("PAGEDKV_CPU_BASELINE") != nullptr ? Isa::kBaseline : Isa::kAvx512; }
+Isa initial_isa_limit() { return std::getenv("PAGEDKV_CPU_BASELINE") != nullptr ? Isa::kBaseline : Isa::kAmx; }
 std::atomic<Isa> isa_limit{initial_isa_limit()};
 
 Isa active_isa() {
@@ -75,6 +98,7 @@ void run_work_items(Isa isa, const AttentionParams& a, const std::vector<WorkIte
     thread_local cpu::Scratch scratch;  // grown once, reused by later calls on this thread
     switch (isa) {
 #if defined(__x86_64__)
+      case Isa::kAmx: cpu::amx::attend_work_items<scalar_t, cache_t>(a, items, next, scratch); break;
       case Isa::kAvx512: cpu::avx512::attend_work_items<scalar_t, cache_t>(a, items, next, scratch); break;
       case Isa::kAvx2: cpu::avx2::attend_work_items<scalar_t, cache_t>(a, items, next, scratch); break;
 #endif
@@ -85,8 +109,9 @@ void run_work_items(Isa isa, const AttentionParams& a, const std::vector<WorkIte
 
 // Work items. A decode sequence is one item over all its KV heads (a block's rows for those heads are
 // adjacent in memory); a prefill sequence gives one item per (KV head, chunk of queries). With fewer
-// items than kItemsPerThread per thread, long key ranges are split into partitions merged afterwards
-// (split-K), and decode sequences too short to split are divided over their KV heads instead.
+// items than kItemsPerThread (decode: kDecodeItemsPerThread) per thread, long key ranges are split into
+// partitions merged afterwards (split-K), and decode sequences too short to split are divided over
+// their KV heads instead.
 std::vector<WorkItem> plan_work(const AttentionShape& shape, const int32_t* seq_lens, const int32_t* qsl,
                                 int64_t sliding_window, int64_t* num_partial_rows) {
   const int64_t G = shape.num_q_heads / shape.num_kv_heads, Hkv = shape.num_kv_heads;
@@ -110,10 +135,11 @@ std::vector<WorkItem> plan_work(const AttentionShape& shape, const int32_t* seq_
     }
   }
   *num_partial_rows = 0;
-  const int64_t target_items = cpu::kItemsPerThread * at::get_num_threads();
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::vector<WorkItem> split;
   for (const WorkItem& item : items) {
+    const int64_t target_items =
+        (item.kernel == Kernel::kDecode ? cpu::kDecodeItemsPerThread : cpu::kItemsPerThread) * at::get_num_threads();
     const int64_t num_keys = item.keys.end - item.keys.begin;
     const int64_t parts = num_partitions(num_keys, num_items, target_items);
     // Head groups for decode items that key splitting leaves short of the target.
@@ -260,23 +286,23 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_with_lse_cpu(
 }  // namespace
 void set_cpu_attention_isa(const std::string& isa) {
   if (isa == "auto") {
-    isa_limit.store(Isa::kAvx512);
+    isa_limit.store(Isa::kAmx);
     return;
   }
-  for (const Isa candidate : {Isa::kAvx512, Isa::kAvx2, Isa::kBaseline}) {
+  for (const Isa candidate : {Isa::kAmx, Isa::kAvx512, Isa::kAvx2, Isa::kBaseline}) {
     if (isa != isa_name(candidate)) continue;
     TORCH_CHECK_VALUE(cpu_supports(candidate), "cpu attention isa '", isa, "' is not supported by this CPU");
     isa_limit.store(candidate);
     return;
   }
-  TORCH_CHECK_VALUE(false, "cpu attention isa must be 'auto', 'avx512', 'avx2' or 'baseline', got '", isa, "'");
+  TORCH_CHECK_VALUE(false, "cpu attention isa must be 'auto', 'amx', 'avx512', 'avx2' or 'baseline', got '", isa, "'");
 }
 
 std::string cpu_attention_isa() { return isa_name(active_isa()); }
 
 std::vector<std::string> cpu_attention_isas() {
   std::vector<std::string> names;
-  for (const Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kBaseline}) {
+  for (const Isa isa : {Isa::kAmx, Isa::kAvx512, Isa::kAvx2, Isa::kBaseline}) {
     if (cpu_supports(isa)) names.push_back(isa_name(isa));
   }
   return names;

@@ -9,5 +9,6 @@
 #define PAGEDKV_CPU_ISA avx512
 #define PAGEDKV_CPU_AVX2 1
 #define PAGEDKV_CPU_AVX512 1
+#define PAGEDKV_CPU_AMX 0
 #include "ops/cpu/kernels.inc"
 #endif

@@ -5,4 +5,5 @@
 #define PAGEDKV_CPU_ISA baseline
 #define PAGEDKV_CPU_AVX2 0
 #define PAGEDKV_CPU_AVX512 0
+#define PAGEDKV_CPU_AMX 0
 #include "ops/cpu/kernels.inc"

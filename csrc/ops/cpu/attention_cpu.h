@@ -38,8 +38,10 @@ constexpr int64_t kGemmRowsPerItem = 64;
 constexpr int64_t kGemmRowAlign = 16;  // rows and head_dim padded to a multiple of this in the GEMM path
 // Single-query (decode) kernel: head_dim must be a multiple of this.
 constexpr int64_t kDecodeDimAlign = 8;
-// Split-K partitions are planned so that there are this many items per thread.
+// Split-K partitions are planned so that there are this many items per thread; decode items are
+// cut finer, so that a thread that another process delays holds back a smaller share of the call.
 constexpr int64_t kItemsPerThread = 4;
+constexpr int64_t kDecodeItemsPerThread = 8;
 
 enum class Kernel : int8_t {
   kDecode,       // one query: every row (GQA head) sees the same keys; may span several KV heads
@@ -139,7 +141,7 @@ void write_item_row(const AttentionParams& a, const WorkItem& item, int64_t r, c
 
 // The copies of the kernels, best first; only the first that this CPU runs and that is not above a
 // forced choice is used.
-enum class Isa : int8_t { kAvx512, kAvx2, kBaseline };
+enum class Isa : int8_t { kAmx, kAvx512, kAvx2, kBaseline };
 
 // Entry point of each ISA copy: runs items[next++] until none is left (items differ in cost, so the
 // threads pull them from a shared counter). scalar_t: query/output type; cache_t: the cache's (scalar_t
@@ -154,6 +156,7 @@ PAGEDKV_CPU_ATTENTION_ENTRY(baseline)
 #if defined(__x86_64__)
 PAGEDKV_CPU_ATTENTION_ENTRY(avx2)
 PAGEDKV_CPU_ATTENTION_ENTRY(avx512)
+PAGEDKV_CPU_ATTENTION_ENTRY(amx)
 #endif
 #undef PAGEDKV_CPU_ATTENTION_ENTRY
 

@@ -1,0 +1,15 @@
+// The AVX-512 copy of the CPU attention kernels with AMX (tiles, bf16) for the scores of bf16 decode
+// (x86-64 only; chosen at run time when the CPU has AMX-BF16 and Linux grants the tile state).
+#include "ops/cpu/attention_cpu.h"
+
+#if defined(__x86_64__)
+// GCC 12's avx512fintrin.h trips (maybe-)uninitialized warnings on its own _mm512_undefined_* values.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+#define PAGEDKV_CPU_ISA amx
+#define PAGEDKV_CPU_AVX2 1
+#define PAGEDKV_CPU_AVX512 1
+#define PAGEDKV_CPU_AMX 1
+#include "ops/cpu/kernels.inc"
+#endif
