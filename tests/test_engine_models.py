@@ -211,16 +211,22 @@ def test_reduced_precision_follows_transformers(tiny):
     assert min(first_diff) >= 3 and sum(d == 8 for d in first_diff) >= len(prompts) // 2, first_diff
 
 
-def test_tensor_parallel_gemma2(tmp_path):
-    """TP=2 (gloo): each rank holds one of the two KV heads of every layer, windowed or not."""
+@pytest.mark.parametrize("setting", [dict(num_blocks=64), dict(num_blocks=46, num_cpu_blocks=32,
+                                                                  max_num_batched_tokens=13)],
+                         ids=["roomy", "swap-chunked"])
+def test_tensor_parallel_gemma2(tmp_path, setting):
+    """TP=2 (gloo): each rank holds one of the two KV heads of every layer; the step message carries the
+    windowed group's slots and block tables beside the full group's, and swaps move both."""
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = save_tiny_model(tmp_path, "gemma2")
-        prompts = shared_prefix_prompts(model.config.vocab_size, per_system=1)
+        prompts = shared_prefix_prompts(model.config.vocab_size, per_system=2)
         expected = [hf_greedy(model, p, 12) for p in prompts]
-        with LLM(tmp_path, block_size=4, tensor_parallel_size=2, num_blocks=64, num_cpu_blocks=32) as llm:
+        with LLM(tmp_path, block_size=4, tensor_parallel_size=2, **setting) as llm:
             outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+            stats = llm.stats()
         assert [o.token_ids for o in outputs] == expected
+        assert stats["preempted_swap"] > 0 if "num_cpu_blocks" in setting else stats["num_preemptions"] == 0
     finally:
         torch.set_num_threads(torch_threads)

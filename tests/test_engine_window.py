@@ -12,7 +12,6 @@ from engine_fixtures import hf_greedy, load_hf_eager, save_tiny_model, shared_pr
 from pagedkv.engine import LLM, SamplingParams
 
 MAX_TOKENS = 32
-WINDOWS = [5, 8, 16]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +39,11 @@ def windowed(request, checkpoints, tmp_path_factory):
     return path, prompts, [hf_greedy(reference, p, MAX_TOKENS) for p in prompts]
 
 
-CASES = [(m, w) for m in ("mistral", "gemma2") for w in WINDOWS]
+CASES = [(m, w) for m in ("mistral", "gemma2") for w in (5, 8, 16)]
 IDS = [f"{m}-w{w}" for m, w in CASES]
+# A Mistral whose window is well below its prompts never outgrows the pool once admitted (it releases a
+# block for each one it takes), so it is preempted only with windows near the prompts' lengths.
+PREEMPTED = [("mistral", 24), ("mistral", 40), ("gemma2", 5), ("gemma2", 8), ("gemma2", 16)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -52,12 +54,15 @@ def check_clean(llm):
     return stats
 
 
-@pytest.mark.parametrize("windowed", CASES, ids=IDS, indirect=True)
+@pytest.mark.parametrize("windowed", PREEMPTED, ids=[f"{m}-w{w}" for m, w in PREEMPTED], indirect=True)
 @pytest.mark.parametrize("num_cpu_blocks", [48, 0], ids=["swap", "recompute"])
 def test_preemption_keeps_output_exact(windowed, num_cpu_blocks):
     path, prompts, expected = windowed
-    # 5 prompts of 38-56 tokens + 32 generated at block size 4: up to 22 blocks each; the pool holds ~2.
-    llm = LLM(path, block_size=4, num_blocks=48, num_cpu_blocks=num_cpu_blocks)
+    # 5 prompts of 38-56 tokens + 32 generated at block size 4: up to 22 blocks each in every group. A
+    # sequence is (re)admitted with a block per 4 tokens in every group, released only once computed, so
+    # the pool holds one whole sequence per group (Gemma 2: 2 x 22) and a little more.
+    num_blocks = 48 if path.name.startswith("gemma2") else 32
+    llm = LLM(path, block_size=4, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks)
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
     stats = check_clean(llm)
@@ -78,13 +83,14 @@ def test_chunked_prefill_across_windows(windowed, budget):
 @pytest.mark.parametrize("windowed", [("gemma2", 5), ("mistral", 16)], ids=["gemma2-w5", "mistral-w16"],
                          indirect=True)
 def test_random_configurations(windowed):
-    """Random block sizes, pools (some too small), swap space, caching, n, token budgets: every output
-    is transformers' prefix (or fails with a clear error), nothing leaks."""
+    """Random block sizes, pools (down to one whole sequence in every group: what a recomputed sequence
+    takes), swap space, caching, n, token budgets: every output is transformers', nothing leaks."""
     path, prompts, expected = windowed
     rng = random.Random(7)
+    groups = 2 if path.name.startswith("gemma2") else 1
     for _ in range(8):
         bs = rng.choice([1, 2, 4, 8])
-        need = max(-(-(len(p) + MAX_TOKENS) // bs) for p in prompts)
+        need = groups * max(-(-(len(p) + MAX_TOKENS) // bs) for p in prompts)
         num_blocks = rng.randint(need, need * 3)
         llm = LLM(path, block_size=bs, num_blocks=num_blocks, num_cpu_blocks=rng.choice([0, num_blocks]),
                   enable_prefix_caching=rng.random() < 0.7, max_num_seqs=rng.randint(2, 8),
@@ -96,3 +102,59 @@ def test_random_configurations(windowed):
             assert out.error is None
             assert [c.token_ids for c in out.outputs] == [expected[i][:sp.max_tokens]] * sp.n
         check_clean(llm)
+
+
+@pytest.mark.parametrize("windowed", [("mistral", 8), ("gemma2", 8)], ids=["mistral-w8", "gemma2-w8"],
+                         indirect=True)
+@pytest.mark.parametrize("block_size", [4, 3])
+def test_blocks_held_stay_within_the_window(windowed, block_size):
+    """One sequence decoding far past its window: a windowed group holds the blocks overlapping its last
+    `window` positions (at most window // block_size + 2), the full-attention group (Gemma 2) every block."""
+    path, prompts, expected = windowed
+    window, prompt = 8, prompts[0]
+    llm = LLM(path, block_size=block_size, enable_prefix_caching=False, history_size=1000)
+    assert llm.bm.group_windows == llm.model_config.group_windows
+    out = llm.generate(prompt, GREEDY)[0]
+    assert out.token_ids == expected[0]
+    full_layers = llm.model_config.group_windows[0] is None
+    decode_steps = list(llm.history)[1:-1]          # after the prefill, before the end frees everything
+    assert len(decode_steps) == MAX_TOKENS - 2
+    for i, step in enumerate(decode_steps):
+        length = len(prompt) + 1 + i                 # tokens with KV after this step
+        full = -(-length // block_size)
+        windowed_bound = window // block_size + 2
+        assert step["used_blocks"] <= (full if full_layers else 0) + windowed_bound, (i, step)
+    assert decode_steps[-1]["used_blocks"] < (2 if full_layers else 1) * full   # something was released
+    check_clean(llm)
+
+
+def test_gemma2_layers_share_cache_tensors(checkpoints, tmp_path):
+    """Layer i of each group shares tensor i: half the tensors, so a byte budget holds twice the block
+    ids of the same model with every layer full (one group)."""
+    path = checkpoints["gemma2"]
+    llm = LLM(path, block_size=4, kv_cache_bytes=1 << 20)
+    cfg = llm.model_config
+    assert cfg.group_windows == [None, 8] and llm.bm.num_groups == 2
+    assert len(llm.runner.kv_caches) == cfg.num_layers // 2
+    shutil.copytree(path, tmp_path / "full")
+    config = json.loads((tmp_path / "full" / "config.json").read_text())
+    (tmp_path / "full" / "config.json").write_text(json.dumps(dict(config, layer_types=["full_attention"] * 4)))
+    full = LLM(tmp_path / "full", block_size=4, kv_cache_bytes=1 << 20)
+    assert full.bm.num_groups == 1 and len(full.runner.kv_caches) == cfg.num_layers
+    assert llm.num_blocks == 2 * full.num_blocks
+
+
+@pytest.mark.parametrize("windowed", [("mistral", 8), ("gemma2", 5)], ids=["mistral-w8", "gemma2-w5"],
+                         indirect=True)
+def test_speculative_decoding_with_windows(windowed):
+    """Prompt-lookup drafts verified over windowed layers; rejected drafts roll back without touching
+    what the window released."""
+    path, prompts, expected = windowed
+    llm = LLM(path, block_size=4, speculative="ngram", num_speculative_tokens=3)
+    repeated = [p[-6:] * 5 for p in prompts[:3]]        # repetitive prompts: lookup finds drafts
+    reference = load_hf_eager(path)
+    want = [hf_greedy(reference, p, MAX_TOKENS) for p in repeated]
+    outputs = llm.generate(prompts + repeated, GREEDY)
+    assert [o.token_ids for o in outputs] == expected + want
+    assert llm.stats()["spec_draft_tokens"] > 0
+    check_clean(llm)

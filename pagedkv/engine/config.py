@@ -121,6 +121,30 @@ class ModelConfig:
         return None if self.layer_windows is None else self.layer_windows[layer]
 
     @property
+    def group_windows(self) -> list:
+        """The KV cache's groups of layers, by window: full attention (None) first when a layer has it,
+        then each distinct window, smallest first. One group for Llama ([None]) and Mistral ([window])."""
+        windows = set(self.layer_windows or [None])
+        return ([None] if None in windows else []) + sorted(w for w in windows if w is not None)
+
+    @property
+    def layer_groups(self) -> list[int]:
+        """Each layer's index into group_windows."""
+        groups = self.group_windows
+        return [groups.index(self.window(i)) for i in range(self.num_layers)]
+
+    @property
+    def layer_cache_slots(self) -> list[int]:
+        """Each layer's KV cache tensor: layer i of every group shares tensor i (a block id belongs to one
+        group at a time, so its bytes serve whichever group holds it); max layers per group tensors."""
+        seen = [0] * len(self.group_windows)
+        slots = []
+        for g in self.layer_groups:
+            slots.append(seen[g])
+            seen[g] += 1
+        return slots
+
+    @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 

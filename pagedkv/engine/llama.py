@@ -1,6 +1,7 @@
 """Llama-family decoder (RMSNorm, RoPE incl. Llama-3 scaling, GQA, SwiGLU) whose attention reads and
 writes the paged KV cache through torch.ops.pagedkv. Mistral is this model with a sliding window on every
 layer; gemma2.py builds Gemma 2 from these pieces."""
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -15,7 +16,9 @@ from .config import ModelConfig
 
 @dataclass
 class AttentionMetadata:
-    """Where this step's tokens live: packed over B sequences (prefill and decode mixed)."""
+    """Where this step's tokens live: packed over B sequences (prefill and decode mixed). A model whose
+    layers form several KV groups (Gemma 2: full and windowed) has a block table and slot per token in
+    each group; the fields are group 0's and `group(g)` is group g's view."""
     slot_mapping: torch.Tensor     # [T] int64, cache slot of each token's K/V
     block_tables: torch.Tensor     # [B, M] int32
     seq_lens: torch.Tensor         # [B] int32, KV length including this step's tokens
@@ -23,6 +26,14 @@ class AttentionMetadata:
     max_seq_len: int
     logits_indices: torch.Tensor | None = None   # [R] int64: the tokens whose hidden states are returned
                                                  # (None: each sequence's last token)
+    other_groups: tuple = ()       # groups 1, 2, ...: (slot_mapping [T], block_tables [B, M_g]) each
+
+    def __post_init__(self):
+        self._views = [self] + [dataclasses.replace(self, slot_mapping=slots, block_tables=tables, other_groups=())
+                                for slots, tables in self.other_groups]
+
+    def group(self, g: int) -> "AttentionMetadata":
+        return self._views[g]
 
 
 class RMSNorm(nn.Module):
@@ -88,12 +99,15 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.attention_scale
         self.sliding_window = cfg.window(layer) or -1           # the kernels' "no window"
+        self.kv_group = cfg.layer_groups[layer]                 # whose block tables and slots it uses
         self.softcap = cfg.attn_logit_softcapping or 0.0        # the kernels' "no softcap"
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.kv_scales = None   # float8 KV cache: this layer's kv_quant.LayerKvScales (set by the runner)
 
     def forward(self, positions, x, rope, kv_cache, meta: AttentionMetadata):
+        if self.kv_group:
+            meta = meta.group(self.kv_group)
         qkv = self.qkv_proj.forward(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         rope.forward(positions, qk)                  # in place: queries and keys in one call

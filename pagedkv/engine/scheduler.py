@@ -49,10 +49,6 @@ class ScheduledBatch:
         return sum(map(len, self.decode_drafts))
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass
 class Snapshot:
     requests: list      # (request, error, [(sequence, number of tokens, status, finish_reason)])
@@ -216,8 +212,7 @@ class Scheduler:
             ids = [s.seq_id for s in group]
             # Room for the group's blocks and for one new block per running sequence after it, so that
             # it is not preempted again at once.
-            blocks = {b for i in ids for b in self.bm.block_table(i)}
-            need = len(blocks) + (len(self.running) + len(group) if self.running else 0)
+            need = self._blocks_held(ids) + (len(self.running) + len(group) if self.running else 0)
             if (len(self.running) + len(group) > self.config.max_num_seqs
                     or self.bm.can_swap_in(ids) != AllocStatus.OK or self.bm.num_free_blocks < need):
                 return
@@ -227,6 +222,12 @@ class Scheduler:
                 s.status = SequenceStatus.RUNNING
             self.running = sorted(self.running + group, key=lambda s: (s.arrival, s.seq_id))
             self.stats["swapped_in"] += len(group)
+
+    def _blocks_held(self, seq_ids: list[int]) -> int:
+        """Distinct blocks the sequences hold over every group (entries a window released excepted)."""
+        bm = self.bm
+        return len({b for g in range(bm.num_groups) for i in seq_ids
+                    for b in bm.block_table(i, group=g)[bm.num_released_blocks(i, group=g):]})
 
     def _make_room_for_decodes(self, batch: ScheduledBatch) -> bool:
         """Preempts the newest request's sequences until every decoding sequence can append a token."""
@@ -291,10 +292,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if status == AllocStatus.NEVER:
-                bs = self.config.block_size
                 self._fail([seq], batch, f"sequence of {len(seq)} tokens can never fit in the KV cache: it needs "
-                                         f"{_cdiv(len(seq), bs)} blocks of {bs} tokens, the pool has "
-                                         f"{self.bm.num_blocks}")
+                                         f"{self.bm.blocks_held(len(seq))} blocks of {self.config.block_size} "
+                                         f"tokens, the pool has {self.bm.num_blocks}")
                 continue
             num_cached = self.bm.allocate(seq.seq_id, seq.token_ids, cache_salt=self.cache_salt)
             seq.status = SequenceStatus.RUNNING
