@@ -191,6 +191,7 @@ def main():
     p.add_argument("--contexts", default=None, metavar="N,N,...",
                    help="instead: KV held by one sequence of each context length (prompt + --max-new-tokens)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--pool-mib", type=int, default=16, help="--contexts: the KV pool the 8x-window sequences share")
     args = p.parse_args()
     MODEL.update(hidden_size=args.hidden, intermediate_size=args.hidden * 43 // 16, num_hidden_layers=args.layers)
     MODEL.update(initializer_range=args.init_range)
@@ -260,27 +261,40 @@ def held_bytes(llm, blocks: int) -> int:
 
 def kv_held_by_context(args, contexts):
     """One sequence per context length (a random prompt of context - new tokens, new generated): the KV
-    blocks the engine held at its peak, against what full attention holds (every token's block)."""
+    blocks the engine held after its last decode step, against what full attention holds (every token's
+    block, every layer). Then how many sequences of 8x the window run at once in a pool of --pool-mib."""
     new, bs = args.max_new_tokens, args.block_size
-    MODEL.update(max_position_embeddings=max(MODEL["max_position_embeddings"], max(contexts) + 1))
+    fit_context = 8 * args.window
+    MODEL.update(max_position_embeddings=max(MODEL["max_position_embeddings"], max(contexts) + 1, fit_context + 1))
     rng = random.Random(0)
     print(f"\n{MODEL['num_hidden_layers']}-layer {model_name()}, hidden {MODEL['hidden_size']}, "
           f"{MODEL['num_key_value_heads']} KV heads, fp32 KV, block {bs}: one sequence of each context length "
           f"({new} tokens generated), {args.device}")
-    print(f"{'context':>8} {'peak KV blocks':>15} {'KV MiB held':>12} {'full attention MiB':>19} {'held / full':>12} "
-          f"{'tok/s':>8}")
+    print(f"{'context':>8} {'blocks held':>12} {'KV MiB held':>12} {'full attention MiB':>19} {'held / full':>12}")
     with tempfile.TemporaryDirectory() as tmp:
         build_model(tmp)
         for context in contexts:
             prompt = [rng.randrange(3, MODEL["vocab_size"]) for _ in range(context - new)]
-            llm = LLM(tmp, device=args.device, block_size=bs, max_num_batched_tokens=max(4096, context))
-            start = time.perf_counter()
+            llm = LLM(tmp, device=args.device, block_size=bs, max_num_batched_tokens=max(4096, context),
+                      enable_prefix_caching=False, history_size=new + 1)
             llm.generate(prompt, SamplingParams(max_tokens=new, ignore_eos=True))
-            secs = time.perf_counter() - start
-            held = held_bytes(llm, llm.peak_used_blocks)
-            full = -(-context // bs) * kv_cache_block_bytes(llm.model, bs, torch.float32)  # every layer, every token
-            print(f"{context:8} {llm.peak_used_blocks:15} {held / 2**20:12.2f} {full / 2**20:19.2f} "
-                  f"{held / full:12.2f} {new / secs:8.0f}")
+            decoding = llm.history[-2]["used_blocks"]        # the last step before the sequence ended
+            held = held_bytes(llm, decoding)
+            full = -(-context // bs) * kv_cache_block_bytes(llm.model, bs, torch.float32) * \
+                len(llm.runner.layer_caches) // len(llm.runner.kv_caches)    # every layer, every token
+            print(f"{context:8} {decoding:12} {held / 2**20:12.2f} {full / 2**20:19.2f} {held / full:12.3f}")
+
+        prompts = [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(fit_context - new)] for _ in range(args.batch)]
+        llm = LLM(tmp, device=args.device, block_size=bs, kv_cache_bytes=args.pool_mib << 20, max_num_seqs=args.batch,
+                  enable_prefix_caching=False, history_size=10 ** 6)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))
+        secs = time.perf_counter() - start
+        assert not any(o.error for o in outs), [o.error for o in outs if o.error]
+        stats = llm.stats()
+        print(f"\n{args.batch} sequences of {fit_context} tokens (8x the window {args.window}; {new} generated) in "
+              f"{args.pool_mib} MiB of KV ({llm.num_blocks} blocks): at most {max(h['running'] for h in llm.history)} "
+              f"running at once, {stats['num_preemptions']} preemptions, {args.batch * new / secs:.0f} tok/s")
 
 
 def spinners(n):
