@@ -158,3 +158,14 @@ def test_speculative_decoding_with_windows(windowed):
     assert [o.token_ids for o in outputs] == expected + want
     assert llm.stats()["spec_draft_tokens"] > 0
     check_clean(llm)
+
+
+@pytest.mark.parametrize("model_type, groups", [("mistral", 1), ("gemma2", 2)])
+def test_budget_sized_pool_holds_a_full_length_sequence_per_group(checkpoints, model_type, groups):
+    """A roomy byte budget is capped at what max_num_seqs full-length sequences are admitted with: a
+    block per block_size tokens in every group."""
+    llm = LLM(checkpoints[model_type], block_size=4, max_num_seqs=1, kv_cache_bytes=1 << 30)
+    assert llm.num_blocks == groups * -(-llm.max_model_len // 4)
+    prompt = [3 + i % 300 for i in range(llm.max_model_len - 8)]     # the longest sequence the model takes
+    out = llm.generate(prompt, SamplingParams(max_tokens=7, ignore_eos=True))[0]
+    assert out.error is None and len(out.token_ids) == 7

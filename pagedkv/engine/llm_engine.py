@@ -153,7 +153,8 @@ class LLM:
             what = f"kv_cache_bytes={budget}"
         if budget < block_bytes:
             raise ValueError(f"{what} holds no KV block ({block_bytes} bytes each); raise it or pass num_blocks")
-        enough = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)   # more is never used
+        # More is never used: every sequence at full length, admitted with its blocks in every KV group.
+        enough = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) * len(self.model_config.group_windows)
         return min(budget // block_bytes, enough)
 
     @staticmethod
