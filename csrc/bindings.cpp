@@ -383,24 +383,47 @@ PYBIND11_MODULE(_C, m) {
            py::arg("sliding_window") = py::none(), py::arg("group_windows") = py::none())
       .def(
           "can_allocate",
-          [](const BlockManager& bm, const py::object& token_ids, const std::optional<py::object>& cache_salt) {
+          [](const BlockManager& bm, const py::object& token_ids, const std::optional<py::object>& cache_salt,
+             std::optional<int64_t> num_new_tokens) {
             Int64Array tokens(token_ids, "token_ids");
-            return bm.can_allocate(tokens.data, tokens.size, salt_bytes(cache_salt));
+            return bm.can_allocate(tokens.data, tokens.size, salt_bytes(cache_salt),
+                                   num_new_tokens.value_or(BlockManager::kWholePrompt));
           },
-          py::arg("token_ids"), py::kw_only(), py::arg("cache_salt") = py::none())
+          py::arg("token_ids"), py::kw_only(), py::arg("cache_salt") = py::none(), py::arg("num_new_tokens") = py::none())
       .def(
           "allocate",
           [](BlockManager& bm, int64_t seq_id, const py::object& token_ids, const std::optional<py::object>& cache_salt,
-             const py::object& retention) {
+             const py::object& retention, std::optional<int64_t> num_new_tokens) {
             Int64Array tokens(token_ids, "token_ids");
             return bm.allocate(seq_id, tokens.data, tokens.size, salt_bytes(cache_salt),
-                               retention_ranges(retention, "retention"));
+                               retention_ranges(retention, "retention"),
+                               num_new_tokens.value_or(BlockManager::kWholePrompt));
           },
           py::arg("seq_id"), py::arg("token_ids"), py::kw_only(), py::arg("cache_salt") = py::none(),
-          py::arg("retention") = py::none(),
+          py::arg("retention") = py::none(), py::arg("num_new_tokens") = py::none(),
           "Allocates the prompt's blocks; returns the number of leading tokens whose KV is already cached.\n"
           "retention: [(start, end, priority[, duration])] token ranges whose blocks are evicted later (priority\n"
-          "0-100, default 35; end None: to the end; duration: clock units after the block is freed).")
+          "0-100, default 35; end None: to the end; duration: clock units after the block is freed).\n"
+          "num_new_tokens: blocks only for the cached tokens and the next num_new_tokens (chunked prefill;\n"
+          "reserve() the later chunks).")
+      .def(
+          "can_reserve",
+          [](const BlockManager& bm, const py::object& seq_ids, const py::object& num_tokens) {
+            const std::vector<int64_t> ids = seq_id_list(seq_ids);
+            return bm.can_reserve(ids, per_sequence_counts(seq_ids, ids.size(), num_tokens, "can_reserve"));
+          },
+          py::arg("seq_ids"), py::arg("num_tokens"))
+      .def(
+          "reserve",
+          [](BlockManager& bm, const py::object& seq_ids, const py::object& num_tokens) {
+            const std::vector<int64_t> ids = seq_id_list(seq_ids);
+            bm.reserve(ids, per_sequence_counts(seq_ids, ids.size(), num_tokens, "reserve"));
+          },
+          py::arg("seq_ids"), py::arg("num_tokens"),
+          "Chunked prefill: gives each sequence the blocks of its first num_tokens tokens in every group\n"
+          "(after mark_computed of the previous chunk, so that a window has released what it no longer reads).")
+      .def("num_allocated_tokens", &BlockManager::num_allocated_tokens, py::arg("seq_id"),
+           "Tokens of the sequence that have blocks (its length once its whole prompt is reserved).")
       .def(
           "allocate_batch",
           [](BlockManager& bm, const py::object& seq_ids, const py::object& prompts, const py::object& cache_salts,

@@ -1,7 +1,7 @@
 """pagedkv: a paged KV cache for LLM inference.
 
 - ``pagedkv.BlockManager``: where every token's KV lives (C++; prefix caching, retention priorities
-  and pins, CoW, fork, swap).
+  and pins, CoW, fork, swap, sliding windows and groups of layers).
 - ``pagedkv.ops``: ``reshape_and_cache``, ``paged_attention`` (and ``paged_attention_with_lse``),
   ``copy_blocks``, ``swap_blocks``, and the model-layer ops ``rms_norm``, ``fused_add_rms_norm``,
   ``silu_and_mul``, ``rotary_embedding`` (``torch.ops.pagedkv.*``, CPU and CUDA).
@@ -12,8 +12,8 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import ops
 from ._C import AllocStatus, BlockManager, hash_block_tokens  # also registers torch.ops.pagedkv.*
-from .cache import allocate_kv_cache, block_bytes, num_blocks_for
+from .cache import allocate_kv_cache, block_bytes, kv_cache_groups, num_blocks_for
 
 __version__ = "0.1.0"
 __all__ = ["AllocStatus", "BlockManager", "hash_block_tokens", "ops", "allocate_kv_cache", "block_bytes",
-           "num_blocks_for"]
+           "kv_cache_groups", "num_blocks_for"]

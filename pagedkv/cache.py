@@ -5,7 +5,7 @@ import operator
 
 import torch
 
-__all__ = ["allocate_kv_cache", "num_blocks_for", "block_bytes"]
+__all__ = ["allocate_kv_cache", "num_blocks_for", "block_bytes", "kv_cache_groups"]
 
 # What the ops accept (float8 caches store quantised KV: reshape_and_cache's k_scale / v_scale).
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -67,3 +67,31 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
         return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
 
     return [(one(), one()) for _ in range(num_layers)]
+
+
+def kv_cache_groups(layer_windows) -> tuple[list, list[tuple[int, int]]]:
+    """Groups of layers for a BlockManager(group_windows=...), from each layer's attention window (tokens;
+    None: full attention), e.g. Gemma 2's alternating ``[4096, None, 4096, None, ...]``.
+
+    Returns ``(group_windows, placement)``: one window per group, in order of first appearance, and for
+    each layer ``(group, index)``, its group and its rank among that group's layers. Layers of one group
+    share the group's block tables; when every group has the same number of layers, layer ``index`` of
+    every group can share one cache tensor (a block id belongs to one group at a time), so the cache has
+    ``len(layer_windows) // len(group_windows)`` tensors and a block id costs that many layers' bytes.
+    """
+    group_windows, placement, sizes = [], [], []
+    for i, w in enumerate(layer_windows):
+        if w is not None:
+            _check_int(f"layer_windows[{i}]", w)
+            if w < 1:
+                raise ValueError(f"layer_windows[{i}] must be >= 1 token (None: full attention), got {w}")
+            w = int(w)
+        if w not in group_windows:
+            group_windows.append(w)
+            sizes.append(0)
+        g = group_windows.index(w)
+        placement.append((g, sizes[g]))
+        sizes[g] += 1
+    if not placement:
+        raise ValueError("layer_windows is empty")
+    return group_windows, placement

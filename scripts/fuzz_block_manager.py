@@ -11,9 +11,11 @@ holds exactly its own prefix's KV, that returned slots follow the block tables, 
 still hits in full (with its own KV) however much was evicted, that about 5% invalid calls raise the
 documented exception and change nothing, and check_invariants() every 1000 operations, and that
 replaying the KV events gives cached_blocks() (resyncing, as a router would, after events dropped by a
-full buffer). Prints the figures; exits 1 at the first failure.
+full buffer). With --groups / --sliding-window the pools have groups of layers with windows: every
+group's held blocks are checked, released entries must be pads that slot_mapping refuses, and a rollback
+into released blocks must be refused. Prints the figures; exits 1 at the first failure.
 
-    python scripts/fuzz_block_manager.py --ops 1000000 [--seed N]
+    python scripts/fuzz_block_manager.py --ops 1000000 [--seed N] [--groups 2] [--sliding-window 0]
 """
 import argparse
 import random
@@ -53,6 +55,8 @@ class Figures:
     pins: int = 0
     pins_refused: int = 0
     pinned_hit_tokens_checked: int = 0
+    released_blocks_seen: int = 0
+    reserved_chunks: int = 0
 
 
 def prefix_ids(tokens, salt):
@@ -64,9 +68,20 @@ def prefix_ids(tokens, salt):
 
 
 class Fuzzer:
-    def __init__(self, rng: random.Random, figures: Figures):
+    def __init__(self, rng: random.Random, figures: Figures, groups: int = 1, sliding_window: int | None = None):
         self.rng, self.fig = rng, figures
+        self.num_groups, self.sliding_window = groups, sliding_window
         self.new_pool()
+
+    def pool_windows(self):
+        """One window per group: with a fixed window, groups alternate full / windowed (Gemma 2 style; a
+        single group is windowed); window 0 draws a window (or full attention) per group and pool."""
+        r, w = self.rng, self.sliding_window
+        if w is None:
+            return [None] * self.num_groups
+        if w > 0:
+            return [w] if self.num_groups == 1 else [None if g % 2 == 0 else w for g in range(self.num_groups)]
+        return [r.choice([None, r.randint(1, 3 * self.bs), r.randint(2, 10)]) for _ in range(self.num_groups)]
 
     # --- set-up --------------------------------------------------------------------------------------
     def new_pool(self):
@@ -76,11 +91,13 @@ class Fuzzer:
         self.ncpu = r.choice([0, r.randint(4, 64)])
         self.vocab = r.randint(2, 6)
         self.events = r.random() < 0.6
+        self.windows = self.pool_windows()
+        self.nb = self.nb * self.num_groups
         self.bm = BlockManager(self.nb, self.bs, num_cpu_blocks=self.ncpu, hash_algo=r.choice(["xxh64", "weak8"]),
                                enable_prefix_caching=r.random() < 0.9, watermark=r.choice([0.0, 0.0, 0.05]),
                                enable_events=self.events, max_pending_events=r.choice([64, 1 << 16, 1 << 16]),
                                default_priority=r.choice([35, 35, 0, 60]), decode_priority=r.choice([None, 10, 80]),
-                               max_pinned_fraction=r.choice([0.0, 0.25, 0.5, 0.9]))
+                               max_pinned_fraction=r.choice([0.0, 0.25, 0.5, 0.9]), group_windows=self.windows)
         self.pins: dict[int, tuple] = {}  # seq id -> (tokens, ids, salt, pinned leading blocks)
         self.replayed = Counter()  # block hashes the events say are cached
         self.next_event = 0
@@ -130,14 +147,38 @@ class Fuzzer:
             self.fig.copies += 1
         self.pending = False
 
+    def held_tables(self, sid):
+        """(group, table, first held entry) of each group; checks that released entries are pads."""
+        out = []
+        for g, w in enumerate(self.windows):
+            table, released = self.bm.block_table(sid, group=g), self.bm.num_released_blocks(sid, group=g)
+            computed = self.seqs[sid].computed
+            expect = 0 if w is None or computed < w else (computed - w + 1) // self.bs
+            if released != expect or table[:released] != [0] * released:
+                self.fail(f"sequence {sid} group {g} (window {w}) released {released} blocks at {computed} "
+                          f"computed tokens, expected {expect} pads: {table[:released]}")
+            self.fig.released_blocks_seen += released
+            out.append((g, table, released))
+        return out
+
     def check_kv(self, sid, upto):
         s = self.seqs[sid]
-        table = self.bm.block_table(sid)
         store = self.cpu if s.swapped else self.gpu
-        for p in range(upto):
-            if store.get(table[p // self.bs], {}).get(p % self.bs) != s.ids[p]:
-                self.fail(f"sequence {sid} position {p}: the KV of another prefix (swapped={s.swapped})")
+        for g, table, released in self.held_tables(sid):
+            for p in range(released * self.bs, upto):
+                if store.get(table[p // self.bs], {}).get(p % self.bs) != s.ids[p]:
+                    self.fail(f"sequence {sid} group {g} position {p}: the KV of another prefix (swapped={s.swapped})")
         return upto
+
+    def write_kv(self, sid, start, end):
+        """The runner writes positions [start, end) of every group through its slot mapping."""
+        s = self.seqs[sid]
+        for g, table, _ in self.held_tables(sid):
+            slots = self.bm.slot_mapping(sid, start, end, group=g).tolist()
+            for p, slot in zip(range(start, end), slots):
+                if slot != table[p // self.bs] * self.bs + p % self.bs:
+                    self.fail(f"slot_mapping gave slot {slot} for position {p} of sequence {sid} group {g}")
+                self.gpu.setdefault(table[p // self.bs], {})[p % self.bs] = s.ids[p]
 
     def admitted(self, sid, tokens, salt, cached):
         self.seqs[sid] = Seq(list(tokens), prefix_ids(tokens, salt), salt, computed=cached)
@@ -148,12 +189,12 @@ class Fuzzer:
     # --- operations ----------------------------------------------------------------------------------------
     def op_allocate(self):
         tokens, salt = self.prompt()
-        status = self.bm.can_allocate(tokens, cache_salt=salt)
-        if status != AllocStatus.OK:
+        chunk = self.rng.choice([None, None, self.rng.randint(1, 3 * self.bs)])  # chunked prefill
+        if self.bm.can_allocate(tokens, cache_salt=salt, num_new_tokens=chunk) != AllocStatus.OK:
             return
         sid = self.new_id()
-        self.admitted(sid, tokens, salt,
-                      self.bm.allocate(sid, tokens, cache_salt=salt, retention=self.retention(len(tokens))))
+        self.admitted(sid, tokens, salt, self.bm.allocate(sid, tokens, cache_salt=salt, num_new_tokens=chunk,
+                                                          retention=self.retention(len(tokens))))
 
     def op_allocate_batch(self):
         batch = [self.prompt() for _ in range(self.rng.randint(1, 4))]
@@ -170,13 +211,22 @@ class Fuzzer:
         ids = self.rng.sample(todo, self.rng.randint(1, min(4, len(todo))))
         self.perform_copies()  # the runner copies before it writes
         counts = []
-        for sid in ids:
+        for sid in list(ids):
             s = self.seqs[sid]
-            n = len(s.tokens) if self.rng.random() < 0.7 else self.rng.randint(s.computed + 1, len(s.tokens))
-            table = self.bm.block_table(sid)
-            for p in range(s.computed, n):
-                self.gpu.setdefault(table[p // self.bs], {})[p % self.bs] = s.ids[p]
+            allocated = self.bm.num_allocated_tokens(sid)
+            if allocated == s.computed:  # a chunked prefill: the next chunk's blocks first
+                end = min(len(s.tokens), allocated + self.rng.randint(1, 3 * self.bs))
+                if not self.bm.can_reserve(sid, end):
+                    ids.remove(sid)
+                    continue
+                self.bm.reserve(sid, end)
+                self.fig.reserved_chunks += 1
+                allocated = end
+            n = allocated if self.rng.random() < 0.7 else self.rng.randint(s.computed + 1, allocated)
+            self.write_kv(sid, s.computed, n)
             counts.append(n)
+        if not ids:
+            return
         self.bm.mark_computed(ids, counts)
         for sid, n in zip(ids, counts):
             self.seqs[sid].computed = n
@@ -220,13 +270,14 @@ class Fuzzer:
         for n, sid in enumerate(ids):
             s = self.seqs[sid]
             table = self.bm.block_table(sid)
+            start = len(s.tokens)
             for t, slot in zip(toks[n * (k + 1):(n + 1) * (k + 1)], slots[n * (k + 1):(n + 1) * (k + 1)]):
                 p = len(s.tokens)
                 s.tokens.append(t)
                 s.ids.append(hash((s.ids[-1], t)))
                 if slot != table[p // self.bs] * self.bs + p % self.bs:
                     self.fail(f"append_tokens(counts=) gave slot {slot} for position {p} of sequence {sid}")
-                self.gpu.setdefault(table[p // self.bs], {})[p % self.bs] = s.ids[p]  # verification forward
+            self.write_kv(sid, start, len(s.tokens))  # verification forward
         keep = [len(self.seqs[sid].tokens) - self.rng.randint(0, k) for sid in ids]
         self.fig.draft_tokens += k * len(ids)
         self.fig.rejected_tokens += sum(len(self.seqs[sid].tokens) - n for sid, n in zip(ids, keep))
@@ -297,11 +348,13 @@ class Fuzzer:
                 self.fail(f"a refused pin raised {e!r} or changed the manager's state")
             self.fig.pins_refused += 1
             return
-        s, blocks, table = self.seqs[sid], self.bm.pinned_blocks(sid), self.bm.block_table(sid)
-        if len(blocks) != n or any(b not in table[:s.computed // self.bs] for b in blocks):
-            self.fail(f"pin({sid}) holds {blocks}, not full computed blocks of its table {table}")
-        k = 0  # the pinned blocks that lead the table: that prefix must keep hitting
-        while k < len(blocks) and blocks[k] == table[k]:
+        s, blocks = self.seqs[sid], self.bm.pinned_blocks(sid)
+        full = {b for _, table, released in self.held_tables(sid) for b in table[released:s.computed // self.bs]}
+        if len(blocks) != n or any(b not in full for b in blocks):
+            self.fail(f"pin({sid}) holds {blocks}, not full computed blocks of its tables")
+        table = self.bm.block_table(sid)
+        k = 0  # the pinned blocks that lead the table: that prefix must keep hitting (one full group)
+        while self.windows == [None] and k < len(blocks) and blocks[k] == table[k]:
             k += 1
         self.pins[sid] = (list(s.tokens[:k * self.bs]), s.ids[:k * self.bs], s.salt, blocks[:k])
         self.fig.pins += 1
@@ -340,8 +393,8 @@ class Fuzzer:
         bm = self.bm
         return (bm.num_free_blocks, bm.num_free_cpu_blocks, bm.stats(), bm.now,
                 [bm.block_priority(b) for b in range(self.nb)], {i: bm.pinned_blocks(i) for i in self.pins},
-                {i: (bm.block_table(i), bm.num_tokens(i), bm.num_computed_tokens(i), bm.is_swapped(i))
-                 for i in self.seqs})
+                {i: ([bm.block_table(i, group=g) for g in range(len(self.windows))], bm.num_tokens(i),
+                     bm.num_computed_tokens(i), bm.is_swapped(i)) for i in self.seqs})
 
     def op_invalid(self):
         r, bm = self.rng, self.bm
@@ -392,6 +445,18 @@ class Fuzzer:
             ]
             if len(bm.block_table(sid)) > 1:
                 calls.append((ValueError, lambda: bm.block_tables([sid], max_blocks=0)))
+            calls.append((ValueError, lambda: bm.block_table(sid, group=len(self.windows))))
+            calls.append((ValueError, lambda: bm.reserve([sid], [n + 1])))
+            if bm.num_allocated_tokens(sid) < n:  # in the middle of a chunked prefill
+                calls += [(ValueError, lambda: bm.append_tokens([sid], [1])),
+                          (ValueError, lambda: bm.mark_computed([sid])),
+                          (ValueError, lambda: bm.slot_mapping(sid, 0, n))]
+            for g in range(len(self.windows)):
+                released = bm.num_released_blocks(sid, group=g)
+                if released:  # the window's released blocks: no slots, no rollback into them
+                    calls.append((ValueError, lambda g=g, r=released: bm.slot_mapping(sid, r * self.bs - 1, n, group=g)))
+                if released * self.bs >= 2:
+                    calls.append((ValueError, lambda r=released: bm.truncate([sid], [r * self.bs - 1])))
         out = [i for i, s in self.seqs.items() if s.swapped]
         if out:
             calls += [(ValueError, lambda: bm.append_tokens([out[0]], [1])),
@@ -452,7 +517,7 @@ class Fuzzer:
         self.perform_copies()
         for sid, s in self.seqs.items():
             self.fig.kv_tokens_checked += self.check_kv(sid, s.computed)
-        held = {b for i in self.resident() for b in self.bm.block_table(i)}
+        held = {b for i in self.resident() for _, table, released in self.held_tables(i) for b in table[released:]}
         held |= {b for i in self.pins for b in self.bm.pinned_blocks(i)}
         if self.bm.num_free_blocks + len(held) != self.nb:
             self.fail("blocks leaked or double counted")
@@ -462,10 +527,10 @@ WEIGHTS = {"allocate": 14, "allocate_batch": 5, "compute": 22, "append": 18, "sp
            "swap_out": 5, "swap_in": 5, "reset": 1, "new_pool": 1, "invalid": 5, "clock": 3, "pin": 2, "unpin": 2}
 
 
-def run(num_ops: int, seed: int, quiet: bool = False) -> Figures:
+def run(num_ops: int, seed: int, quiet: bool = False, groups: int = 1, sliding_window: int | None = None) -> Figures:
     rng = random.Random(seed)
     fig = Figures()
-    fz = Fuzzer(rng, fig)
+    fz = Fuzzer(rng, fig, groups, sliding_window)
     names, weights = list(WEIGHTS), list(WEIGHTS.values())
     for i in range(1, num_ops + 1):
         name = rng.choices(names, weights)[0]
@@ -486,14 +551,23 @@ def main():
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--ops", type=int, default=1_000_000, help="number of random operations")
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
+    parser.add_argument("--groups", type=int, default=1, help="groups of layers per pool (hybrid models)")
+    parser.add_argument("--sliding-window", type=int, default=None,
+                        help="window in tokens (groups alternate full / windowed); 0: a random window or full "
+                             "attention per group and pool; default: full attention")
     args = parser.parse_args()
     if args.ops < 1:
         parser.error("--ops must be >= 1")
+    if not 1 <= args.groups <= 64:
+        parser.error("--groups must be in [1, 64]")
+    if args.sliding_window is not None and args.sliding_window < 0:
+        parser.error("--sliding-window must be >= 0")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2 ** 32)
-    print(f"fuzzing the block manager: {args.ops:,} operations, seed {seed}", flush=True)
+    print(f"fuzzing the block manager: {args.ops:,} operations, seed {seed}, {args.groups} group(s), "
+          f"sliding window {args.sliding_window}", flush=True)
     t0 = time.perf_counter()
     try:
-        fig = run(args.ops, seed)
+        fig = run(args.ops, seed, groups=args.groups, sliding_window=args.sliding_window)
     except AssertionError as e:
         print(f"FAILED (seed {seed}): {e}")
         return 1
@@ -506,7 +580,8 @@ def main():
           f"{fig.draft_tokens:,} draft tokens appended, {fig.rejected_tokens:,} rolled back; "
           f"{fig.retained_prompts:,} prompts with retention ranges; {fig.pins:,} pins ({fig.pins_refused:,} refused "
           f"by the cap), {fig.pinned_hit_tokens_checked:,} pinned prefix tokens hit with their own KV; {fig.events:,} KV events "
-          f"replayed to cached_blocks() ({fig.event_resyncs:,} resyncs after a full buffer)")
+          f"replayed to cached_blocks() ({fig.event_resyncs:,} resyncs after a full buffer); "
+          f"{fig.released_blocks_seen:,} released table entries checked; {fig.reserved_chunks:,} prefill chunks reserved")
     print("operations: " + ", ".join(f"{k} {v:,}" for k, v in sorted(fig.ops.items())))
     return 0
 

@@ -122,6 +122,21 @@ class Model:
     def blocks_held(self, n, computed=0):
         return sum(self.nblocks(n) - self.released_for(g, computed) for g in range(len(self.windows)))
 
+    def max_held(self, n, chunk=None):
+        """The most blocks a prompt of n tokens holds: whole, or prefilled in chunks of `chunk` tokens."""
+        if chunk is None:
+            return self.blocks_held(n)
+        bs = self.block_size
+        return sum(self.nblocks(n) if w is None else min(self.nblocks(n), (w + bs - 2) // bs + 1 + self.nblocks(chunk))
+                   for w in self.windows)
+
+    def allocated(self, sid):
+        s = self.seqs[sid]
+        return min(len(s.tokens), len(s.tables[0]) * self.block_size)
+
+    def first_chunk(self, tokens, k, chunk):
+        return len(tokens) if chunk is None else min(len(tokens), k * self.block_size + chunk)
+
     def match(self, tokens, salt):
         """(k, held): the longest k leading blocks every group serves, and each group's cached blocks
         [released_for(g, k * bs), k) (windows >= 2: the chain then reaches block k - 1)."""
@@ -193,16 +208,16 @@ class Model:
     def unpin(self, sid):
         self.drop_pin(self.pins.pop(sid))
 
-    def alloc_status(self, tokens, salt=b"", watermark_blocks=0):
+    def alloc_status(self, tokens, salt=b"", watermark_blocks=0, chunk=None):
         """"OK" | "LATER" | "NEVER", as can_allocate answers."""
-        if self.blocks_held(len(tokens)) > self.num_blocks - watermark_blocks:
+        if self.max_held(len(tokens), chunk) > self.num_blocks - watermark_blocks:
             return "NEVER"
         k, held = self.match(tokens, salt)
-        need = self.blocks_held(len(tokens), k * self.block_size)
+        need = self.blocks_held(self.first_chunk(tokens, k, chunk), k * self.block_size)
         pinned_hits = sum(self.pin_count[b] > 0 for h in held for b in h)
         if need - pinned_hits > self.num_blocks - watermark_blocks - self.pinned_blocks():
             return "NEVER"
-        return "OK" if len(self.free) - self.free_blocks_needed(tokens, salt) >= watermark_blocks else "LATER"
+        return "OK" if len(self.free) - self.free_blocks_needed(tokens, salt, chunk) >= watermark_blocks else "LATER"
 
     def swap_in_status(self, sids):
         need = self.distinct_blocks(sids)
@@ -280,9 +295,9 @@ class Model:
             self.cpu_free[b] = None
 
     # --- API ------------------------------------------------------------------------------------
-    def allocate(self, sid, tokens, salt=b"", retention=()):
+    def allocate(self, sid, tokens, salt=b"", retention=(), chunk=None):
         k, held = self.match(tokens, salt)
-        n = self.nblocks(len(tokens))
+        n = self.nblocks(self.first_chunk(tokens, k, chunk))
         s = Seq(list(tokens), [[] for _ in self.windows], salt, prompt_len=len(tokens), retention=list(retention))
         s.computed = k * self.block_size
         for g, t in enumerate(s.tables):
@@ -302,10 +317,21 @@ class Model:
         self.seqs[sid] = s
         return s.computed
 
-    def free_blocks_needed(self, tokens, salt=b""):
+    def free_blocks_needed(self, tokens, salt=b"", chunk=None):
         k, held = self.match(tokens, salt)
-        n = self.nblocks(len(tokens))
+        n = self.nblocks(self.first_chunk(tokens, k, chunk))
         return sum(n - k + sum(self.ref[b] == 0 for b in h) for h in held)
+
+    def reserve_need(self, sids, ns):
+        return sum(max(0, self.nblocks(n) - len(self.seqs[sid].tables[0])) for sid, n in zip(sids, ns)) * len(self.windows)
+
+    def reserve(self, sid, n):
+        s = self.seqs[sid]
+        for t in s.tables:
+            while len(t) < self.nblocks(n):
+                b = self.take()
+                self.retention[b] = self.retention_of(s, len(t))
+                t.append(b)
 
     def mark_computed(self, sid, n=None):
         s = self.seqs[sid]

@@ -313,12 +313,14 @@ def test_concurrent_python_threads_keep_the_manager_consistent():
 
 # --- the long fuzz command, short ----------------------------------------------------------------------------
 
-def test_short_fuzz_run_passes():
+@pytest.mark.parametrize("windows", [[], ["--sliding-window", "0"], ["--groups", "2", "--sliding-window", "4"]],
+                         ids=["full", "windows", "hybrid"])
+def test_short_fuzz_run_passes(windows):
     """scripts/fuzz_block_manager.py (run with --ops 1000000 before a release) at 20k operations."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "fuzz_block_manager.py"), "--ops", "20000"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "fuzz_block_manager.py"), "--ops", "20000",
+                           *windows], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok: 20,000 operations" in done.stdout
 

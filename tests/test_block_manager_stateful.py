@@ -43,6 +43,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def resident(self):
         return [s for s, q in self.model.seqs.items() if not q.swapped]
 
+    def complete(self):
+        """Resident sequences whose every token has a block (not in the middle of a chunked prefill)."""
+        return [s for s in self.resident() if self.model.allocated(s) == len(self.model.seqs[s].tokens)]
+
+    def prefilling(self):
+        return [s for s in self.resident() if self.model.allocated(s) < len(self.model.seqs[s].tokens)]
+
     def swapped(self):
         return [s for s, q in self.model.seqs.items() if q.swapped]
 
@@ -50,19 +57,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """The runner wrote the KV of every token of sid (positions computed..len)."""
         q = self.model.seqs[sid]
         for g, table in enumerate(q.tables):
-            for p in range(q.released[g] * BS, len(q.tokens)):
+            for p in range(q.released[g] * BS, self.model.allocated(sid)):
                 self.kv.setdefault(table[p // BS], {})[p % BS] = tuple(q.tokens[: p + 1])
 
     @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9), salt=st.sampled_from([b"", b"t1"]),
-          retention=retentions)
-    def allocate(self, tokens, salt, retention):
-        status = self.bm.can_allocate(tokens, cache_salt=salt or None)
-        assert status == getattr(AllocStatus, self.model.alloc_status(tokens, salt))
+          retention=retentions, chunk=st.one_of(st.none(), st.none(), st.integers(1, 5)))
+    def allocate(self, tokens, salt, retention, chunk=None):
+        status = self.bm.can_allocate(tokens, cache_salt=salt or None, num_new_tokens=chunk)
+        assert status == getattr(AllocStatus, self.model.alloc_status(tokens, salt, chunk=chunk))
         if status != AllocStatus.OK:
             return
         sid, self.next_id = self.next_id, self.next_id + 1
-        cached = self.bm.allocate(sid, tokens, cache_salt=salt or None, retention=retention)
-        assert cached == self.model.allocate(sid, tokens, salt, model_ranges(retention))
+        cached = self.bm.allocate(sid, tokens, cache_salt=salt or None, retention=retention, num_new_tokens=chunk)
+        assert cached == self.model.allocate(sid, tokens, salt, model_ranges(retention), chunk)
+        assert self.bm.num_allocated_tokens(sid) == self.model.allocated(sid)
         q = self.model.seqs[sid]
         for g in range(len(self.WINDOWS)):
             table = self.bm.block_table(sid, group=g)
@@ -86,20 +94,37 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for src, dst in copies:
             self.kv[dst] = dict(self.kv.get(src, {}))
 
-    @precondition(lambda self: self.resident())
+    @precondition(lambda self: self.prefilling())
+    @rule(data=st.data(), chunk=st.integers(1, 5))
+    def prefill_chunk(self, data, chunk):
+        """Chunked prefill: compute the tokens that have blocks, then reserve the next chunk's."""
+        sid = data.draw(st.sampled_from(self.prefilling()))
+        self.perform_copies()
+        self.write_kv(sid)
+        done = self.model.allocated(sid)
+        self.bm.mark_computed(sid, done)
+        self.model.mark_computed(sid, done)
+        end = min(len(self.model.seqs[sid].tokens), done + chunk)
+        ok = self.model.reserve_need([sid], [end]) <= len(self.model.free)
+        assert self.bm.can_reserve([sid], [end]) == ok
+        if ok:
+            self.bm.reserve([sid], [end])
+            self.model.reserve(sid, end)
+
+    @precondition(lambda self: self.complete())
     @rule(data=st.data())
     def compute(self, data):
-        sids = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3, unique=True))
+        sids = data.draw(st.lists(st.sampled_from(self.complete()), min_size=1, max_size=3, unique=True))
         self.perform_copies()
         for sid in sids:
             self.write_kv(sid)
             self.model.mark_computed(sid)
         self.bm.mark_computed(sids)
 
-    @precondition(lambda self: self.resident())
+    @precondition(lambda self: self.complete())
     @rule(data=st.data(), token=st.integers(0, 2), copy_now=st.booleans())
     def append(self, data, token, copy_now):
-        sids = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3, unique=True))
+        sids = data.draw(st.lists(st.sampled_from(self.complete()), min_size=1, max_size=3, unique=True))
         ok = self.model.append_need(sids) <= len(self.model.free)
         assert self.bm.can_append(sids) == ok
         if not ok:
@@ -109,11 +134,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if copy_now:  # else the copies stay pending across frees, forks and swaps until the next compute
             self.perform_copies()
 
-    @precondition(lambda self: self.resident())
+    @precondition(lambda self: self.complete())
     @rule(data=st.data(), token=st.integers(0, 2))
     def append_speculative(self, data, token):
         """Several tokens per sequence in one call (an input and its drafts), then rejects some."""
-        sids = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3, unique=True))
+        sids = data.draw(st.lists(st.sampled_from(self.complete()), min_size=1, max_size=3, unique=True))
         counts = data.draw(st.lists(st.integers(0, 5), min_size=len(sids), max_size=len(sids)))
         lookahead = max(counts) - 1 if max(counts) > 0 else 0
         ok = self.model.append_need(sids, counts) <= len(self.model.free)
@@ -249,6 +274,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_pinned_blocks == self.model.pinned_blocks()
         assert all(self.bm.is_pinned(sid) for sid in self.model.pins)
         for sid, q in self.model.seqs.items():
+            assert self.bm.num_allocated_tokens(sid) == self.model.allocated(sid)
             for g in range(len(self.WINDOWS)):
                 assert self.bm.block_table(sid, group=g) == q.tables[g]
                 assert self.bm.num_released_blocks(sid, group=g) == q.released[g]

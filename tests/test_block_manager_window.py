@@ -162,7 +162,6 @@ def test_kernels_read_only_held_blocks(windows):
     for c in caches:
         c[:, pad] = float("nan")
     base = [rng.randrange(50) for _ in range(30)]
-    live = {}
     for sid in range(12):
         prompt = base[: rng.randrange(1, 30)] + [rng.randrange(50) for _ in range(rng.randrange(0, 10))]
         if bm.can_allocate(prompt) != AllocStatus.OK:
@@ -192,10 +191,8 @@ def test_kernels_read_only_held_blocks(windows):
             bm.mark_computed(sid, end)
             start = end
             bm.check_invariants()
-        live[sid] = tokens
         if rng.random() < 0.5:
             bm.free(sid)
-            live.pop(sid)
         bm.check_invariants()
 
 
@@ -355,3 +352,68 @@ def test_preemption_by_recompute_frees_everything_held():
     assert bm.num_free_blocks == 16
     assert bm.allocate(0, tokens) > 0  # recompute: the prefix cache serves both groups
     bm.check_invariants()
+
+
+# --- chunked prefill ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("windows", [[16], [16, 32], [None, 16]])
+def test_prompt_longer_than_the_pool_is_prefilled_in_chunks(windows):
+    """allocate(num_new_tokens=) + reserve(): a windowed prompt of several times the pool is admitted and
+    prefilled chunk by chunk, each chunk's blocks reserved after the previous chunk released its window's
+    oldest blocks; a full-attention group still needs its whole prompt."""
+    rng = random.Random()
+    bs, chunk = 4, rng.choice([4, 7, 16])
+    prompt = [rng.randrange(1000) for _ in range(rng.randrange(150, 300))]
+    bm = BlockManager(40, bs, group_windows=windows)
+    full = None in windows
+    assert bm.can_allocate(prompt) == AllocStatus.NEVER
+    status = bm.can_allocate(prompt, num_new_tokens=chunk)
+    assert status == (AllocStatus.NEVER if full else AllocStatus.OK)
+    if full:
+        return
+    assert bm.allocate(0, prompt, num_new_tokens=chunk) == 0
+    with pytest.raises(ValueError, match="reserve"):
+        bm.append_token(0, 1)
+    with pytest.raises(ValueError, match="reserve"):
+        bm.mark_computed(0)
+    done, peak = 0, 0
+    while done < len(prompt):
+        end = min(len(prompt), done + chunk)
+        if bm.num_allocated_tokens(0) < end:
+            assert bm.can_reserve(0, end)
+            bm.reserve(0, end)
+        with pytest.raises(ValueError):
+            bm.slot_mapping(0, done, bm.num_allocated_tokens(0) + 1)
+        for g in range(len(windows)):
+            bm.slot_mapping(0, done, end, group=g)
+        bm.mark_computed(0, end)
+        done = end
+        peak = max(peak, 40 - bm.num_free_blocks)
+        bm.check_invariants()
+    assert peak <= bm.blocks_held(0) + sum(-(-(w + bs - 2) // bs) + 1 + -(-chunk // bs) for w in windows)
+    bm.append_token(0, 3)
+    bm.mark_computed(0)
+    bm.check_invariants()
+    bad = [(lambda: bm.reserve(0, len(prompt) + 2)), (lambda: bm.allocate(1, prompt, num_new_tokens=0))]
+    for call in bad:
+        with pytest.raises(ValueError):
+            call()
+
+
+# --- layers to groups ------------------------------------------------------------------------------------
+
+def test_kv_cache_groups_from_layer_windows():
+    rng = random.Random()
+    w = rng.randrange(1, 5000)
+    assert pagedkv.kv_cache_groups([None] * 3) == ([None], [(0, 0), (0, 1), (0, 2)])
+    assert pagedkv.kv_cache_groups([w] * 2) == ([w], [(0, 0), (0, 1)])
+    gemma = [w if i % 2 == 0 else None for i in range(6)]  # Gemma 2: sliding, full, sliding, ...
+    windows, placement = pagedkv.kv_cache_groups(gemma)
+    assert windows == [w, None]
+    assert placement == [(i % 2, i // 2) for i in range(6)]
+    for layer, (g, _) in enumerate(placement):
+        assert windows[g] == gemma[layer]
+    BlockManager(8, 4, group_windows=windows)  # the manager takes them as they are
+    for bad, error in (([], ValueError), ([4, 0], ValueError), ([2.5], TypeError), ([True], TypeError)):
+        with pytest.raises(error):
+            pagedkv.kv_cache_groups(bad)

@@ -456,13 +456,36 @@ void BlockManager::release_cpu_block(int32_t block) {
 // ---------------------------------------------------------------------------------------------------
 // Allocation
 
-AllocStatus BlockManager::can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt) const {
+int64_t BlockManager::max_blocks_held(int64_t num_tokens, int64_t num_new_tokens) const {
+  if (num_new_tokens == kWholePrompt) return blocks_held(num_tokens, 0);
+  const int64_t blocks = num_tokens / block_size_ + (num_tokens % block_size_ != 0);
+  const int64_t chunk = num_new_tokens / block_size_ + (num_new_tokens % block_size_ != 0);
+  int64_t held = 0;
+  for (int32_t g = 0; g < num_groups(); ++g) {
+    const int64_t w = windows_[g];  // a windowed group: the window's blocks, the chunk's, the one written
+    held += w == kFullAttention ? blocks : std::min(blocks, (w + block_size_ - 2) / block_size_ + 1 + chunk);
+  }
+  return held;
+}
+
+namespace {
+void check_num_new_tokens(int64_t num_new_tokens, const char* what) {
+  if (num_new_tokens != BlockManager::kWholePrompt && num_new_tokens < 1)
+    throw ValueError(cat(what, ": num_new_tokens must be >= 1 (or None: the whole prompt), got ", num_new_tokens));
+}
+}  // namespace
+
+AllocStatus BlockManager::can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt,
+                                       int64_t num_new_tokens) const {
   if (num_tokens == 0) throw ValueError("can_allocate: token_ids is empty");
+  check_num_new_tokens(num_new_tokens, "can_allocate");
   const int64_t len = static_cast<int64_t>(num_tokens);
-  if (blocks_held(len, 0) > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
+  if (max_blocks_held(len, num_new_tokens) > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
   const PrefixMatch& m = match_prefix_memo(tokens, num_tokens, salt);
-  const int32_t needed = static_cast<int32_t>(blocks_held(len, int64_t(m.num_blocks) * block_size_));
-  const int32_t from_free = from_free_for(m, blocks_for_tokens(len));
+  const int64_t computed = int64_t(m.num_blocks) * block_size_;
+  const int64_t first = num_new_tokens == kWholePrompt || num_new_tokens >= len - computed ? len : computed + num_new_tokens;
+  const int32_t needed = static_cast<int32_t>(blocks_held(first, computed));
+  const int32_t from_free = from_free_for(m, blocks_for_tokens(first));
   if (pinned_blocks_ > 0) {  // pinned blocks never come free: what does not fit beside them waits forever
     int32_t pinned_hits = 0;
     for (const auto& held : m.held)
@@ -473,12 +496,18 @@ AllocStatus BlockManager::can_allocate(const int64_t* tokens, size_t num_tokens,
 }
 
 int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt,
-                               const std::vector<RetentionRange>& retention) {
+                               const std::vector<RetentionRange>& retention, int64_t num_new_tokens) {
   if (seqs_.count(seq_id)) throw ValueError(cat("allocate: ", seq_str(seq_id), " already exists"));
   if (num_tokens == 0) throw ValueError("allocate: token_ids is empty");
+  check_num_new_tokens(num_new_tokens, "allocate");
   validate_retention(retention, "allocate");
-  const int32_t needed = blocks_for_tokens(static_cast<int64_t>(num_tokens));
+  const int32_t total = blocks_for_tokens(static_cast<int64_t>(num_tokens));
   const PrefixMatch m = match_prefix_memo(tokens, num_tokens, salt);
+  // Blocks allocated now: the whole prompt's, or those of the cached tokens and the first chunk.
+  const int64_t len = static_cast<int64_t>(num_tokens), computed = int64_t(m.num_blocks) * block_size_;
+  const int32_t needed = num_new_tokens == kWholePrompt || num_new_tokens >= len - computed
+                             ? total
+                             : blocks_for_tokens(computed + num_new_tokens);
   const int32_t from_free = from_free_for(m, needed);
   if (from_free > gpu_free_.size())
     throw OutOfBlocks(cat("allocate: ", seq_str(seq_id), " needs ", from_free, " free blocks but only ",
@@ -520,7 +549,7 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
   const int32_t fresh = (needed - m.num_blocks) * num_groups();
   counters_.queries += static_cast<int64_t>(num_tokens);
   counters_.hits += seq.num_computed;
-  counters_.query_blocks += int64_t(needed) * num_groups();
+  counters_.query_blocks += int64_t(total) * num_groups();
   counters_.hit_blocks += int64_t(m.num_blocks) * num_groups();
   counters_.hit_blocks_in_use += held_hits - (from_free - fresh);  // hits on blocks another sequence holds
   counters_.hit_blocks_revived += from_free - fresh;
@@ -622,7 +651,12 @@ void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std:
     if (n < seqs[i]->num_computed || n > static_cast<int64_t>(seqs[i]->tokens.size()))
       throw ValueError(cat("mark_computed: num_tokens=", n, " for ", seq_str(seq_ids[i]), " must be in [",
                            seqs[i]->num_computed, ", ", seqs[i]->tokens.size(), "] (computed so far, length)"));
+    if (n > allocated_tokens(*seqs[i]))
+      throw ValueError(cat("mark_computed: num_tokens=", n, " for ", seq_str(seq_ids[i]), " but only ",
+                           allocated_tokens(*seqs[i]), " tokens have blocks (reserve() first)"));
   }
+  if (!num_tokens)
+    for (size_t i = 0; i < seqs.size(); ++i) check_complete(*seqs[i], seq_ids[i], "mark_computed");
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence& seq = *seqs[i];
     seq.num_computed = num_tokens ? (*num_tokens)[i] : static_cast<int64_t>(seq.tokens.size());
@@ -630,6 +664,52 @@ void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std:
     for (int32_t g = 0; g < num_groups(); ++g) register_computed_blocks(seq, g);
     if (has_windows_) release_out_of_window(seq);
   }
+}
+
+int32_t BlockManager::blocks_to_reserve(const std::vector<const Sequence*>& seqs, const std::vector<int64_t>& seq_ids,
+                                        const std::vector<int64_t>& num_tokens) const {
+  if (num_tokens.size() != seqs.size())
+    throw ValueError(cat("reserve: ", seqs.size(), " seq_ids but ", num_tokens.size(), " num_tokens"));
+  int64_t needed = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const int64_t len = static_cast<int64_t>(seqs[i]->tokens.size());
+    if (num_tokens[i] < 1 || num_tokens[i] > len)
+      throw ValueError(cat("reserve: num_tokens=", num_tokens[i], " for ", seq_str(seq_ids[i]), " must be in [1, ",
+                           len, "]"));
+    needed += std::max<int64_t>(0, blocks_for_tokens(num_tokens[i]) - int64_t(seqs[i]->groups[0].blocks.size()));
+  }
+  return static_cast<int32_t>(std::min<int64_t>(needed * num_groups(), std::numeric_limits<int32_t>::max()));
+}
+
+bool BlockManager::can_reserve(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& num_tokens) const {
+  const std::vector<const Sequence*> seqs = resolve(seq_ids.data(), seq_ids.size(), "reserve", /*unique=*/true);
+  return blocks_to_reserve(seqs, seq_ids, num_tokens) <= gpu_free_.size();
+}
+
+void BlockManager::reserve(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& num_tokens) {
+  const std::vector<Sequence*> seqs = resolve(seq_ids.data(), seq_ids.size(), "reserve", /*unique=*/true);
+  const int32_t needed =
+      blocks_to_reserve(std::vector<const Sequence*>(seqs.begin(), seqs.end()), seq_ids, num_tokens);
+  if (needed > gpu_free_.size())
+    throw OutOfBlocks(cat("reserve: needs ", needed, " free blocks but only ", gpu_free_.size(),
+                          " are free (check can_reserve first)"));
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const size_t target = static_cast<size_t>(blocks_for_tokens(num_tokens[i]));
+    for (GroupTable& t : seqs[i]->groups)
+      while (t.blocks.size() < target) {
+        const int32_t b = take_free_block();
+        block_retention_[b] = retention_of(*seqs[i], static_cast<int32_t>(t.blocks.size()));
+        t.blocks.push_back(b);
+      }
+  }
+}
+
+int64_t BlockManager::num_allocated_tokens(int64_t seq_id) const { return allocated_tokens(get(seq_id)); }
+
+void BlockManager::check_complete(const Sequence& seq, int64_t seq_id, const char* what) const {
+  if (allocated_tokens(seq) < static_cast<int64_t>(seq.tokens.size()))
+    throw ValueError(cat(what, ": ", seq_str(seq_id), " has blocks for ", allocated_tokens(seq), " of its ",
+                         seq.tokens.size(), " tokens; reserve() the rest of its prompt first"));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -670,6 +750,7 @@ bool BlockManager::can_append(const int64_t* seq_ids, size_t n, int64_t num_look
     throw ValueError(cat("can_append: num_lookahead_slots must be in [0, ", kMaxTokensPerAppend, "], got ",
                          num_lookahead_slots));
   const std::vector<const Sequence*> seqs = resolve(seq_ids, n, "can_append", /*unique=*/true);
+  for (size_t i = 0; i < n; ++i) check_complete(*seqs[i], seq_ids[i], "can_append");
   return blocks_needed_to_append(seqs.data(), seqs.size(), nullptr, num_lookahead_slots) <= gpu_free_.size();
 }
 
@@ -697,6 +778,7 @@ void BlockManager::append_tokens(const int64_t* seq_ids, size_t n, const int64_t
                                  int64_t* slots_out) {
   if (counts) append_count_total(counts, n);
   const std::vector<Sequence*> seqs = resolve(seq_ids, n, "append_tokens", /*unique=*/true);
+  for (size_t i = 0; i < n; ++i) check_complete(*seqs[i], seq_ids[i], "append_tokens");
   const int32_t needed = blocks_needed_to_append(seqs.data(), seqs.size(), counts, 0);
   if (needed > gpu_free_.size())
     throw OutOfBlocks(cat("append_tokens: needs ", needed, " free blocks but only ", gpu_free_.size(),
@@ -929,6 +1011,9 @@ void BlockManager::slot_mappings(const int64_t* seq_ids, const int64_t* starts, 
     if (starts[i] < 0 || starts[i] > end || end > len)
       throw ValueError(cat(what, ": positions [", starts[i], ", ", end, ") are not inside [0, ", len, "] for ",
                            seq_str(seq_ids[i]), " (need 0 <= start <= end <= length)"));
+    if (starts[i] < end && end > allocated_tokens(*seqs[i]))
+      throw ValueError(cat(what, ": position ", end - 1, " of ", seq_str(seq_ids[i]), " has no block yet (",
+                           allocated_tokens(*seqs[i]), " tokens have blocks; reserve() first)"));
     const int64_t first_held = int64_t(seqs[i]->groups[group].released) * block_size_;
     if (starts[i] < end && starts[i] < first_held)
       throw ValueError(cat(what, ": position ", starts[i], " of ", seq_str(seq_ids[i]), " is in a block that the ",
@@ -1085,8 +1170,11 @@ void BlockManager::check_invariants() const {
     for (int32_t g = 0; g < static_cast<int32_t>(seq.groups.size()); ++g) {
       const GroupTable& t = seq.groups[g];
       const std::string where = cat(seq_str(id), " group ", g);
-      if (static_cast<int64_t>(t.blocks.size()) != blocks_for_tokens(len))
-        fail(cat(where, " has ", t.blocks.size(), " blocks for ", len, " tokens"));
+      // All of its tokens' blocks, or (a prompt prefilled in chunks) at least those of its computed tokens.
+      if (static_cast<int64_t>(t.blocks.size()) > blocks_for_tokens(len) ||
+          static_cast<int64_t>(t.blocks.size()) < std::max<int64_t>(blocks_for_tokens(seq.num_computed), t.released) ||
+          t.blocks.size() != seq.groups[0].blocks.size())
+        fail(cat(where, " has ", t.blocks.size(), " blocks for ", len, " tokens (", seq.num_computed, " computed)"));
       if (t.released != released_for(g, seq.num_computed))
         fail(cat(where, " released ", t.released, " blocks but its window releases ",
                  released_for(g, seq.num_computed), " at ", seq.num_computed, " computed tokens"));

@@ -101,13 +101,25 @@ class BlockManager {
   static constexpr int32_t kMaxGroups = 64;
   static constexpr double kDefaultMaxPinnedFraction = 0.5;
 
-  AllocStatus can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt = {}) const;
+  // num_new_tokens (kWholePrompt: all): admit the prompt for its first chunk only, blocks for the cached
+  // tokens and the next num_new_tokens; reserve() allocates each later chunk's. NEVER then means the
+  // most the sequence holds over a prefill in such chunks cannot fit.
+  static constexpr int64_t kWholePrompt = -1;
+  AllocStatus can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt = {},
+                           int64_t num_new_tokens = kWholePrompt) const;
   // Gives seq_id a block table for its prompt; returns how many leading tokens are already cached.
   // `retention` ranges set its blocks' eviction priority (validated: 0 <= start <= end, priority in
   // [0, 100], duration >= 0); blocks no range overlaps take default_priority (decode_priority for
   // blocks that start past the prompt). A block held by several sequences keeps the highest.
   int64_t allocate(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt = {},
-                   const std::vector<RetentionRange>& retention = {});
+                   const std::vector<RetentionRange>& retention = {}, int64_t num_new_tokens = kWholePrompt);
+  // Chunked prefill: sequence i gets the blocks of its first num_tokens[i] tokens in every group (no-op
+  // for what it has). Call after mark_computed of the previous chunk, which let the window release its
+  // earlier blocks. can_reserve: whether the free blocks suffice.
+  bool can_reserve(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& num_tokens) const;
+  void reserve(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& num_tokens);
+  // Tokens whose slots exist: the whole sequence once every chunk is reserved.
+  int64_t num_allocated_tokens(int64_t seq_id) const;
   // Admits prompts in order while can_allocate says OK and returns the cached-token count of each admitted
   // one (prompts [0, result.size()) were admitted). The whole batch is validated first (ids distinct and
   // new, prompts non-empty, one salt per prompt or none), so a bad batch changes nothing.
@@ -285,6 +297,15 @@ class BlockManager {
   const PrefixMatch& match_prefix_memo(const int64_t* tokens, size_t num_tokens, std::string_view salt) const;
   int32_t from_free_for(const PrefixMatch& m, int32_t num_blocks) const;  // free blocks allocate takes
   int32_t group_arg(int32_t group, const char* what) const;  // validated
+  int64_t allocated_tokens(const Sequence& seq) const {
+    return std::min<int64_t>(static_cast<int64_t>(seq.tokens.size()), int64_t(seq.groups[0].blocks.size()) * block_size_);
+  }
+  // Fresh blocks reserve() takes for these sequences (validates num_tokens).
+  int32_t blocks_to_reserve(const std::vector<const Sequence*>& seqs, const std::vector<int64_t>& seq_ids,
+                            const std::vector<int64_t>& num_tokens) const;
+  // The most blocks a prompt holds: admitted whole, or prefilled in chunks of num_new_tokens.
+  int64_t max_blocks_held(int64_t num_tokens, int64_t num_new_tokens) const;
+  void check_complete(const Sequence& seq, int64_t seq_id, const char* what) const;
   // The prefix-cache node of the sequence's block i in group g, created (with its ancestors, without KV)
   // when missing: the parent of a block registered after the one before it was released.
   PrefixCache::NodeId chain_node(Sequence& seq, int32_t group, int32_t i);

@@ -596,3 +596,175 @@ TEST(Retention, AnEmptyRangeOverlapsNothing) {
   alloc_r(bm, 1, iota_tokens(8), {{5, 5, 90}});
   for (int32_t b : bm.block_table(1)) EXPECT_EQ(bm.block_priority(b), kDefaultPriority);
 }
+
+// ---------------------------------------------------------------------------------------------------
+// Sliding windows and hybrid groups
+
+namespace {
+
+BlockManager windowed(int32_t num_blocks, int32_t bs, std::vector<int64_t> windows, int32_t cpu_blocks = 0) {
+  return BlockManager(num_blocks, bs, cpu_blocks, true, 0.0, HashAlgo::kXXH64, false,
+                      BlockManager::kDefaultMaxPendingEvents, kDefaultPriority, kDefaultPriority,
+                      BlockManager::kDefaultMaxPinnedFraction, std::move(windows));
+}
+
+}  // namespace
+
+TEST(SlidingWindow, BadWindowsAreValueErrors) {
+  EXPECT_THROW(windowed(8, 4, {}), ValueError);
+  EXPECT_THROW(windowed(8, 4, {-1}), ValueError);
+  EXPECT_THROW(windowed(8, 4, std::vector<int64_t>(BlockManager::kMaxGroups + 1, 0)), ValueError);
+  BlockManager bm = windowed(8, 4, {0, 16});
+  EXPECT_EQ(bm.num_groups(), 2);
+  EXPECT_TRUE(bm.has_windows());
+  alloc(bm, 1, iota_tokens(5));
+  EXPECT_THROW(bm.block_table(1, 2), ValueError);
+  EXPECT_THROW(bm.num_released_blocks(1, -1), ValueError);
+}
+
+TEST(SlidingWindow, ReleasesExactlyTheBlocksNoFutureQueryReads) {
+  std::mt19937 rng(std::random_device{}());
+  for (int trial = 0; trial < 50; ++trial) {
+    const int32_t bs = 1 << (rng() % 4);
+    const int64_t window = 1 + rng() % 30;
+    BlockManager bm = windowed(512, bs, {window});
+    int64_t n = 1 + rng() % 40;
+    alloc(bm, 1, iota_tokens(n));
+    for (int step = 0; step < 20; ++step) {
+      bm.mark_computed({1});
+      // The query at position n reads (n - window, n]: a block is released iff it ends before n - window + 1.
+      const std::vector<int32_t>& table = bm.block_table(1);
+      int32_t released = 0;
+      for (size_t i = 0; i < table.size(); ++i)
+        if (int64_t(i + 1) * bs <= n - window + 1) ++released;
+      ASSERT_EQ(bm.num_released_blocks(1), released) << "bs " << bs << " window " << window << " n " << n;
+      for (int32_t i = 0; i < released; ++i) EXPECT_EQ(table[i], BlockManager::kPad);
+      EXPECT_EQ(bm.num_free_blocks(), 512 - (static_cast<int32_t>(table.size()) - released));
+      bm.check_invariants();
+      const int64_t k = 1 + rng() % 5;
+      const std::vector<int64_t> more = iota_tokens(k, 1000);
+      std::vector<int64_t> slots(k);
+      bm.append_tokens(std::vector<int64_t>{1}.data(), 1, more.data(), &k, slots.data());
+      n += k;
+    }
+  }
+}
+
+TEST(SlidingWindow, LongDecodeHoldsOnlyTheWindow) {
+  BlockManager bm = windowed(6, 4, {12});
+  alloc(bm, 1, iota_tokens(10));
+  bm.mark_computed({1});
+  for (int64_t t = 0; t < 500; ++t) {
+    ASSERT_TRUE(bm.can_append(std::vector<int64_t>{1}.data(), 1));
+    bm.append_token(1, t);
+    bm.mark_computed({1});
+  }
+  EXPECT_LE(6 - bm.num_free_blocks(), 12 / 4 + 1);
+  bm.check_invariants();
+  bm.free(1);
+  EXPECT_EQ(bm.num_free_blocks(), 6);
+}
+
+TEST(SlidingWindow, HitNeedsOnlyTheWindowsBlocks) {
+  BlockManager bm = windowed(12, 4, {8});
+  const auto prompt = iota_tokens(33);
+  alloc(bm, 1, prompt);
+  bm.mark_computed({1});
+  ASSERT_EQ(bm.num_released_blocks(1), 6);
+  alloc(bm, 2, iota_tokens(36, 500));  // evicts the six released blocks
+  EXPECT_EQ(bm.stats().evictions, 6);
+  bm.free(2);
+  EXPECT_EQ(alloc(bm, 3, prompt), 32);
+  EXPECT_EQ(bm.num_released_blocks(3), 6);
+  bm.check_invariants();
+}
+
+TEST(SlidingWindow, HybridAllocateNeverEvictsItsOwnHits) {
+  // Group 1's hit sits in the free list when group 0 takes its fresh blocks: it must be claimed first.
+  BlockManager bm = windowed(6, 2, {0, 3}, 4);
+  alloc(bm, 1, iota_tokens(4));
+  bm.mark_computed({1});  // group 1 releases block 0 (cached, free)
+  auto swapped = bm.swap_out({1});
+  EXPECT_EQ(swapped.size(), 3u);
+  alloc(bm, 2, iota_tokens(3));  // hit of block 0 in both groups; fresh blocks for block 1
+  EXPECT_EQ(bm.num_computed_tokens(2), 2);
+  bm.check_invariants();
+}
+
+TEST(SlidingWindow, GroupsHaveTheirOwnPrefixCache) {
+  BlockManager bm = windowed(32, 2, {0, 0});
+  alloc(bm, 1, iota_tokens(9));
+  bm.mark_computed({1});
+  EXPECT_EQ(bm.stats().cached_blocks, 8);
+  EXPECT_EQ(bm.cached_blocks().size(), 4u);  // group 0's
+  EXPECT_EQ(alloc(bm, 2, iota_tokens(9)), 8);
+  for (int32_t g = 0; g < 2; ++g)
+    for (int32_t i = 0; i < 4; ++i) EXPECT_EQ(bm.block_table(2, g)[i], bm.block_table(1, g)[i]);
+  for (int32_t i = 0; i < 5; ++i)
+    for (int32_t j = 0; j < 5; ++j) EXPECT_NE(bm.block_table(1, 0)[i], bm.block_table(1, 1)[j]);
+  bm.check_invariants();
+}
+
+TEST(SlidingWindow, ForkSwapTruncateKeepPadsAndCounts) {
+  BlockManager bm = windowed(32, 4, {5}, 32);
+  alloc(bm, 1, iota_tokens(18));
+  bm.mark_computed({1});
+  ASSERT_EQ(bm.num_released_blocks(1), 3);
+  bm.fork(1, 2);
+  const std::vector<int64_t> ids{1, 2}, next{7, 8};
+  std::vector<int64_t> slots(2);
+  bm.append_tokens(ids.data(), next.data(), 2, slots.data());
+  EXPECT_EQ(bm.take_copies().size(), 1u);  // the shared partial block, copied once
+  bm.check_invariants();
+  const auto out = bm.swap_out({1, 2});
+  EXPECT_EQ(out.size(), 3u);  // block 3 shared, the two last blocks
+  EXPECT_EQ(bm.block_table(1)[0], BlockManager::kPad);
+  EXPECT_EQ(bm.can_swap_in({1, 2}), AllocStatus::kOk);
+  bm.swap_in({1, 2});
+  bm.check_invariants();
+  EXPECT_THROW(bm.truncate({1}, {5}), ValueError);  // would need released KV
+  EXPECT_EQ(bm.num_tokens(1), 19);
+  bm.check_invariants();
+  bm.free(1);
+  bm.free(2);
+  EXPECT_EQ(bm.num_free_blocks(), 32);
+}
+
+TEST(SlidingWindow, AdmissionCountsHeldBlocksOfEveryGroup) {
+  BlockManager bm = windowed(10, 4, {0, 8});
+  EXPECT_EQ(bm.blocks_held(17, 0), 10);
+  EXPECT_EQ(bm.blocks_held(17, 17), 5 + 5 - 2);
+  const auto fits = iota_tokens(20), too_long = iota_tokens(21);
+  EXPECT_EQ(bm.can_allocate(fits.data(), fits.size()), AllocStatus::kOk);
+  EXPECT_EQ(bm.can_allocate(too_long.data(), too_long.size()), AllocStatus::kNever);
+  EXPECT_THROW(bm.blocks_held(3, 4), ValueError);
+}
+
+TEST(SlidingWindow, PromptLongerThanThePoolIsPrefilledInChunks) {
+  BlockManager bm = windowed(8, 4, {8});  // 32 tokens of pool
+  const auto prompt = iota_tokens(100);
+  EXPECT_EQ(bm.can_allocate(prompt.data(), prompt.size()), AllocStatus::kNever);
+  ASSERT_EQ(bm.can_allocate(prompt.data(), prompt.size(), {}, 8), AllocStatus::kOk);
+  EXPECT_EQ(bm.allocate(1, prompt.data(), prompt.size(), {}, {}, 8), 0);
+  EXPECT_EQ(bm.num_allocated_tokens(1), 8);
+  std::vector<int64_t> slots(100);
+  EXPECT_THROW(bm.slot_mapping(1, 0, 9, slots.data()), ValueError);
+  EXPECT_THROW(bm.append_token(1, 5), ValueError);
+  for (int64_t done = 0; done < 100;) {
+    const int64_t end = std::min<int64_t>(100, done + 8);
+    if (bm.num_allocated_tokens(1) < end) {
+      ASSERT_TRUE(bm.can_reserve({1}, {end}));
+      bm.reserve({1}, {end});
+    }
+    bm.slot_mapping(1, done, end, slots.data());
+    const std::vector<int64_t> n{end};
+    bm.mark_computed({1}, &n);
+    done = end;
+    EXPECT_LE(8 - bm.num_free_blocks(), 8 / 4 + 1 + 2);
+    bm.check_invariants();
+  }
+  EXPECT_THROW(bm.reserve({1}, {101}), ValueError);
+  bm.append_token(1, 7);
+  bm.mark_computed({1});
+  bm.check_invariants();
+}
