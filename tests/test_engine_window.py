@@ -169,3 +169,27 @@ def test_budget_sized_pool_holds_a_full_length_sequence_per_group(checkpoints, m
     prompt = [3 + i % 300 for i in range(llm.max_model_len - 8)]     # the longest sequence the model takes
     out = llm.generate(prompt, SamplingParams(max_tokens=7, ignore_eos=True))[0]
     assert out.error is None and len(out.token_ids) == 7
+
+
+@pytest.mark.parametrize("windowed", [("mistral", 8), ("mistral", 5), ("gemma2", 8)],
+                         ids=["mistral-w8", "mistral-w5", "gemma2-w8"], indirect=True)
+@pytest.mark.parametrize("budget", [4, 9])
+def test_prompts_longer_than_the_pool_prefill_in_chunks(windowed, budget):
+    """A pool smaller than a whole prompt (Mistral), or than a prompt in both groups (Gemma 2): the prompt
+    is admitted by its first chunk and reserves each later one as its window releases the oldest blocks;
+    preemption by recompute readmits it the same way. Output still equals transformers'."""
+    path, prompts, expected = windowed
+    gemma2 = path.name.startswith("gemma2")
+    longest = max(len(p) for p in prompts) + MAX_TOKENS
+    num_blocks = -(-longest // 4) + 6 if gemma2 else 10     # Gemma 2: the full group's blocks + a few
+    llm = LLM(path, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget)
+    # Whole, a prompt (Mistral) or a full-length sequence readmitted after recompute (Gemma 2) would not fit.
+    assert llm.bm.blocks_held(max(map(len, prompts)) if not gemma2 else longest) > num_blocks
+    requests = [llm.add_request(p, GREEDY) for p in prompts]
+    while llm.has_unfinished():
+        llm.step()
+        llm.scheduler.check_consistency()       # the manager's tokens stay each sequence's prefix
+    assert [r.error for r in requests] == [None] * len(prompts)
+    assert [r.seqs[0].output_token_ids for r in requests] == expected
+    stats = check_clean(llm)
+    assert stats["preempted_recompute"] > 0 or not gemma2
