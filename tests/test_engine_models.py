@@ -195,6 +195,21 @@ def test_model_type_alone_names_the_architecture():
     assert ModelConfig.from_dict(dict(config, model_type="mistral")).architecture == "MistralForCausalLM"
 
 
+@pytest.mark.parametrize("layer_types", [None, ["full_attention", "sliding_attention", "sliding_attention",
+                                                 "sliding_attention"], ["sliding_attention"] * 4])
+def test_kv_group_layout_is_the_managers(layer_types):
+    """The engine's groups and shared-tensor slots are pagedkv.kv_cache_groups' (full attention first)."""
+    import pagedkv
+
+    config = dict(GEMMA2, sliding_window=16, **({"layer_types": layer_types} if layer_types else {}))
+    cfg = ModelConfig.from_dict(config)
+    windows = [cfg.window(i) for i in range(cfg.num_layers)]
+    groups, placement = pagedkv.kv_cache_groups(windows)
+    assert sorted(groups, key=lambda w: (w is not None, w or 0)) == cfg.group_windows
+    assert [cfg.group_windows[cfg.layer_groups[i]] for i in range(cfg.num_layers)] == windows
+    assert [index for _, index in placement] == cfg.layer_cache_slots
+
+
 def test_gemma2_window_off_on_every_layer_is_full_attention():
     cfg = ModelConfig.from_dict(dict(GEMMA2, layer_types=["full_attention"] * 4, sliding_window=16))
     assert cfg.layer_windows is None and cfg.window(0) is None

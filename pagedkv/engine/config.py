@@ -122,8 +122,10 @@ class ModelConfig:
 
     @property
     def group_windows(self) -> list:
-        """The KV cache's groups of layers, by window: full attention (None) first when a layer has it,
-        then each distinct window, smallest first. One group for Llama ([None]) and Mistral ([window])."""
+        """The KV cache's groups of layers, by window: full attention (None) first when a layer has it (the
+        manager's KV events describe group 0, and a prefix hit needs the full group's every block), then
+        each distinct window, smallest first. One group for Llama ([None]) and Mistral ([window]). The
+        layout is pagedkv.kv_cache_groups' up to that order."""
         windows = set(self.layer_windows or [None])
         return ([None] if None in windows else []) + sorted(w for w in windows if w is not None)
 
