@@ -4,11 +4,18 @@ and KV memory: how many sequences fit in a fixed KV budget, paged vs one contigu
     python benchmarks/bench_engine.py [--batch 16] [--device cpu] [--threads 2] [--speculative 4]
     python benchmarks/bench_engine.py --tensor-parallel-size 2 --threads 1   # TP=1 vs TP=2, per-rank KV
     python benchmarks/bench_engine.py --contention 1 --threads 2            # quiet vs one busy process
+    python benchmarks/bench_engine.py --model-type gemma2 --window 64       # a windowed model, KV held
+    python benchmarks/bench_engine.py --model-type mistral --window 256 --contexts 256,1024,4096,8192
 
 --speculative K adds prompt-lookup speculative decoding (K drafts a step) on this workload and on one
 whose prompts repeat a passage, where lookup finds drafts: acceptance rate, tokens/s and speed-up over
 the same engine without speculation (median over --repeat interleaved rounds), and whether the outputs
 are identical.
+
+--model-type mistral|gemma2 builds a Mistral-style (every layer windowed) or Gemma-2-style (windowed and
+full layers alternating, softcaps) model of the same shape with a --window-token sliding window; every
+engine row reports the KV blocks it held at its peak. --contexts runs one sequence per context length
+(prompt + --max-new-tokens generated) and reports the KV it held against what full attention needs.
 """
 import argparse
 import os
@@ -26,13 +33,24 @@ from pagedkv.engine.model_runner import kv_cache_block_bytes
 
 MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=4096, max_position_embeddings=2048, initializer_range=0.2)
+MODEL_TYPE = dict(name="llama", window=None)    # set by --model-type / --window
 
 
 def build_model(path):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    name = {"llama": "Llama", "mistral": "Mistral", "gemma2": "Gemma2"}[MODEL_TYPE["name"]]
+    config = dict(MODEL)
+    if MODEL_TYPE["name"] != "llama":
+        config.update(sliding_window=MODEL_TYPE["window"])
+    if MODEL_TYPE["name"] == "gemma2":     # head_dim as Llama's; the untied LM head keeps outputs varied
+        head_dim = MODEL["hidden_size"] // MODEL["num_attention_heads"]
+        config.update(head_dim=head_dim, query_pre_attn_scalar=head_dim, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL)).eval()
+    config = getattr(transformers, f"{name}Config")(**config)
+    if MODEL_TYPE["name"] == "gemma2":
+        config._attn_implementation = "eager"          # transformers' Gemma 2 has no SDPA path (softcap)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
     model.save_pretrained(path, safe_serialization=True)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -59,7 +77,7 @@ def run_transformers(model, prompts, max_new_tokens, device):
 
 
 def engine_runner(path, prompts, max_new_tokens, device, prefix_caching, tensor_parallel_size=1, threads=None,
-                  speculative=0):
+                  speculative=0, **llm_kwargs):
     """A function running the prompts through a warmed-up engine, with a cold prefix cache each time (its
     LLM is the function's `llm` attribute). threads: torch CPU threads while it runs (and of each
     tensor-parallel worker, fixed at its start); speculative: prompt-lookup drafts a step (0: off)."""
@@ -67,7 +85,7 @@ def engine_runner(path, prompts, max_new_tokens, device, prefix_caching, tensor_
         torch.set_num_threads(threads)
     spec = dict(speculative="ngram", num_speculative_tokens=speculative) if speculative else {}
     llm = LLM(path, device=device, enable_prefix_caching=prefix_caching, max_num_seqs=len(prompts),
-              tensor_parallel_size=tensor_parallel_size, **spec)
+              tensor_parallel_size=tensor_parallel_size, **spec, **llm_kwargs)
     llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))   # warm-up
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
 
@@ -168,9 +186,18 @@ def main():
                         "(--repeat rounds each), and report both medians instead")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="> 1: compare the engine at TP=1 and at this TP size (--threads per rank) instead")
+    p.add_argument("--model-type", choices=["llama", "mistral", "gemma2"], default="llama")
+    p.add_argument("--window", type=int, default=256, help="sliding window of mistral / gemma2, in tokens")
+    p.add_argument("--contexts", default=None, metavar="N,N,...",
+                   help="instead: KV held by one sequence of each context length (prompt + --max-new-tokens)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--pool-mib", type=int, default=16, help="--contexts: the KV pool the 8x-window sequences share")
     args = p.parse_args()
     MODEL.update(hidden_size=args.hidden, intermediate_size=args.hidden * 43 // 16, num_hidden_layers=args.layers)
     MODEL.update(initializer_range=args.init_range)
+    MODEL_TYPE.update(name=args.model_type, window=args.window)
+    if args.contexts:
+        return kv_held_by_context(args, [int(c) for c in args.contexts.split(",")])
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = make_prompts(args.batch, args.system_len)
@@ -182,25 +209,31 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         hf = build_model(tmp).to(args.device)
         run_transformers(hf, prompts[:2], 2, args.device)      # warm-up
+        engines = [engine_runner(tmp, prompts, new, args.device, prefix_caching=pc, block_size=args.block_size)
+                   for pc in (False, True)]
         (hf_out, hf_s), (nopc_out, nopc_s), (eng_out, eng_s) = best_of(args.repeat, [
-            lambda: run_transformers(hf, prompts, new, args.device),
-            engine_runner(tmp, prompts, new, args.device, prefix_caching=False),
-            engine_runner(tmp, prompts, new, args.device, prefix_caching=True)], args.device)
+            lambda: run_transformers(hf, prompts, new, args.device), *engines], args.device)
         if args.speculative:
             speculative_rows(tmp, [(f"this workload ({args.system_len}-token system prompt)", prompts),
                                    ("prompts repeating a 64-token passage 4 times", repeated_prompts(args.batch, 64, 4))],
                              new, args.device, args.speculative, args.repeat)
 
     generated = args.batch * new
-    print(f"\n{MODEL['num_hidden_layers']}-layer Llama, hidden {MODEL['hidden_size']}, vocab {MODEL['vocab_size']}, "
-          f"{args.device} ({torch.get_num_threads()} threads), batch {args.batch}: shared system prompt of "
-          f"{args.system_len} tokens + 16-64 user tokens, {new} new tokens each, greedy, best of {args.repeat}")
-    rows = [("transformers generate", hf_s, hf_out), ("pagedkv engine, prefix cache off", nopc_s, nopc_out),
-            ("pagedkv engine, prefix cache on", eng_s, eng_out)]
-    print(f"{'':34} {'seconds':>8} {'tok/s':>8} {'vs HF':>7} {'same tokens as HF':>18}")
-    for name, secs, out in rows:
+    print(f"\n{MODEL['num_hidden_layers']}-layer {model_name()}, hidden {MODEL['hidden_size']}, vocab "
+          f"{MODEL['vocab_size']}, {args.device} ({torch.get_num_threads()} threads), batch {args.batch}: shared "
+          f"system prompt of {args.system_len} tokens + 16-64 user tokens, {new} new tokens each, greedy, best of "
+          f"{args.repeat}; KV blocks of {args.block_size} tokens held at the peak")
+    rows = [("transformers generate", hf_s, hf_out, None), ("pagedkv engine, prefix cache off", nopc_s, nopc_out,
+                                                            engines[0].llm),
+            ("pagedkv engine, prefix cache on", eng_s, eng_out, engines[1].llm)]
+    print(f"{'':34} {'seconds':>8} {'tok/s':>8} {'vs HF':>7} {'same tokens as HF':>18} {'peak KV blocks':>15} "
+          f"{'MiB':>6}")
+    for name, secs, out, llm in rows:
         same = sum(a == b for a, b in zip(out, hf_out))
-        print(f"{name:34} {secs:8.2f} {generated / secs:8.0f} {hf_s / secs:6.2f}x {same:>12}/{args.batch}")
+        held = "" if llm is None else f"{llm.peak_used_blocks:15} {held_bytes(llm, llm.peak_used_blocks) / 2**20:6.1f}"
+        print(f"{name:34} {secs:8.2f} {generated / secs:8.0f} {hf_s / secs:6.2f}x {same:>12}/{args.batch} {held}")
+    if args.model_type != "llama":
+        return          # the budget table below counts full-attention sequences
 
     budget = args.kv_budget_mib << 20
     longest = max(map(len, prompts)) + new
@@ -215,6 +248,54 @@ def main():
     base = rows[0][1]
     for name, count in rows:
         print(f"{name:48} {count:6} {count / base:7.2f}x")
+
+def model_name() -> str:
+    name = {"llama": "Llama", "mistral": "Mistral-style", "gemma2": "Gemma-2-style"}[MODEL_TYPE["name"]]
+    return name if MODEL_TYPE["name"] == "llama" else f"{name} (window {MODEL_TYPE['window']})"
+
+
+def held_bytes(llm, blocks: int) -> int:
+    """KV bytes of `blocks` block ids of this engine (every cache tensor's share of a block id)."""
+    return blocks * sum(k[0].nbytes + v[0].nbytes for k, v in llm.runner.kv_caches)
+
+
+def kv_held_by_context(args, contexts):
+    """One sequence per context length (a random prompt of context - new tokens, new generated): the KV
+    blocks the engine held after its last decode step, against what full attention holds (every token's
+    block, every layer). Then how many sequences of 8x the window run at once in a pool of --pool-mib."""
+    new, bs = args.max_new_tokens, args.block_size
+    fit_context = 8 * args.window
+    MODEL.update(max_position_embeddings=max(MODEL["max_position_embeddings"], max(contexts) + 1, fit_context + 1))
+    rng = random.Random(0)
+    print(f"\n{MODEL['num_hidden_layers']}-layer {model_name()}, hidden {MODEL['hidden_size']}, "
+          f"{MODEL['num_key_value_heads']} KV heads, fp32 KV, block {bs}: one sequence of each context length "
+          f"({new} tokens generated), {args.device}")
+    print(f"{'context':>8} {'blocks held':>12} {'KV MiB held':>12} {'full attention MiB':>19} {'held / full':>12}")
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(tmp)
+        for context in contexts:
+            prompt = [rng.randrange(3, MODEL["vocab_size"]) for _ in range(context - new)]
+            llm = LLM(tmp, device=args.device, block_size=bs, max_num_batched_tokens=max(4096, context),
+                      enable_prefix_caching=False, history_size=new + 1)
+            llm.generate(prompt, SamplingParams(max_tokens=new, ignore_eos=True))
+            decoding = llm.history[-2]["used_blocks"]        # the last step before the sequence ended
+            held = held_bytes(llm, decoding)
+            full = -(-context // bs) * kv_cache_block_bytes(llm.model, bs, torch.float32) * \
+                len(llm.runner.layer_caches) // len(llm.runner.kv_caches)    # every layer, every token
+            print(f"{context:8} {decoding:12} {held / 2**20:12.2f} {full / 2**20:19.2f} {held / full:12.3f}")
+
+        prompts = [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(fit_context - new)] for _ in range(args.batch)]
+        llm = LLM(tmp, device=args.device, block_size=bs, kv_cache_bytes=args.pool_mib << 20, max_num_seqs=args.batch,
+                  enable_prefix_caching=False, history_size=10 ** 6)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))
+        secs = time.perf_counter() - start
+        assert not any(o.error for o in outs), [o.error for o in outs if o.error]
+        stats = llm.stats()
+        print(f"\n{args.batch} sequences of {fit_context} tokens (8x the window {args.window}; {new} generated) in "
+              f"{args.pool_mib} MiB of KV ({llm.num_blocks} blocks): at most {max(h['running'] for h in llm.history)} "
+              f"running at once, {stats['num_preemptions']} preemptions, {args.batch * new / secs:.0f} tok/s")
+
 
 def spinners(n):
     """n processes that keep one CPU each busy (a Python loop), until killed."""

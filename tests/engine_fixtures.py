@@ -1,4 +1,5 @@
-"""Helpers for the engine tests: tiny random Hugging Face Llamas saved to disk, and their greedy output."""
+"""Helpers for the engine tests: tiny random Hugging Face Llamas (and Mistrals, Gemma 2s) saved to disk,
+and their greedy output."""
 import random
 
 import torch
@@ -17,6 +18,47 @@ def save_tiny_llama(path, seed=0, max_shard_size=None, **overrides):
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
     model.generation_config.eos_token_id = None    # the reference never stops early
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+# Windowed models: the window is small against the prompts plus generations; Gemma 2's softcaps and
+# query_pre_attn_scalar are small / off head_dim so that each one changes the output, and its LM head is
+# untied (a tiny random Gemma 2 with tied embeddings repeats its last input token).
+TINY_MISTRAL = dict(TINY, sliding_window=8)
+TINY_GEMMA2 = dict(TINY, head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                   final_logit_softcapping=4.0, num_hidden_layers=4, tie_word_embeddings=False)
+
+
+def save_tiny_model(path, model_type="llama", seed=0, **overrides):
+    """Saves a random float32 LlamaForCausalLM / MistralForCausalLM / Gemma2ForCausalLM (eager attention:
+    transformers' reference maths) to `path`; returns it in eval mode on CPU. Norm weights are random
+    too, so Gemma 2's (1 + weight) is exercised."""
+    import transformers
+
+    if model_type == "llama":
+        return save_tiny_llama(path, seed=seed, **overrides)
+    base, name = {"mistral": (TINY_MISTRAL, "Mistral"), "gemma2": (TINY_GEMMA2, "Gemma2")}[model_type]
+    torch.manual_seed(seed)
+    config = getattr(transformers, f"{name}Config")(**{**base, **overrides})
+    config._attn_implementation = "eager"
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def load_hf_eager(path):
+    """The checkpoint at `path` in transformers, eager attention, never stopping early (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
 

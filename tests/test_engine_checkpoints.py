@@ -80,8 +80,8 @@ def _update(**kw):
 
 BAD_CONFIGS = [
     ("gelu", _update(hidden_act="gelu"), "hidden_act"),
-    ("mistral", _update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16),
-     "architectures"),
+    ("mistral with biases", _update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16,
+                                    attention_bias=True), "attention_bias"),
     ("llama with window", _update(sliding_window=16), "sliding_window"),
     ("gemma", _update(architectures=["GemmaForCausalLM"], model_type="gemma"), "GemmaForCausalLM"),
     ("qwen2", _update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False),

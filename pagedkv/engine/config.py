@@ -20,6 +20,38 @@ MATHS_FIELDS = {"hidden_act": "silu", "sliding_window": None, "use_sliding_windo
                 "attn_logit_softcapping": None, "final_logit_softcapping": None, "query_pre_attn_scalar": None,
                 "partial_rotary_factor": 1.0, "logits_scaling": None, "qk_norm": False, "use_qk_norm": False,
                 "quantization_config": None}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the engine reads from the config.json of one Hugging Face architecture."""
+    model_type: str
+    fixed: dict                # fields with the only value the engine runs (absent counts as that value)
+    defaults: dict             # transformers' class defaults of fields the engine reads, when absent
+    read: frozenset = frozenset()   # the architecture's own fields the engine runs (windows, softcaps, ...)
+    activation: str = "silu"        # the MLP gate's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+
+
+# The model registry, keyed by config.json's `architectures` (loader.MODELS holds each one's module).
+# Mistral is Llama with every layer windowed; Gemma 2 alternates windowed and full layers.
+ARCHITECTURES = {
+    "LlamaForCausalLM": Architecture("llama", MATHS_FIELDS, {}),
+    "MistralForCausalLM": Architecture(
+        "mistral", {**{k: v for k, v in MATHS_FIELDS.items() if k != "sliding_window"},
+                    "attention_bias": False, "mlp_bias": False},
+        {"sliding_window": 4096, "max_position_embeddings": 131072},
+        frozenset({"sliding_window"})),
+    "Gemma2ForCausalLM": Architecture(
+        "gemma2", {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False,
+                   "partial_rotary_factor": 1.0, "quantization_config": None, "mlp_bias": False,
+                   "qk_norm": False, "use_qk_norm": False, "logits_scaling": None},
+        {"sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+         "final_logit_softcapping": 30.0, "head_dim": 256, "max_position_embeddings": 8192,
+         "tie_word_embeddings": True},
+        frozenset({"sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+                   "final_logit_softcapping"}), activation="gelu_pytorch_tanh"),
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_KEYS = {"default": set(), "linear": {"factor"},
              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
 
@@ -75,16 +107,60 @@ class ModelConfig:
     mlp_bias: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: torch.dtype = torch.float32     # the checkpoint's dtype
+    architecture: str = "LlamaForCausalLM"  # a key of ARCHITECTURES
+    hidden_act: str = "silu"               # the MLP's gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    layer_windows: tuple | None = None     # per layer: its sliding window in tokens, None for full attention
+                                           # (None: every layer full)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None   # attention scale query_pre_attn_scalar ** -0.5 (else head_dim)
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window in tokens (a query sees itself and the window - 1 tokens before
+        it), or None for full attention."""
+        return None if self.layer_windows is None else self.layer_windows[layer]
+
+    @property
+    def group_windows(self) -> list:
+        """The KV cache's groups of layers, by window: full attention (None) first when a layer has it (the
+        manager's KV events describe group 0, and a prefix hit needs the full group's every block), then
+        each distinct window, smallest first. One group for Llama ([None]) and Mistral ([window]). The
+        layout is pagedkv.kv_cache_groups' up to that order."""
+        windows = set(self.layer_windows or [None])
+        return ([None] if None in windows else []) + sorted(w for w in windows if w is not None)
+
+    @property
+    def layer_groups(self) -> list[int]:
+        """Each layer's index into group_windows."""
+        groups = self.group_windows
+        return [groups.index(self.window(i)) for i in range(self.num_layers)]
+
+    @property
+    def layer_cache_slots(self) -> list[int]:
+        """Each layer's KV cache tensor: layer i of every group shares tensor i (a block id belongs to one
+        group at a time, so its bytes serve whichever group holds it); max layers per group tensors."""
+        seen = [0] * len(self.group_windows)
+        slots = []
+        for g in self.layer_groups:
+            slots.append(seen[g])
+            seen[g] += 1
+        return slots
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_dict(cls, hf: dict, generation: dict | None = None) -> "ModelConfig":
         """From config.json (and generation_config.json, whose eos_token_id wins as in transformers).
-        Raises ValueError naming the field for anything this Llama implementation would not run exactly."""
-        _check_architecture(hf)
-        for name, default in MATHS_FIELDS.items():
+        Raises ValueError naming the field for anything the engine would not run exactly."""
+        architecture = _check_architecture(hf)
+        arch = ARCHITECTURES[architecture]
+        for name, default in arch.fixed.items():
             if hf.get(name) is not None and hf[name] != default:
                 raise ValueError(f"config.json: {name}={hf[name]!r} is not supported (the engine runs "
-                                 f"{name}={default!r} only)")
+                                 f"{name}={default!r} only for {architecture})")
+        hf = {**arch.defaults, **hf}
 
         def need(name):
             if name not in hf:
@@ -124,11 +200,12 @@ class ModelConfig:
         dtype_name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         if dtype_name not in DTYPES:
             raise ValueError(f"config.json: dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
+        num_layers = positive("num_hidden_layers", need("num_hidden_layers"))
         return cls(
             vocab_size=positive("vocab_size", need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=positive("intermediate_size", need("intermediate_size")),
-            num_layers=positive("num_hidden_layers", need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -138,6 +215,10 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             eos_token_ids=list(eos),
             dtype=DTYPES[dtype_name],
+            architecture=architecture,
+            hidden_act=arch.activation,
+            layer_windows=_layer_windows(hf, arch, num_layers),
+            **_architecture_numbers(hf, arch),
             **flags,
         )
 
@@ -159,15 +240,65 @@ def _read_json(path: str) -> dict:
     return value
 
 
-def _check_architecture(hf: dict) -> None:
+def _check_architecture(hf: dict) -> str:
+    """The ARCHITECTURES key config.json names (by `architectures`, or by `model_type` alone)."""
     archs, model_type = hf.get("architectures"), hf.get("model_type")
+    known = ", ".join(ARCHITECTURES)
     if archs is None and model_type is None:
-        raise ValueError("config.json names neither architectures nor model_type (LlamaForCausalLM / llama "
-                         "expected)")
-    if archs is not None and archs != ["LlamaForCausalLM"]:
-        raise ValueError(f"config.json: architectures={archs!r} is not supported (only LlamaForCausalLM)")
-    if model_type is not None and model_type != "llama":
-        raise ValueError(f"config.json: model_type={model_type!r} is not supported (only llama)")
+        raise ValueError(f"config.json names neither architectures nor model_type ({known} expected)")
+    if archs is not None:
+        if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in ARCHITECTURES):
+            raise ValueError(f"config.json: architectures={archs!r} is not supported (one of {known})")
+        architecture = archs[0]
+    else:
+        architecture = next((a for a, spec in ARCHITECTURES.items() if spec.model_type == model_type), None)
+        if architecture is None:
+            raise ValueError(f"config.json: model_type={model_type!r} is not supported "
+                             f"({', '.join(a.model_type for a in ARCHITECTURES.values())} are)")
+    expected = ARCHITECTURES[architecture].model_type
+    if model_type is not None and model_type != expected:
+        raise ValueError(f"config.json: model_type={model_type!r} does not match architectures={archs!r} "
+                         f"(model_type {expected!r} expected)")
+    return architecture
+
+
+def _positive_number(name: str, value, integer: bool = False):
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"config.json: {name} must be a positive {'integer' if integer else 'number'} or "
+                         f"null, got {value!r}")
+    return value
+
+
+def _layer_windows(hf: dict, arch: Architecture, num_layers: int) -> tuple | None:
+    """Each layer's window: every layer's for Mistral, per `layer_types` for Gemma 2 (default: even layers
+    sliding, odd ones full, as transformers); None when no layer has one."""
+    if "sliding_window" not in arch.read or hf.get("sliding_window") is None:
+        return None
+    window = _positive_number("sliding_window", hf["sliding_window"], integer=True)
+    if "layer_types" not in arch.read:
+        return (window,) * num_layers
+    types = hf.get("layer_types")
+    if types is None:
+        types = [LAYER_TYPES[(i + 1) % 2] for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise ValueError(f"config.json: layer_types must list {num_layers} of {LAYER_TYPES} (one per layer), "
+                         f"got {types!r}")
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    return windows if any(windows) else None
+
+
+def _architecture_numbers(hf: dict, arch: Architecture) -> dict:
+    """Softcaps and the attention scale's query_pre_attn_scalar, where the architecture has them."""
+    out = {}
+    for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        if name not in arch.read:
+            continue
+        if hf.get(name) is not None:
+            out[name] = float(_positive_number(name, hf[name]))
+        elif name == "query_pre_attn_scalar":     # transformers' Gemma 2 has no scale without it
+            raise ValueError("config.json: query_pre_attn_scalar must be a positive number, got None")
+    return out
 
 
 def _rope(hf: dict) -> tuple[float, dict | None]:

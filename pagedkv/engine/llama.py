@@ -1,10 +1,13 @@
 """Llama-family decoder (RMSNorm, RoPE incl. Llama-3 scaling, GQA, SwiGLU) whose attention reads and
-writes the paged KV cache through torch.ops.pagedkv."""
+writes the paged KV cache through torch.ops.pagedkv. Mistral is this model with a sliding window on every
+layer; gemma2.py builds Gemma 2 from these pieces."""
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from pagedkv import ops
 
@@ -13,7 +16,9 @@ from .config import ModelConfig
 
 @dataclass
 class AttentionMetadata:
-    """Where this step's tokens live: packed over B sequences (prefill and decode mixed)."""
+    """Where this step's tokens live: packed over B sequences (prefill and decode mixed). A model whose
+    layers form several KV groups (Gemma 2: full and windowed) has a block table and slot per token in
+    each group; the fields are group 0's and `group(g)` is group g's view."""
     slot_mapping: torch.Tensor     # [T] int64, cache slot of each token's K/V
     block_tables: torch.Tensor     # [B, M] int32
     seq_lens: torch.Tensor         # [B] int32, KV length including this step's tokens
@@ -21,6 +26,14 @@ class AttentionMetadata:
     max_seq_len: int
     logits_indices: torch.Tensor | None = None   # [R] int64: the tokens whose hidden states are returned
                                                  # (None: each sequence's last token)
+    other_groups: tuple = ()       # groups 1, 2, ...: (slot_mapping [T], block_tables [B, M_g]) each
+
+    def __post_init__(self):
+        self._views = [self] + [dataclasses.replace(self, slot_mapping=slots, block_tables=tables, other_groups=())
+                                for slots, tables in self.other_groups]
+
+    def group(self, g: int) -> "AttentionMetadata":
+        return self._views[g]
 
 
 class RMSNorm(nn.Module):
@@ -78,18 +91,23 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp=None):
+    def __init__(self, cfg: ModelConfig, layer: int, tp=None):
         super().__init__()
         self.tp = tp     # tensor parallel: cfg holds this rank's heads, o_proj is row-parallel
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
+        self.sliding_window = cfg.window(layer) or -1           # the kernels' "no window"
+        self.kv_group = cfg.layer_groups[layer]                 # whose block tables and slots it uses
+        self.softcap = cfg.attn_logit_softcapping or 0.0        # the kernels' "no softcap"
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.kv_scales = None   # float8 KV cache: this layer's kv_quant.LayerKvScales (set by the runner)
 
     def forward(self, positions, x, rope, kv_cache, meta: AttentionMetadata):
+        if self.kv_group:
+            meta = meta.group(self.kv_group)
         qkv = self.qkv_proj.forward(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         rope.forward(positions, qk)                  # in place: queries and keys in one call
@@ -102,9 +120,19 @@ class Attention(nn.Module):
         torch.ops.pagedkv.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.ops.pagedkv.paged_attention(q, key_cache, value_cache, meta.block_tables,
                                                 meta.seq_lens, meta.query_start_loc, self.scale,
-                                                max_seq_len=meta.max_seq_len, k_scale=k_scale, v_scale=v_scale)
+                                                max_seq_len=meta.max_seq_len, sliding_window=self.sliding_window,
+                                                softcap=self.softcap, k_scale=k_scale, v_scale=v_scale)
         out = self.o_proj.forward(out.reshape(-1, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU: ``gelu_tanh(x[..., :d]) * x[..., d:]`` (gate then up), as transformers' gelu_pytorch_tanh."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS = {"silu": ops.silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
 
 
 class MLP(nn.Module):
@@ -113,17 +141,18 @@ class MLP(nn.Module):
         self.tp = tp     # tensor parallel: cfg holds this rank's columns, down_proj is row-parallel
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act_and_mul = GATED_ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x):
-        out = self.down_proj.forward(ops.silu_and_mul(self.gate_up_proj.forward(x)))
+        out = self.down_proj.forward(self.act_and_mul(self.gate_up_proj.forward(x)))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp=None):
+    def __init__(self, cfg: ModelConfig, layer: int, tp=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, tp)
+        self.self_attn = Attention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
@@ -140,19 +169,24 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    decoder_layer, norm_class = DecoderLayer, RMSNorm     # what a variant (gemma2.py) replaces
+
     def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None else tp.embedding(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, kv_caches, meta):
         """Final hidden states of the last token of every sequence: [B, hidden].
 
         Submodules are called through `.forward`: the hot path skips nn.Module.__call__ (hooks,
         about 7 us a call), a tenth of a CPU decode step of a small model."""
-        h, residual = self.embed_tokens(input_ids), None
+        h, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer.forward(positions, h, residual, self.rotary_emb, kv_cache, meta)
         if meta.logits_indices is not None:            # speculative verification: several per sequence
@@ -164,6 +198,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class = LlamaModel
     # Checkpoint names packed into one of our fused projections: name -> (fused name, shard index).
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -176,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         if tp is not None:
             cfg = tp.shard.local_config(cfg)
         self.config = cfg
-        self.model = LlamaModel(cfg, tp)
+        self.model = self.model_class(cfg, tp)
         vocab_rows = cfg.vocab_size if tp is None else tp.shard.vocab_rows(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
@@ -191,4 +226,9 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(h)
         if self.tp is not None:
             logits = self.tp.gather_logits(logits, self.config.vocab_size)
-        return None if logits is None else logits.float()
+        if logits is None:
+            return None
+        cap = self.config.final_logit_softcapping
+        if cap is not None:                  # Gemma 2: in the model's dtype, as transformers
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

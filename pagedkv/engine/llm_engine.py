@@ -127,8 +127,13 @@ class LLM:
             parallel.serve(ModelRunner(*runner_args), self.tp)      # never returns
         else:
             self.runner = parallel.DriverRunner(*runner_args, self.tp)
+        # Windowed layers hold only their window's blocks: one windowed group (Mistral) or a group per window
+        # beside the full-attention one (Gemma 2), all in one pool.
+        groups = self.model_config.group_windows
+        windows = dict(sliding_window=groups[0]) if len(groups) == 1 else dict(group_windows=groups)
         self.bm = BlockManager(self.num_blocks, self.config.block_size, num_cpu_blocks=self.config.num_cpu_blocks,
-                               enable_prefix_caching=self.config.enable_prefix_caching, enable_events=enable_events)
+                               enable_prefix_caching=self.config.enable_prefix_caching, enable_events=enable_events,
+                               **windows)
 
     def _update_cache_salt(self) -> None:
         """float8 KV: blocks are cached under a salt naming the format and the scales (rank 0's under
@@ -148,7 +153,8 @@ class LLM:
             what = f"kv_cache_bytes={budget}"
         if budget < block_bytes:
             raise ValueError(f"{what} holds no KV block ({block_bytes} bytes each); raise it or pass num_blocks")
-        enough = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)   # more is never used
+        # More is never used: every sequence at full length, admitted with its blocks in every KV group.
+        enough = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) * len(self.model_config.group_windows)
         return min(budget // block_bytes, enough)
 
     @staticmethod

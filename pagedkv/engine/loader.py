@@ -1,5 +1,6 @@
-"""Loads a Hugging Face Llama checkpoint (config.json + *.safetensors, sharded or not) into our model:
-every tensor must be one the model has, with exactly its shape, and every weight must be there."""
+"""Loads a Hugging Face checkpoint (config.json + *.safetensors, sharded or not) into the model its
+`architectures` names (MODELS): every tensor must be one the model has, with exactly its shape, and every
+weight must be there."""
 import glob
 import json
 import os
@@ -7,8 +8,15 @@ import os
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig
+from .config import ARCHITECTURES, ModelConfig
+from .gemma2 import Gemma2ForCausalLM
 from .llama import LlamaForCausalLM
+
+# The model class of each architecture config.ARCHITECTURES reads: Mistral is Llama whose config gives
+# every layer a sliding window.
+MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
+          "Gemma2ForCausalLM": Gemma2ForCausalLM}
+assert MODELS.keys() == ARCHITECTURES.keys()
 
 ZERO = "zero"      # parallel.Shard.piece's answer for a tensor this rank holds as zeros
 
@@ -98,6 +106,9 @@ def load_weights(model: LlamaForCausalLM, model_path: str) -> None:
                     target.narrow(dim, 0, len(rows)).copy_(stored[index])
                 loaded.add(loaded_name)
     _check_complete(model, params, loaded)
+    for module in model.modules():
+        if hasattr(module, "after_loading"):     # values derived from weights (Gemma 2's norm gains)
+            module.after_loading()
 
 
 def _check_complete(model, params, loaded) -> None:
@@ -124,7 +135,7 @@ def load_model(model_path: str, device: torch.device, dtype: torch.dtype | None 
     torch.set_default_dtype(dtype)     # parameters are created in their final dtype, on the device
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, tp)
+            model = MODELS[cfg.architecture](cfg, tp)
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, model_path)

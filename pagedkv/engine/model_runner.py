@@ -13,10 +13,16 @@ from .scheduler import ScheduledBatch
 from .speculative import accept_greedy, accept_sampled
 
 
+def num_cache_tensors(model: LlamaForCausalLM) -> int:
+    """KV cache tensors (pairs): one per layer, except that layer i of every KV group shares tensor i
+    (Gemma 2: num_layers / 2)."""
+    return max(model.config.layer_cache_slots) + 1
+
+
 def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, keys and values."""
+    """Bytes of one block id across all cache tensors, keys and values."""
     cfg = model.config
-    return block_bytes(num_layers=cfg.num_layers, block_size=block_size, num_kv_heads=cfg.num_kv_heads,
+    return block_bytes(num_layers=num_cache_tensors(model), block_size=block_size, num_kv_heads=cfg.num_kv_heads,
                        head_dim=cfg.head_dim, dtype=dtype)
 
 
@@ -31,12 +37,14 @@ class ModelRunner:
         self.kv_caches = self._allocate(num_blocks, self.device, dtype)
         self.cpu_kv_caches = self._allocate(num_cpu_blocks, torch.device("cpu"), dtype,
                                             pin=self.device.type == "cuda") if num_cpu_blocks else []
+        self.layer_caches = [self.kv_caches[i] for i in model.config.layer_cache_slots]   # what layer i reads
+        self.num_groups = len(model.config.group_windows)
         self.generator = torch.Generator(self.device).manual_seed(seed)
 
     def _allocate(self, num_blocks, device, dtype, pin=False):
         cfg = self.model.config
-        return allocate_kv_cache(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                 dtype=dtype, device=device, pin_memory=pin)
+        return allocate_kv_cache(num_cache_tensors(self.model), num_blocks, self.block_size, cfg.num_kv_heads,
+                                 cfg.head_dim, dtype=dtype, device=device, pin_memory=pin)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, bm: BlockManager) -> list[list[int]]:
@@ -44,7 +52,7 @@ class ModelRunner:
         if not batch.seqs:
             return []
         input_ids, positions, meta = self._prepare(batch, bm)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.layer_caches, meta)
         logits = self.model.compute_logits(hidden)
         return self._sample(logits, batch)
 
@@ -82,6 +90,7 @@ class ModelRunner:
             query_lens.append(end - start)
         if batch.prefills:
             slots.append(bm.slot_mappings([s.seq_id for s in batch.prefills], batch.prefill_starts, batch.prefill_ends))
+        ids = [s.seq_id for s in batch.seqs]
         seq_lens = [q - 1 + len(s) for q, s in zip(query_lens, batch.decodes)] + batch.prefill_ends
         query_start_loc = [0]
         for q in query_lens:
@@ -92,13 +101,21 @@ class ModelRunner:
             num_decode_tokens = query_start_loc[len(batch.decodes)]
             rows = list(range(num_decode_tokens)) + [e - 1 for e in query_start_loc[len(batch.decodes) + 1:]]
             logits_indices = torch.tensor(rows, dtype=torch.int64, device=dev)
+        other_groups = ()
+        if self.num_groups > 1:     # every group's slots of the step's tokens (decodes first), and tables
+            starts = [len(s) - 1 for s in batch.decodes] + batch.prefill_starts
+            ends = [len(s) + q - 1 for q, s in zip(query_lens, batch.decodes)] + batch.prefill_ends
+            other_groups = tuple((bm.slot_mappings(ids, starts, ends, group=g).to(dev, non_blocking=True),
+                                  bm.block_tables(ids, group=g).to(dev, non_blocking=True))
+                                 for g in range(1, self.num_groups))
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(dev, non_blocking=True),
-            block_tables=bm.block_tables([s.seq_id for s in batch.seqs]).to(dev, non_blocking=True),
+            block_tables=bm.block_tables(ids).to(dev, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
             max_seq_len=max(seq_lens),
             logits_indices=logits_indices,
+            other_groups=other_groups,
         )
         return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta)

@@ -229,6 +229,8 @@ class TensorParallel:
             if meta.logits_indices is not None:
                 tensors.append(meta.logits_indices)
                 num_logits = meta.logits_indices.numel()
+            for slots, tables in meta.other_groups:       # each: its table width, slots, tables
+                tensors += [torch.tensor([tables.shape[1]]), slots, tables.view(-1)]
             shape = (input_ids.numel(), *meta.block_tables.shape)
             max_seq_len = meta.max_seq_len
         length = HEADER + sum(t.numel() for t in tensors + moves)
@@ -247,9 +249,10 @@ class TensorParallel:
             self._count("broadcast", rest.numel() * 8)
             self._wait(self.cpu_group.broadcast(rest, 0))
 
-    def receive_step(self):
+    def receive_step(self, num_groups: int = 1):
         """A worker: the next step as (moves, step) with step like _prepare's (or None: blocks move only),
-        or None when rank 0 is closing."""
+        or None when rank 0 is closing. num_groups: the model's KV groups (each past the first sends its
+        slots and block tables)."""
         self._wait(self.cpu_group.broadcast(self.buffer, 0, IDLE_TIMEOUT))
         head = dict(zip(STEP_FIELDS, self.buffer[:HEADER].tolist()))
         if head["kind"] == STOP:
@@ -260,17 +263,25 @@ class TensorParallel:
             self._wait(self.cpu_group.broadcast(rest, 0))
             data = torch.cat([self.buffer, rest])
         t, b, m = head["num_tokens"], head["num_seqs"], head["max_blocks"]
-        sizes = [HEADER, t, t, t, b * m, b, b + 1 if b else 0, head["num_logits"],
-                 2 * head["num_swap_in"], 2 * head["num_swap_out"], 2 * head["num_copies"]]
-        _, ids, pos, slots, tables, lens, starts, logits_rows, swap_in, swap_out, copies = \
-            data[:head["length"]].to(self.device).split(sizes)
+        data = data[:head["length"]]
+        sizes = [HEADER, t, t, t, b * m, b, b + 1 if b else 0, head["num_logits"]]
+        _, ids, pos, slots, tables, lens, starts, logits_rows = data[:sum(sizes)].to(self.device).split(sizes)
+        at, other_groups = sum(sizes), []
+        for _ in range(num_groups - 1 if b else 0):
+            width = int(data[at])
+            group_slots, group_tables = data[at + 1:at + 1 + t + b * width].to(self.device).split([t, b * width])
+            other_groups.append((group_slots, group_tables.view(b, width).int()))
+            at += 1 + t + b * width
+        swap_in, swap_out, copies = data[at:].split([2 * head["num_swap_in"], 2 * head["num_swap_out"],
+                                                     2 * head["num_copies"]])
         moves = ScheduledBatch(swap_in=swap_in.view(-1, 2).tolist(), swap_out=swap_out.view(-1, 2).tolist(),
                                copies=copies.view(-1, 2).tolist())
         if not b:
             return moves, None
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables.view(b, m).int(), seq_lens=lens.int(),
                                  query_start_loc=starts.int(), max_seq_len=head["max_seq_len"],
-                                 logits_indices=logits_rows if head["num_logits"] else None)
+                                 logits_indices=logits_rows if head["num_logits"] else None,
+                                 other_groups=tuple(other_groups))
         return moves, (ids, pos, meta)
 
     # ---- failures and shutdown ------------------------------------------------------------------------
@@ -359,7 +370,7 @@ class DriverRunner(ModelRunner):
             if step is None:
                 return []
             input_ids, positions, meta = step
-            logits = self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
+            logits = self.model.compute_logits(self.model(input_ids, positions, self.layer_caches, meta))
         except BaseException:
             self.tp.close(stop_workers=False)
             raise
@@ -370,12 +381,12 @@ class DriverRunner(ModelRunner):
 def serve(runner: ModelRunner, tp: TensorParallel):
     """A worker: runs rank 0's steps until it closes, then exits the process (SystemExit(0))."""
     try:
-        while (message := tp.receive_step()) is not None:
+        while (message := tp.receive_step(runner.num_groups)) is not None:
             moves, step = message
             runner._move_blocks(moves)
             if step is not None:
                 input_ids, positions, meta = step
-                runner.model.compute_logits(runner.model(input_ids, positions, runner.kv_caches, meta))
+                runner.model.compute_logits(runner.model(input_ids, positions, runner.layer_caches, meta))
     except BaseException:
         tp.report(traceback.format_exc())
         raise

@@ -49,10 +49,6 @@ class ScheduledBatch:
         return sum(map(len, self.decode_drafts))
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass
 class Snapshot:
     requests: list      # (request, error, [(sequence, number of tokens, status, finish_reason)])
@@ -76,6 +72,9 @@ class Scheduler:
                           generation_tokens=0, spec_draft_tokens=0, spec_accepted_tokens=0)
         self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                        config.prompt_lookup_max) if config.speculative else None)
+        # Windowed layers: a prompt that cannot take all its blocks at once is admitted by its first chunk
+        # and gets each later chunk's blocks as the window releases the oldest (one such prompt at a time).
+        self.windowed = any(w is not None for w in bm.group_windows)
 
     # ---- queue management -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -186,7 +185,10 @@ class Scheduler:
             if not seq.prefilled:
                 budget = self.config.max_num_batched_tokens - batch.num_tokens
                 if budget > 0:
-                    self._add_prefill_chunk(batch, seq, budget, samples=self._fork_width(seq))
+                    start = self.bm.num_computed_tokens(seq.seq_id)
+                    end = self._reserve_chunk(seq, min(len(seq), start + budget))
+                    if end > start:
+                        self._add_prefill_chunk(batch, seq, start, end, samples=self._fork_width(seq))
         if not preempted and not self.swapped:
             self._admit_waiting(batch)
         batch.copies = list(self.bm.take_copies())
@@ -216,8 +218,7 @@ class Scheduler:
             ids = [s.seq_id for s in group]
             # Room for the group's blocks and for one new block per running sequence after it, so that
             # it is not preempted again at once.
-            blocks = {b for i in ids for b in self.bm.block_table(i)}
-            need = len(blocks) + (len(self.running) + len(group) if self.running else 0)
+            need = self._blocks_held(ids) + (len(self.running) + len(group) if self.running else 0)
             if (len(self.running) + len(group) > self.config.max_num_seqs
                     or self.bm.can_swap_in(ids) != AllocStatus.OK or self.bm.num_free_blocks < need):
                 return
@@ -227,6 +228,12 @@ class Scheduler:
                 s.status = SequenceStatus.RUNNING
             self.running = sorted(self.running + group, key=lambda s: (s.arrival, s.seq_id))
             self.stats["swapped_in"] += len(group)
+
+    def _blocks_held(self, seq_ids: list[int]) -> int:
+        """Distinct blocks the sequences hold over every group (entries a window released excepted)."""
+        bm = self.bm
+        return len({b for g in range(bm.num_groups) for i in seq_ids
+                    for b in bm.block_table(i, group=g)[bm.num_released_blocks(i, group=g):]})
 
     def _make_room_for_decodes(self, batch: ScheduledBatch) -> bool:
         """Preempts the newest request's sequences until every decoding sequence can append a token."""
@@ -248,7 +255,7 @@ class Scheduler:
 
     def _preempt(self, group: list[Sequence], batch: ScheduledBatch) -> None:
         ids = [s.seq_id for s in group]
-        if self.config.num_cpu_blocks > 0 and self.bm.can_swap_out(ids):
+        if self.config.num_cpu_blocks > 0 and not self._reserving(group) and self.bm.can_swap_out(ids):
             batch.swap_out += list(self.bm.swap_out(ids))
             for s in group:
                 s.status = SequenceStatus.SWAPPED
@@ -286,30 +293,58 @@ class Scheduler:
             if first is not None and first in first_blocks:
                 deferred.append(self.waiting.popleft())
                 continue
-            status = self.bm.can_allocate(seq.token_ids, cache_salt=self.cache_salt)
+            salt = self.cache_salt
+            status = self.bm.can_allocate(seq.token_ids, cache_salt=salt)
+            chunk = None          # admitted whole
+            if status != AllocStatus.OK and self.windowed:
+                # NEVER only if even 1-token chunks could not fit; one prompt at a time is admitted by chunks
+                if self.bm.can_allocate(seq.token_ids, cache_salt=salt, num_new_tokens=1) == AllocStatus.NEVER:
+                    status = AllocStatus.NEVER
+                elif self._reserving(self.running) or self.bm.can_allocate(
+                        seq.token_ids, cache_salt=salt, num_new_tokens=budget) != AllocStatus.OK:
+                    status = AllocStatus.LATER
+                else:
+                    status, chunk = AllocStatus.OK, budget
             if status == AllocStatus.LATER:
                 break
             self.waiting.popleft()
             if status == AllocStatus.NEVER:
-                bs = self.config.block_size
                 self._fail([seq], batch, f"sequence of {len(seq)} tokens can never fit in the KV cache: it needs "
-                                         f"{_cdiv(len(seq), bs)} blocks of {bs} tokens, the pool has "
-                                         f"{self.bm.num_blocks}")
+                                         f"{self.bm.blocks_held(len(seq))} blocks of {self.config.block_size} "
+                                         f"tokens, the pool has {self.bm.num_blocks}")
                 continue
-            num_cached = self.bm.allocate(seq.seq_id, seq.token_ids, cache_salt=self.cache_salt)
+            num_cached = self.bm.allocate(seq.seq_id, seq.token_ids, cache_salt=self.cache_salt, num_new_tokens=chunk)
             seq.status = SequenceStatus.RUNNING
             batch.admitted.append(seq)
-            self._add_prefill_chunk(batch, seq, budget, samples=width)
+            end = min(len(seq), num_cached + budget, self.bm.num_allocated_tokens(seq.seq_id))
+            self._add_prefill_chunk(batch, seq, num_cached, end, samples=width)
             self.stats["cached_prompt_tokens"] += num_cached
             num_seqs += width
             if first is not None and num_cached == 0:   # its first block is computed in this step
                 first_blocks.add(first)
         self.waiting.extendleft(reversed(deferred))
 
-    def _add_prefill_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int, samples: int) -> None:
-        """The next min(budget, rest) uncached tokens of seq's prompt; it samples only when they are its last."""
-        start = self.bm.num_computed_tokens(seq.seq_id)   # prefix-cache hits and earlier chunks
-        end = min(len(seq), start + budget)
+    def _reserving(self, seqs: list[Sequence]) -> bool:
+        """Whether one of the sequences was admitted by chunks and still lacks blocks for its prompt."""
+        return self.windowed and any(not s.prefilled and self.bm.num_allocated_tokens(s.seq_id) < len(s)
+                                     for s in seqs)
+
+    def _reserve_chunk(self, seq: Sequence, end: int) -> int:
+        """The end of the prompt chunk seq prefills this step, at most `end`: a sequence admitted by chunks
+        reserves the chunk's blocks now (the window released the oldest at the last step), or one block's
+        worth when that is all that fits, or waits (its computed length returned)."""
+        have = self.bm.num_allocated_tokens(seq.seq_id)
+        if end <= have:
+            return end
+        for target in (end, min(end, have + self.config.block_size)):
+            if self.bm.can_reserve([seq.seq_id], [target]):
+                self.bm.reserve([seq.seq_id], [target])
+                return target
+        return have
+
+    def _add_prefill_chunk(self, batch: ScheduledBatch, seq: Sequence, start: int, end: int, samples: int) -> None:
+        """Tokens [start, end) of seq's prompt (start: prefix-cache hits and earlier chunks); it samples only
+        when they are its last."""
         batch.prefills.append(seq)
         batch.prefill_starts.append(start)
         batch.prefill_ends.append(end)

@@ -1,0 +1,268 @@
+"""Mistral and Gemma 2 through the same engine as Llama (the registry keyed by config.json's
+`architectures`): greedy fp32 output equals transformers' eager attention token for token, with prompts
+plus generations several times the sliding window, prefix caching on and off, n > 1; each Gemma 2
+feature (window per layer type, attention and final softcaps, query_pre_attn_scalar, tied embeddings)
+changes the output and the engine follows transformers through the change; configs it cannot run
+exactly are refused naming the field."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine_fixtures import hf_greedy, load_hf_eager, save_tiny_model, shared_prefix_prompts
+from pagedkv.engine import LLM, SamplingParams
+from pagedkv.engine.config import ARCHITECTURES, ModelConfig
+from pagedkv.engine.loader import MODELS
+
+MAX_TOKENS = 24          # prompts of 38-56 tokens + 24: up to 10 windows of 8
+MODEL_TYPES = ["mistral", "gemma2"]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=MODEL_TYPES)
+def tiny(request, tmp_path_factory):
+    """(model type, checkpoint dir, prompts with shared prefixes, transformers' greedy outputs)."""
+    path = tmp_path_factory.mktemp(f"tiny_{request.param}")
+    model = save_tiny_model(path, request.param)
+    prompts = shared_prefix_prompts(model.config.vocab_size)
+    return request.param, path, prompts, [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+
+
+def edited_copy(src, dst, **fields):
+    """A copy of checkpoint `src` whose config.json has `fields` replaced (None writes null)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(fields)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_matches_transformers(tiny, device, prefix_caching):
+    _, path, prompts, expected = tiny
+    llm = LLM(path, device=device, block_size=4, enable_prefix_caching=prefix_caching)
+    first = llm.generate(prompts, GREEDY)
+    second = llm.generate(prompts[::-1], GREEDY)     # the second round hits the prefix cache
+    assert [o.token_ids for o in first] == expected
+    assert [o.token_ids for o in second] == expected[::-1]
+    stats = llm.stats()
+    assert (stats["hits"] > 0) == prefix_caching
+    assert stats["used_blocks"] == 0
+    llm.bm.check_invariants()
+
+
+def test_n_samples_share_blocks(tiny):
+    _, path, prompts, expected = tiny
+    llm = LLM(path, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=3)
+    outputs = llm.generate(prompts[:3], params)
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e] * 3 for e in expected[:3]]
+    assert llm.stats()["cow_copies"] > 0
+    llm.bm.check_invariants()
+
+
+def test_the_registry_builds_each_architecture(tiny):
+    model_type, path, _, _ = tiny
+    llm = LLM(path, block_size=4)
+    cfg = llm.model_config
+    assert ARCHITECTURES[cfg.architecture].model_type == model_type
+    assert type(llm.model) is MODELS[cfg.architecture]
+    windows = [layer.self_attn.sliding_window for layer in llm.model.model.layers]
+    if model_type == "mistral":
+        assert windows == [8] * cfg.num_layers
+    else:       # transformers' default layer_types: even layers sliding, odd layers full
+        assert windows == [8, -1] * (cfg.num_layers // 2)
+        assert {layer.self_attn.softcap for layer in llm.model.model.layers} == {3.0}
+        assert llm.model.model.layers[0].self_attn.scale == 24 ** -0.5
+
+
+# Config edits, each of which changes a tiny model's greedy output: the engine must follow transformers
+# through the edit (so each field is read, and read as transformers reads it).
+EDITS = {
+    "mistral": {"no window": dict(sliding_window=None), "window 5": dict(sliding_window=5)},
+    "gemma2": {"no window": dict(layer_types=["full_attention"] * 4),   # (transformers cannot run a null one)
+               "window 11": dict(sliding_window=11),
+               "own layer types": dict(layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                                    "full_attention"]),
+               "no attention softcap": dict(attn_logit_softcapping=None),
+               "scale by head_dim": dict(query_pre_attn_scalar=16)},
+}
+
+
+@pytest.mark.parametrize("tiny, edit", [(m, e) for m in MODEL_TYPES for e in EDITS[m]], indirect=["tiny"])
+def test_each_field_changes_the_output_and_the_engine_follows(tiny, tmp_path, edit):
+    model_type, path, prompts, expected = tiny
+    edited = edited_copy(path, tmp_path / "edited", **EDITS[model_type][edit])
+    reference = load_hf_eager(edited)
+    prompts = prompts[:3]
+    want = [hf_greedy(reference, p, MAX_TOKENS) for p in prompts]
+    assert want != expected[:3], f"{edit} does not change this model's output: the check would be void"
+    got = LLM(edited, block_size=4).generate(prompts, GREEDY)
+    assert [o.token_ids for o in got] == want
+
+
+@pytest.mark.parametrize("tiny, final_softcap", [("mistral", None), ("gemma2", 4.0), ("gemma2", None)],
+                         indirect=["tiny"])
+def test_logits_equal_transformers(tiny, tmp_path, final_softcap):
+    """The last token's logits (which sampling uses) equal transformers': a greedy check cannot see the
+    final softcap, tanh being monotonic."""
+    model_type, path, prompts, _ = tiny
+    if model_type == "gemma2":
+        path = edited_copy(path, tmp_path / "edited", final_logit_softcapping=final_softcap)
+    reference = load_hf_eager(path)
+    llm = LLM(path, block_size=4)
+    seen = []
+    compute_logits = llm.model.compute_logits
+    llm.model.compute_logits = lambda h: seen.append(compute_logits(h)) or seen[-1]
+    for prompt in prompts[:2]:
+        llm.generate(prompt, SamplingParams(max_tokens=1))
+    got = torch.cat(seen)
+    with torch.no_grad():
+        want = torch.stack([reference(torch.tensor([p])).logits[0, -1] for p in prompts[:2]])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if final_softcap is not None:
+        assert got.abs().max() < final_softcap
+        raw = torch.atanh(got / final_softcap) * final_softcap
+        assert raw.abs().max() > final_softcap      # the cap bit: without it some logits would pass it
+
+
+def test_gemma2_with_tied_embeddings(tmp_path):
+    """Gemma 2's default: the LM head is the (unscaled) embedding; the checkpoint has no lm_head.weight."""
+    model = save_tiny_model(tmp_path, "gemma2", seed=1, tie_word_embeddings=True, initializer_range=0.05)
+    prompts = shared_prefix_prompts(model.config.vocab_size, seed=1, per_system=2)
+    expected = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    assert len({t for e in expected for t in e}) > 10        # not a degenerate repetition
+    outputs = LLM(tmp_path, block_size=4).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_absent_fields_take_transformers_defaults():
+    """A config.json that omits a field means transformers' class default for the architecture."""
+    from transformers import Gemma2Config, MistralConfig
+
+    base = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4)
+    for arch, hf_class in (("MistralForCausalLM", MistralConfig), ("Gemma2ForCausalLM", Gemma2Config)):
+        cfg = ModelConfig.from_dict(dict(base, architectures=[arch]))
+        hf = hf_class(**base)
+        assert cfg.head_dim == hf.head_dim and cfg.max_position_embeddings == hf.max_position_embeddings
+        assert cfg.tie_word_embeddings == hf.tie_word_embeddings
+        layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+        assert cfg.layer_windows == tuple(hf.sliding_window if t == "sliding_attention" else None
+                                          for t in layer_types)
+        if arch == "Gemma2ForCausalLM":
+            assert (cfg.query_pre_attn_scalar, cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == \
+                (hf.query_pre_attn_scalar, hf.attn_logit_softcapping, hf.final_logit_softcapping)
+            assert cfg.hidden_act == hf.hidden_activation
+        else:
+            assert cfg.hidden_act == hf.hidden_act and cfg.attn_logit_softcapping is None
+
+
+GEMMA2 = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=100, hidden_size=64,
+              intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, head_dim=16)
+MISTRAL = dict(GEMMA2, architectures=["MistralForCausalLM"], model_type="mistral")
+BAD = [
+    ("layer_types too short", dict(GEMMA2, layer_types=["full_attention"] * 3), "layer_types"),
+    ("unknown layer type", dict(GEMMA2, layer_types=["full_attention", "chunked_attention"] * 2), "layer_types"),
+    ("window 0", dict(GEMMA2, sliding_window=0), "sliding_window"),
+    ("window float", dict(MISTRAL, sliding_window=8.0), "sliding_window"),
+    ("window bool", dict(MISTRAL, sliding_window=True), "sliding_window"),
+    ("negative softcap", dict(GEMMA2, attn_logit_softcapping=-1.0), "attn_logit_softcapping"),
+    ("infinite final softcap", dict(GEMMA2, final_logit_softcapping=float("inf")), "final_logit_softcapping"),
+    ("no query_pre_attn_scalar", dict(GEMMA2, query_pre_attn_scalar=None), "query_pre_attn_scalar"),
+    ("bidirectional", dict(GEMMA2, use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("gemma2 gelu exact", dict(GEMMA2, hidden_activation="gelu"), "hidden_activation"),
+    ("mistral gelu", dict(MISTRAL, hidden_act="gelu"), "hidden_act"),
+    ("mistral attention bias", dict(MISTRAL, attention_bias=True), "attention_bias"),
+    ("mistral softcap", dict(MISTRAL, attn_logit_softcapping=30.0), "attn_logit_softcapping"),
+    ("type mismatch", dict(GEMMA2, model_type="mistral"), "model_type"),
+    ("two architectures", dict(GEMMA2, architectures=["Gemma2ForCausalLM", "LlamaForCausalLM"]), "architectures"),
+    ("gemma 3", dict(GEMMA2, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text"), "Gemma3ForCausalLM"),
+]
+
+
+@pytest.mark.parametrize("config, field", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_configs_it_cannot_run_exactly_are_refused_naming_the_field(config, field):
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_dict(config)
+
+
+def test_model_type_alone_names_the_architecture():
+    config = {k: v for k, v in GEMMA2.items() if k != "architectures"}
+    assert ModelConfig.from_dict(config).architecture == "Gemma2ForCausalLM"
+    assert ModelConfig.from_dict(dict(config, model_type="mistral")).architecture == "MistralForCausalLM"
+
+
+@pytest.mark.parametrize("layer_types", [None, ["full_attention", "sliding_attention", "sliding_attention",
+                                                 "sliding_attention"], ["sliding_attention"] * 4])
+def test_kv_group_layout_is_the_managers(layer_types):
+    """The engine's groups and shared-tensor slots are pagedkv.kv_cache_groups' (full attention first)."""
+    import pagedkv
+
+    config = dict(GEMMA2, sliding_window=16, **({"layer_types": layer_types} if layer_types else {}))
+    cfg = ModelConfig.from_dict(config)
+    windows = [cfg.window(i) for i in range(cfg.num_layers)]
+    groups, placement = pagedkv.kv_cache_groups(windows)
+    assert sorted(groups, key=lambda w: (w is not None, w or 0)) == cfg.group_windows
+    assert [cfg.group_windows[cfg.layer_groups[i]] for i in range(cfg.num_layers)] == windows
+    assert [index for _, index in placement] == cfg.layer_cache_slots
+
+
+def test_gemma2_window_off_on_every_layer_is_full_attention():
+    cfg = ModelConfig.from_dict(dict(GEMMA2, layer_types=["full_attention"] * 4, sliding_window=16))
+    assert cfg.layer_windows is None and cfg.window(0) is None
+
+
+def test_reduced_precision_follows_transformers(tiny):
+    """bf16: Gemma 2's norm gain 1 + w is rounded to bf16 where transformers multiplies in fp32, so only
+    the first tokens are a contract; a late divergence is tolerated."""
+    _, path, prompts, _ = tiny
+    reference = load_hf_eager(path).to(torch.bfloat16)
+    expected = [hf_greedy(reference, p, 8) for p in prompts]
+    outputs = LLM(path, dtype=torch.bfloat16, block_size=4).generate(prompts, SamplingParams(max_tokens=8,
+                                                                                              ignore_eos=True))
+    first_diff = [next((i for i, (a, b) in enumerate(zip(o.token_ids, e)) if a != b), 8)
+                  for o, e in zip(outputs, expected)]
+    assert min(first_diff) >= 3 and sum(d == 8 for d in first_diff) >= len(prompts) // 2, first_diff
+
+
+@pytest.mark.parametrize("setting", [dict(num_blocks=64), dict(num_blocks=46, num_cpu_blocks=32,
+                                                                  max_num_batched_tokens=13)],
+                         ids=["roomy", "swap-chunked"])
+def test_tensor_parallel_gemma2(tmp_path, setting):
+    """TP=2 (gloo): each rank holds one of the two KV heads of every layer; the step message carries the
+    windowed group's slots and block tables beside the full group's, and swaps move both."""
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = save_tiny_model(tmp_path, "gemma2")
+        prompts = shared_prefix_prompts(model.config.vocab_size, per_system=2)
+        expected = [hf_greedy(model, p, 12) for p in prompts]
+        with LLM(tmp_path, block_size=4, tensor_parallel_size=2, **setting) as llm:
+            outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+            stats = llm.stats()
+        assert [o.token_ids for o in outputs] == expected
+        assert stats["preempted_swap"] > 0 if "num_cpu_blocks" in setting else stats["num_preemptions"] == 0
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
+@pytest.mark.parametrize("tiny", ["gemma2"], indirect=True)
+def test_gemma2_float8_kv_on_shared_cache_tensors(tiny):
+    """float8 KV: the layers sharing a cache tensor keep their own scales (each writes its own group's
+    blocks); runs through swap and prefix caching, agreement with fp32 KV printed (not a contract)."""
+    _, path, prompts, expected = tiny
+    llm = LLM(path, block_size=4, kv_cache_dtype="fp8_e4m3", num_blocks=48, num_cpu_blocks=48)
+    outputs = llm.generate(prompts, GREEDY)
+    assert all(o.error is None and len(o.token_ids) == MAX_TOKENS for o in outputs)
+    assert len(llm.runner.kv_caches) == 2 and all(k.dtype == torch.float8_e4m3fn for k, _ in llm.runner.kv_caches)
+    scales = [layer.self_attn.kv_scales for layer in llm.model.model.layers]
+    assert len({id(s.k_scale) for s in scales}) == len(scales)          # one scale tensor per layer
+    same = sum(a == b for o, e in zip(outputs, expected) for a, b in zip(o.token_ids, e))
+    agreement = same / (len(prompts) * MAX_TOKENS)
+    print(f"gemma2 fp8_e4m3 KV: greedy agreement with fp32 KV {agreement:.2f}, preempted_swap "
+          f"{llm.stats()['preempted_swap']}")
+    assert llm.stats()["used_blocks"] == 0
+    llm.bm.check_invariants()
