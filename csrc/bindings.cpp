@@ -284,6 +284,30 @@ torch::Tensor to_tensor(std::vector<T>&& values, at::IntArrayRef sizes, at::Scal
   return torch::from_blob(owned->data(), sizes, [owned](void*) { delete owned; }, torch::dtype(dtype));
 }
 
+// A window in tokens: an int >= 1 (TypeError for anything else but None, which means full attention).
+int64_t window_tokens(const py::handle& obj, const std::string& name) {
+  if (obj.is_none()) return BlockManager::kFullAttention;
+  const int64_t w = to_int64(obj, name.c_str());
+  if (w < 1) throw ValueError(name + " must be >= 1 token (None: full attention), got " + std::to_string(w));
+  return w;
+}
+
+// The constructor's sliding_window / group_windows as one window per group.
+std::vector<int64_t> group_windows_arg(const py::object& sliding_window, const py::object& group_windows) {
+  if (!sliding_window.is_none() && !group_windows.is_none())
+    throw ValueError("give sliding_window (one windowed group) or group_windows (one entry per group), not both");
+  if (group_windows.is_none()) return {window_tokens(sliding_window, "sliding_window")};
+  const py::object list = fast_sequence(group_windows, "group_windows");
+  std::vector<int64_t> windows;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(list.ptr()); ++i)
+    windows.push_back(window_tokens(PySequence_Fast_GET_ITEM(list.ptr(), i), "group_windows[" + std::to_string(i) + "]"));
+  return windows;  // the core checks the number of groups
+}
+
+py::object window_object(int64_t w) {
+  return w == BlockManager::kFullAttention ? py::object(py::none()) : py::object(py::int_(w));
+}
+
 py::list pairs_to_list(const std::vector<BlockPair>& pairs) {
   py::list out(pairs.size());
   for (size_t i = 0; i < pairs.size(); ++i) out[i] = py::make_tuple(pairs[i].first, pairs[i].second);
@@ -369,16 +393,19 @@ PYBIND11_MODULE(_C, m) {
   block_manager
       .def(py::init([](int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks, bool enable_prefix_caching,
                        double watermark, const std::string& hash_algo, bool enable_events, int64_t max_pending_events,
-                       int32_t default_priority, std::optional<int32_t> decode_priority, double max_pinned_fraction) {
+                       int32_t default_priority, std::optional<int32_t> decode_priority, double max_pinned_fraction,
+                       const py::object& sliding_window, const py::object& group_windows) {
              return new BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, watermark,
                                      parse_hash_algo(hash_algo), enable_events, max_pending_events, default_priority,
-                                     decode_priority.value_or(default_priority), max_pinned_fraction);
+                                     decode_priority.value_or(default_priority), max_pinned_fraction,
+                                     group_windows_arg(sliding_window, group_windows));
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(), py::arg("num_cpu_blocks") = 0,
            py::arg("enable_prefix_caching") = true, py::arg("watermark") = 0.0, py::arg("hash_algo") = "xxh64",
            py::arg("enable_events") = false, py::arg("max_pending_events") = BlockManager::kDefaultMaxPendingEvents,
            py::arg("default_priority") = kDefaultPriority, py::arg("decode_priority") = py::none(),
-           py::arg("max_pinned_fraction") = BlockManager::kDefaultMaxPinnedFraction)
+           py::arg("max_pinned_fraction") = BlockManager::kDefaultMaxPinnedFraction,
+           py::arg("sliding_window") = py::none(), py::arg("group_windows") = py::none())
       .def(
           "can_allocate",
           [](const BlockManager& bm, const py::object& token_ids, const std::optional<py::object>& cache_salt) {
@@ -513,32 +540,40 @@ PYBIND11_MODULE(_C, m) {
            py::arg("seq_ids"), py::arg("num_lookahead_slots") = 0)
       .def("swap_in", [](BlockManager& bm, const py::object& ids) { return pairs_to_list(bm.swap_in(seq_id_list(ids))); },
            py::arg("seq_ids"), "Moves the sequences back to GPU blocks; returns (cpu_block, gpu_block) copies to perform.")
-      .def("block_table", [](const BlockManager& bm, int64_t seq_id) { return bm.block_table(seq_id); }, py::arg("seq_id"))
+      .def("block_table", [](const BlockManager& bm, int64_t seq_id, int32_t group) { return bm.block_table(seq_id, group); },
+           py::arg("seq_id"), py::kw_only(), py::arg("group") = 0,
+           "The sequence's block table in `group`; entries its sliding window released hold block 0 (a pad).")
       .def(
           "block_tables",
-          [](const BlockManager& bm, const py::object& seq_ids, std::optional<int32_t> max_blocks, int32_t pad) {
+          [](const BlockManager& bm, const py::object& seq_ids, std::optional<int32_t> max_blocks, int32_t pad,
+             int32_t group) {
             Int64Array ids(seq_ids, "seq_ids");
             std::vector<int32_t> rows;
-            const int32_t width = bm.block_tables(ids.data, ids.size, max_blocks ? &*max_blocks : nullptr, pad, &rows);
+            const int32_t width =
+                bm.block_tables(ids.data, ids.size, max_blocks ? &*max_blocks : nullptr, pad, &rows, group);
             return to_tensor(std::move(rows), {static_cast<int64_t>(ids.size), width}, torch::kInt32);
           },
           py::arg("seq_ids"), py::kw_only(), py::arg("max_blocks") = py::none(), py::arg("pad") = 0,
-          "Block tables as an int32 tensor [len(seq_ids), max_blocks], rows padded with `pad`.")
+          py::arg("group") = 0,
+          "Block tables of `group` as an int32 tensor [len(seq_ids), max_blocks], rows padded with `pad`\n"
+          "(entries released by a sliding window too).")
       .def(
           "slot_mapping",
-          [](const BlockManager& bm, const py::object& seq_id, const py::object& start, const py::object& end) {
+          [](const BlockManager& bm, const py::object& seq_id, const py::object& start, const py::object& end,
+             int32_t group) {
             const int64_t id = to_int64(seq_id, "seq_id"), begin = to_int64(start, "start");
             const int64_t stop = end.is_none() ? 0 : to_int64(end, "end");
             std::vector<int64_t> slots;
-            bm.slot_mappings(&id, &begin, end.is_none() ? nullptr : &stop, 1, &slots, "slot_mapping");
+            bm.slot_mappings(&id, &begin, end.is_none() ? nullptr : &stop, 1, &slots, "slot_mapping", group);
             const auto n = static_cast<int64_t>(slots.size());
             return to_tensor(std::move(slots), {n}, torch::kInt64);
           },
-          py::arg("seq_id"), py::arg("start") = 0, py::arg("end") = py::none(),
+          py::arg("seq_id"), py::arg("start") = 0, py::arg("end") = py::none(), py::kw_only(), py::arg("group") = 0,
           "Slots (int64 tensor) of token positions [start, end) of one sequence.")
       .def(
           "slot_mappings",
-          [](const BlockManager& bm, const py::object& seq_ids, const py::object& starts, const py::object& ends) {
+          [](const BlockManager& bm, const py::object& seq_ids, const py::object& starts, const py::object& ends,
+             int32_t group) {
             Int64Array ids(seq_ids, "seq_ids"), begin(starts, "starts");
             if (ids.size != begin.size) throw ValueError("slot_mappings: seq_ids and starts differ in length");
             std::optional<Int64Array> stop;
@@ -547,23 +582,45 @@ PYBIND11_MODULE(_C, m) {
               if (stop->size != ids.size) throw ValueError("slot_mappings: seq_ids and ends differ in length");
             }
             std::vector<int64_t> slots;
-            bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, &slots);
+            bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, &slots, "slot_mappings", group);
             const auto n = static_cast<int64_t>(slots.size());
             return to_tensor(std::move(slots), {n}, torch::kInt64);
           },
-          py::arg("seq_ids"), py::arg("starts"), py::arg("ends") = py::none(),
+          py::arg("seq_ids"), py::arg("starts"), py::arg("ends") = py::none(), py::kw_only(), py::arg("group") = 0,
           "Concatenated slots of positions [starts[i], ends[i]) of each sequence (default end: its length); "
           "a prefill batch's slot mapping, chunked or not.")
       .def(
           "seq_lens",
-          [](const BlockManager& bm, const py::object& seq_ids) {
+          [](const BlockManager& bm, const py::object& seq_ids, int32_t group) {
+            if (group < 0 || group >= bm.num_groups())
+              throw ValueError("seq_lens: group=" + std::to_string(group) + " is not one of this manager's " +
+                               std::to_string(bm.num_groups()) + " groups");
             Int64Array ids(seq_ids, "seq_ids");
             torch::Tensor out = torch::empty({static_cast<int64_t>(ids.size)}, torch::kInt32);
             int32_t* p = out.data_ptr<int32_t>();
             for (size_t i = 0; i < ids.size; ++i) p[i] = static_cast<int32_t>(bm.num_tokens(ids.data[i]));
             return out;
           },
-          py::arg("seq_ids"), "Token counts (int32 tensor) of the sequences.")
+          py::arg("seq_ids"), py::kw_only(), py::arg("group") = 0,
+          "Token counts (int32 tensor) of the sequences: the KV length attention takes, the same in every group.")
+      .def("num_released_blocks", &BlockManager::num_released_blocks, py::arg("seq_id"), py::kw_only(),
+           py::arg("group") = 0, "Leading entries of the sequence's table in `group` that its sliding window released.")
+      .def("blocks_held", &BlockManager::blocks_held, py::arg("num_tokens"), py::arg("num_computed") = 0,
+           "Blocks a sequence of num_tokens tokens, the first num_computed computed, holds over all groups.")
+      .def_property_readonly("num_groups", &BlockManager::num_groups)
+      .def_property_readonly("group_windows",
+                             [](const BlockManager& bm) {
+                               py::list out;
+                               for (int64_t w : bm.group_windows()) out.append(window_object(w));
+                               return out;
+                             }, "One window (tokens; None: full attention) per group of layers.")
+      .def_property_readonly("sliding_window",
+                             [](const BlockManager& bm) {
+                               if (bm.num_groups() != 1)
+                                 throw ValueError("sliding_window: this manager has " + std::to_string(bm.num_groups()) +
+                                                  " groups; read group_windows");
+                               return window_object(bm.group_windows()[0]);
+                             }, "The window of a one-group manager (None: full attention).")
       .def("num_tokens", &BlockManager::num_tokens, py::arg("seq_id"))
       .def("num_computed_tokens", &BlockManager::num_computed_tokens, py::arg("seq_id"))
       .def("token_ids", &BlockManager::token_ids, py::arg("seq_id"))

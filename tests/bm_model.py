@@ -1,7 +1,10 @@
 """A small pure-Python model of the BlockManager contract (DESIGN.md section 1), used by the stateful
 test. The prefix cache is a dict keyed by the whole prefix (salt, tokens of blocks 0..i), so exactness
 holds by construction; the free list is one OrderedDict per level in LRU order (level 0: no cached KV,
-level 1 + p: cached KV at retention priority p); pins hold references; durations expire on set_time."""
+level 1 + p: cached KV at retention priority p); pins hold references; durations expire on set_time.
+Groups of layers (hybrid models): one table per group, each with its window (None: full attention); a
+windowed table releases the leading blocks no future query reads (a pad, 0, stays in their place), and
+the prefix cache keys each group's blocks apart."""
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -11,16 +14,32 @@ FOREVER = math.inf
 TO_THE_END = 2 ** 63 - 1
 
 
+PAD = 0
+
+
 @dataclass
 class Seq:
     tokens: list
-    table: list
+    tables: list                  # one block table per group; [0, released[g]) hold PAD
     salt: bytes
     computed: int = 0
-    registered: int = 0
+    registered: list = None       # per group
+    released: list = None         # per group
     swapped: bool = False
     prompt_len: int = 0
     retention: list = field(default_factory=list)  # (start, end, priority, duration)
+
+    def __post_init__(self):
+        n = len(self.tables)
+        self.registered = self.registered or [0] * n
+        self.released = self.released or [0] * n
+
+    @property
+    def table(self):
+        return self.tables[0]
+
+    def held(self, g):
+        return self.tables[g][self.released[g]:]
 
 
 class FreeLists:
@@ -64,6 +83,7 @@ class Model:
     default_priority: int = DEFAULT_PRIORITY
     decode_priority: int = DEFAULT_PRIORITY
     max_pinned_fraction: float = 0.5
+    windows: tuple = (None,)
     free: FreeLists = None
     cpu_free: OrderedDict = field(default_factory=OrderedDict)
     ref: dict = field(default_factory=dict)
@@ -89,20 +109,32 @@ class Model:
         self.pin_count = {b: 0 for b in range(self.num_blocks)}
         self.max_pinned = int(self.max_pinned_fraction * self.num_blocks)
 
-    def key(self, tokens, salt, i):
-        return (salt, tuple(tokens[: (i + 1) * self.block_size]))
+    def key(self, tokens, salt, i, g=0):
+        return (g, salt, tuple(tokens[: (i + 1) * self.block_size]))
 
     def nblocks(self, n):
         return -(-n // self.block_size)
 
-    def hits(self, tokens, salt):
-        out = []
-        for i in range(self.nblocks(len(tokens)) - 1):
-            b = self.registry.get(self.key(tokens, salt, i))
-            if b is None:
-                break
-            out.append(b)
-        return out
+    def released_for(self, g, computed):
+        w = self.windows[g]
+        return 0 if w is None or computed < w else (computed - w + 1) // self.block_size
+
+    def blocks_held(self, n, computed=0):
+        return sum(self.nblocks(n) - self.released_for(g, computed) for g in range(len(self.windows)))
+
+    def match(self, tokens, salt):
+        """(k, held): the longest k leading blocks every group serves, and each group's cached blocks
+        [released_for(g, k * bs), k) (windows >= 2: the chain then reaches block k - 1)."""
+        for k in range(self.nblocks(len(tokens)) - 1, -1, -1):
+            held = []
+            for g in range(len(self.windows)):
+                blocks = [self.registry.get(self.key(tokens, salt, i, g))
+                          for i in range(self.released_for(g, k * self.block_size), k)]
+                if None in blocks:
+                    break
+                held.append(blocks)
+            else:
+                return k, held
 
     # --- retention -------------------------------------------------------------------------------
     def retention_of(self, s, i):
@@ -141,7 +173,7 @@ class Model:
     def pin(self, sid):
         """Returns the blocks pinned, or None when the cap refuses the pin (nothing changes)."""
         s = self.seqs[sid]
-        blocks = [b for b in s.table[:s.registered] if self.cached(b)]
+        blocks = [b for g, t in enumerate(s.tables) for b in t[s.released[g]:s.registered[g]] if self.cached(b)]
         old = self.pins.get(sid, [])
         after = {b for b, c in self.pin_count.items() if c > 0 and not (c == 1 and b in old)} | set(blocks)
         if len(after) > self.max_pinned:
@@ -163,11 +195,11 @@ class Model:
 
     def alloc_status(self, tokens, salt=b"", watermark_blocks=0):
         """"OK" | "LATER" | "NEVER", as can_allocate answers."""
-        need = self.nblocks(len(tokens))
-        if need > self.num_blocks - watermark_blocks:
+        if self.blocks_held(len(tokens)) > self.num_blocks - watermark_blocks:
             return "NEVER"
-        hits = self.hits(tokens, salt)
-        pinned_hits = sum(self.pin_count[b] > 0 for b in hits)
+        k, held = self.match(tokens, salt)
+        need = self.blocks_held(len(tokens), k * self.block_size)
+        pinned_hits = sum(self.pin_count[b] > 0 for h in held for b in h)
         if need - pinned_hits > self.num_blocks - watermark_blocks - self.pinned_blocks():
             return "NEVER"
         return "OK" if len(self.free) - self.free_blocks_needed(tokens, salt) >= watermark_blocks else "LATER"
@@ -182,7 +214,7 @@ class Model:
         self.registry.clear()
         self.tag.clear()
         for q in self.seqs.values():
-            q.registered = 0
+            q.registered = [0] * len(q.tables)
         for sid in sorted(self.pins):
             self.drop_pin(self.pins[sid])
         self.pins.clear()
@@ -249,41 +281,53 @@ class Model:
 
     # --- API ------------------------------------------------------------------------------------
     def allocate(self, sid, tokens, salt=b"", retention=()):
-        hits = self.hits(tokens, salt)
-        s = Seq(list(tokens), [], salt, prompt_len=len(tokens), retention=list(retention))
-        for b in hits:
-            if self.ref[b] == 0 and b in self.free:
-                self.unfree(b)
-            self.ref[b] += 1
-            self.keep_stronger(b, self.retention_of(s, len(s.table)))
-            s.table.append(b)
-        while len(s.table) < self.nblocks(len(tokens)):
-            b = self.take()
-            self.retention[b] = self.retention_of(s, len(s.table))
-            s.table.append(b)
-        s.computed = s.registered = len(hits)
-        s.computed *= self.block_size
+        k, held = self.match(tokens, salt)
+        n = self.nblocks(len(tokens))
+        s = Seq(list(tokens), [[] for _ in self.windows], salt, prompt_len=len(tokens), retention=list(retention))
+        s.computed = k * self.block_size
+        for g, t in enumerate(s.tables):
+            s.released[g], s.registered[g] = self.released_for(g, s.computed), k
+            t += [PAD] * s.released[g]
+            for b in held[g]:
+                if self.ref[b] == 0 and b in self.free:
+                    self.unfree(b)
+                self.ref[b] += 1
+                self.keep_stronger(b, self.retention_of(s, len(t)))
+                t.append(b)
+        for t in s.tables:  # after every group's hits: a fresh block never evicts one
+            while len(t) < n:
+                b = self.take()
+                self.retention[b] = self.retention_of(s, len(t))
+                t.append(b)
         self.seqs[sid] = s
         return s.computed
 
     def free_blocks_needed(self, tokens, salt=b""):
-        return self.nblocks(len(tokens)) - sum(self.ref[b] > 0 for b in self.hits(tokens, salt))
+        k, held = self.match(tokens, salt)
+        n = self.nblocks(len(tokens))
+        return sum(n - k + sum(self.ref[b] == 0 for b in h) for h in held)
 
     def mark_computed(self, sid, n=None):
         s = self.seqs[sid]
         s.computed = len(s.tokens) if n is None else n
-        for i in range(s.registered, s.computed // self.block_size):
-            b, k = s.table[i], self.key(s.tokens, s.salt, i)
-            old = self.tag.get(b)
-            if old is not None and old != k and self.registry.get(old) == b:
-                del self.registry[old]
-            previous = self.registry.get(k)
-            self.tag[b] = k
-            if previous is None or self.pin_count[previous] == 0:  # a pinned registration keeps hitting
-                self.registry[k] = b
-            if previous is not None and previous != b and previous in self.free:
-                self.relevel(previous, 0)  # superseded: no longer a hit
-            s.registered = i + 1
+        for g, t in enumerate(s.tables):
+            for i in range(max(s.registered[g], s.released[g]), s.computed // self.block_size):
+                b, k = t[i], self.key(s.tokens, s.salt, i, g)
+                old = self.tag.get(b)
+                if old is not None and old != k and self.registry.get(old) == b:
+                    del self.registry[old]
+                previous = self.registry.get(k)
+                self.tag[b] = k
+                if previous is None or self.pin_count[previous] == 0:  # a pinned registration keeps hitting
+                    self.registry[k] = b
+                if previous is not None and previous != b and previous in self.free:
+                    self.relevel(previous, 0)  # superseded: no longer a hit
+                s.registered[g] = i + 1
+        for g, t in enumerate(s.tables):  # then the windows let go of what no future query reads
+            while s.released[g] < self.released_for(g, s.computed):
+                self.release(t[s.released[g]])
+                t[s.released[g]] = PAD
+                s.released[g] += 1
 
     def must_copy(self, b):
         return self.ref[b] > 1 or b in self.tag  # shared, or cached KV left partial by truncate
@@ -295,56 +339,63 @@ class Model:
             c = (1 if counts is None else counts[i]) + extra
             if c <= 0:
                 continue
-            need += self.nblocks(len(s.tokens) + c) - self.nblocks(len(s.tokens))
+            need += (self.nblocks(len(s.tokens) + c) - self.nblocks(len(s.tokens))) * len(s.tables)
             if len(s.tokens) % self.block_size == 0:
                 continue
-            if s.table[-1] in self.tag:
-                need += 1
-            elif self.ref[s.table[-1]] > 1:
-                shared[s.table[-1]] = shared.get(s.table[-1], 0) + 1
+            for t in s.tables:
+                if t[-1] in self.tag:
+                    need += 1
+                elif self.ref[t[-1]] > 1:
+                    shared[t[-1]] = shared.get(t[-1], 0) + 1
         return need + sum(k if k < self.ref[b] else k - 1 for b, k in shared.items())
 
     def append(self, sid, tok):
         return self.append_many(sid, [tok])[0]
 
     def append_many(self, sid, toks):
-        s, slots = self.seqs[sid], []
-        for j, tok in enumerate(toks):
-            pos = len(s.tokens)
-            if pos % self.block_size == 0:
-                b = self.take()
-                self.retention[b] = self.retention_of(s, len(s.table))
-                s.table.append(b)
-            elif j == 0 and self.must_copy(s.table[-1]):
-                new = self.take()
-                self.retention[new] = self.retention_of(s, len(s.table) - 1)
-                pending = [src for src, dst in self.copies if dst == s.table[-1]]
-                self.copies.append((pending[0] if pending else s.table[-1], new))
-                self.release(s.table[-1])
-                s.table[-1] = new
-            s.tokens.append(tok)
-            slots.append(s.table[pos // self.block_size] * self.block_size + pos % self.block_size)
-        return slots
+        s, n = self.seqs[sid], len(self.seqs[sid].tokens)
+        for t in s.tables:
+            for pos in range(n, n + len(toks)):
+                if pos % self.block_size == 0:
+                    b = self.take()
+                    self.retention[b] = self.retention_of(s, len(t))
+                    t.append(b)
+                elif pos == n and self.must_copy(t[-1]):
+                    new = self.take()
+                    self.retention[new] = self.retention_of(s, len(t) - 1)
+                    pending = [src for src, dst in self.copies if dst == t[-1]]
+                    self.copies.append((pending[0] if pending else t[-1], new))
+                    self.release(t[-1])
+                    t[-1] = new
+        s.tokens += toks
+        return [s.table[p // self.block_size] * self.block_size + p % self.block_size for p in range(n, len(s.tokens))]
+
+    def can_truncate(self, sid, n):
+        s = self.seqs[sid]
+        return all(self.released_for(g, min(s.computed, n)) >= s.released[g] for g in range(len(s.tables)))
 
     def truncate(self, sid, n):
         s = self.seqs[sid]
-        while len(s.table) > self.nblocks(n):
-            self.release(s.table.pop())
+        for g, t in enumerate(s.tables):
+            while len(t) > self.nblocks(n):
+                self.release(t.pop())
+            s.registered[g] = min(s.registered[g], n // self.block_size)
         del s.tokens[n:]
         s.computed = min(s.computed, n)
-        s.registered = min(s.registered, n // self.block_size)
 
     def free_seq(self, sid):
         s = self.seqs.pop(sid)
-        for b in reversed(s.table):
-            (self.release_cpu if s.swapped else self.release)(b)
+        for g in range(len(s.tables)):
+            for b in reversed(s.held(g)):
+                (self.release_cpu if s.swapped else self.release)(b)
 
     def fork(self, parent, child):
         p = self.seqs[parent]
-        self.seqs[child] = Seq(list(p.tokens), list(p.table), p.salt, p.computed, p.registered,
-                               prompt_len=p.prompt_len, retention=list(p.retention))
-        for b in p.table:
-            self.ref[b] += 1
+        self.seqs[child] = Seq(list(p.tokens), [list(t) for t in p.tables], p.salt, p.computed, list(p.registered),
+                               list(p.released), prompt_len=p.prompt_len, retention=list(p.retention))
+        for g in range(len(p.tables)):
+            for b in p.held(g):
+                self.ref[b] += 1
 
     def move(self, sids, to_cpu):
         take, dst_ref = (self.take_cpu, self.cpu_ref) if to_cpu else (self.take, self.ref)
@@ -353,21 +404,24 @@ class Model:
         copy_source = {dst: src for src, dst in self.copies} if to_cpu else {}  # not yet copied
         for sid in sids:
             s = self.seqs[sid]
-            new = []
-            for i, b in enumerate(s.table):
-                if b not in m:
-                    m[b] = take()
-                    mapping.append((copy_source.get(b, b), m[b]))
-                    if not to_cpu:
-                        self.retention[m[b]] = self.retention_of(s, i)
-                else:
-                    dst_ref[m[b]] += 1
-                    if not to_cpu:
-                        self.keep_stronger(m[b], self.retention_of(s, i))
-                new.append(m[b])
-            for b in reversed(s.table):
-                release(b)
-            s.table, s.swapped, s.registered = new, to_cpu, 0
+            for g, t in enumerate(s.tables):
+                new = [PAD] * s.released[g]
+                for i in range(s.released[g], len(t)):
+                    b = t[i]
+                    if b not in m:
+                        m[b] = take()
+                        mapping.append((copy_source.get(b, b), m[b]))
+                        if not to_cpu:
+                            self.retention[m[b]] = self.retention_of(s, i)
+                    else:
+                        dst_ref[m[b]] += 1
+                        if not to_cpu:
+                            self.keep_stronger(m[b], self.retention_of(s, i))
+                    new.append(m[b])
+                for b in reversed(s.held(g)):
+                    release(b)
+                s.tables[g] = new
+            s.swapped, s.registered = to_cpu, [0] * len(s.tables)
         return mapping
 
     def swap_out(self, sids):
@@ -377,4 +431,4 @@ class Model:
         return self.move(sids, to_cpu=False)
 
     def distinct_blocks(self, sids):
-        return len({b for sid in sids for b in self.seqs[sid].table})
+        return len({b for sid in sids for g in range(len(self.seqs[sid].tables)) for b in self.seqs[sid].held(g)})

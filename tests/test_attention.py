@@ -263,3 +263,58 @@ def test_paged_attention_cpu_each_isa_decode(isa, dtype, batch_size, seq_len, nu
     expected, expected_lse = batch.reference()
     assert_close(out, expected, dtype, isa)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
+# head_dim, group, block_size, num_kv_heads, sequence lengths, sliding window, softcap, threads: the
+# AVX-512 decode kernel's column blocks (head_dim 48/80/112: a lone, a half-bf16 and a 2+1 tail),
+# GQA groups 1..16 (and 20: more rows than one tile of scores holds, the generic kernel), blocks that
+# do not divide its 16-key tiles, split-K (few sequences, long), split over KV heads (one short
+# sequence), whole sequences (many), lengths 1 and non-multiples of everything.
+DECODE_SHAPES = [
+    (64, 1, 16, 4, [1, 17, 300], -1, 0.0, 2),
+    (128, 4, 16, 2, [1000, 5], -1, 0.0, 2),
+    (128, 8, 32, 1, [2049], -1, 0.0, 2),
+    (256, 4, 8, 2, [33, 129], -1, 5.0, 1),
+    (80, 2, 5, 3, [1, 77, 600], 50, 0.0, 2),
+    (112, 3, 1, 2, [40, 3], -1, 0.0, 8),
+    (48, 16, 16, 1, [531], 7, 0.0, 2),
+    (64, 20, 16, 1, [100, 2], -1, 0.0, 2),
+    (128, 4, 64, 8, [1 + int(n) for n in torch.randint(0, 700, (9,))], 100, 0.0, 2),
+    (96, 1, 2, 5, [1, 2, 3, 4], -1, 2.0, 2),
+]
+
+
+def decode_shape_id(shape):
+    d, g, bs, hkv, lens, window, softcap, threads = shape
+    return f"d{d}-g{g}-bs{bs}-kv{hkv}-n{len(lens)}-w{window}-cap{softcap:g}-t{threads}"
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=decode_shape_id)
+def test_paged_attention_cpu_decode_shapes(isa, dtype, shape):
+    """Decode batches in every ISA copy against the float64 reference. Cache rows the kernel must not
+    read (unused slots of a sequence's last block, blocks of no sequence) hold NaN, and block tables
+    are padded with -1 past each sequence's blocks."""
+    head_dim, group, block_size, num_kv_heads, lens, window, softcap, num_threads = shape
+    lens = [max(1, n - int(torch.randint(0, 3, ()))) for n in lens]
+    batch = PagedBatch([n - 1 for n in lens], [1] * len(lens), block_size=block_size, num_kv_heads=num_kv_heads,
+                       group=group, head_dim=head_dim, dtype=dtype, device="cpu")
+    used = torch.zeros(batch.num_blocks * block_size, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        blocks = -(-n // block_size)
+        slots = batch.block_tables[b, :blocks].long()[:, None] * block_size + torch.arange(block_size)
+        used[slots.flatten()[:n]] = True
+        batch.block_tables[b, blocks:] = -1
+    for cache in (batch.key_cache, batch.value_cache):
+        cache.view(-1, num_kv_heads, head_dim)[~used] = float("nan")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        with cpu_attention_isa(isa):
+            out, lse = ops.paged_attention_with_lse(*batch.args(), sliding_window=window, softcap=softcap)
+    finally:
+        torch.set_num_threads(threads)
+    expected, expected_lse = batch.reference(sliding_window=window, softcap=softcap)
+    assert_close(out, expected, dtype, f"{isa} seq_lens={lens}")
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)

@@ -1,7 +1,8 @@
 """Hypothesis drives the C++ BlockManager and the pure-Python model (tests/bm_model.py) with the same
 random calls (retention priorities and durations, clock advances and pins included) and demands identical
 results and block priorities, check_invariants() after every step, and that every prefix hit hands out a
-block whose KV (tracked here) was written for exactly that prefix."""
+block whose KV (tracked here) was written for exactly that prefix. It runs for full attention, one
+sliding window and a hybrid of the two (one table per group, windowed entries released)."""
 from collections import Counter
 
 import hypothesis.strategies as st
@@ -27,12 +28,15 @@ def model_ranges(retention):
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    WINDOWS = (None,)  # one entry per group of layers
+
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(NB, BS, num_cpu_blocks=NCPU, hash_algo="weak8", enable_events=True)
+        self.bm = BlockManager(NB, BS, num_cpu_blocks=NCPU, hash_algo="weak8", enable_events=True,
+                               group_windows=list(self.WINDOWS))
         self.replayed = Counter()  # block hashes the KV events say are cached
         self.next_event = 0
-        self.model = Model(NB, BS, NCPU)
+        self.model = Model(NB, BS, NCPU, windows=self.WINDOWS)
         self.kv = {}  # physical block -> tokens of the prefix whose KV it holds (up to its last written slot)
         self.next_id = 0
 
@@ -45,8 +49,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def write_kv(self, sid):
         """The runner wrote the KV of every token of sid (positions computed..len)."""
         q = self.model.seqs[sid]
-        for p in range(len(q.tokens)):
-            self.kv.setdefault(q.table[p // BS], {})[p % BS] = tuple(q.tokens[: p + 1])
+        for g, table in enumerate(q.tables):
+            for p in range(q.released[g] * BS, len(q.tokens)):
+                self.kv.setdefault(table[p // BS], {})[p % BS] = tuple(q.tokens[: p + 1])
 
     @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9), salt=st.sampled_from([b"", b"t1"]),
           retention=retentions)
@@ -58,10 +63,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         sid, self.next_id = self.next_id, self.next_id + 1
         cached = self.bm.allocate(sid, tokens, cache_salt=salt or None, retention=retention)
         assert cached == self.model.allocate(sid, tokens, salt, model_ranges(retention))
-        table = self.bm.block_table(sid)
-        assert table == self.model.seqs[sid].table
-        for p in range(cached):  # every hit holds exactly this prefix's KV
-            assert self.kv[table[p // BS]][p % BS] == tuple(tokens[: p + 1])
+        q = self.model.seqs[sid]
+        for g in range(len(self.WINDOWS)):
+            table = self.bm.block_table(sid, group=g)
+            assert table == q.tables[g]
+            for p in range(q.released[g] * BS, cached):  # every hit it holds has exactly this prefix's KV
+                assert self.kv[table[p // BS]][p % BS] == tuple(tokens[: p + 1])
+
+    @precondition(lambda self: self.model.seqs)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 2), max_size=3), retention=retentions)
+    def allocate_shared_prefix(self, data, extra, retention):
+        """A prompt that starts with another sequence's tokens: the way prefix hits (and a window's hits
+        that need only its last blocks) happen."""
+        q = self.model.seqs[data.draw(st.sampled_from(sorted(self.model.seqs)))]
+        cut = data.draw(st.integers(1, len(q.tokens)))
+        self.allocate(q.tokens[:cut] + extra, q.salt, retention)
 
     def perform_copies(self):
         """The runner performs the pending copy-on-write copies (always before it writes any KV)."""
@@ -110,6 +126,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert slots == [x for sid, c in zip(sids, counts) for x in self.model.append_many(sid, [token] * c)]
         keep = data.draw(st.lists(st.integers(0, 5), min_size=len(sids), max_size=len(sids)))
         lens = [max(1, len(self.model.seqs[sid].tokens) - k) for sid, k in zip(sids, keep)]
+        if not all(self.model.can_truncate(sid, n) for sid, n in zip(sids, lens)):
+            with pytest.raises(ValueError, match="released"):  # below what a window released: refused
+                self.bm.truncate(sids, lens)
+            return
         self.bm.truncate(sids, lens)
         for sid, n in zip(sids, lens):
             self.model.truncate(sid, n)
@@ -197,8 +217,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         cpu = getattr(self, "cpu_kv", {})
         for q in self.model.seqs.values():
             where = cpu if q.swapped else gpu
-            for p in range(q.computed):
-                assert where[q.table[p // BS]][p % BS] == tuple(q.tokens[: p + 1])
+            for g, table in enumerate(q.tables):
+                for p in range(q.released[g] * BS, q.computed):
+                    assert where[table[p // BS]][p % BS] == tuple(q.tokens[: p + 1])
 
     @invariant()
     def events_replay_to_the_cached_blocks(self):
@@ -228,9 +249,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_pinned_blocks == self.model.pinned_blocks()
         assert all(self.bm.is_pinned(sid) for sid in self.model.pins)
         for sid, q in self.model.seqs.items():
-            assert self.bm.block_table(sid) == q.table
+            for g in range(len(self.WINDOWS)):
+                assert self.bm.block_table(sid, group=g) == q.tables[g]
+                assert self.bm.num_released_blocks(sid, group=g) == q.released[g]
             assert self.bm.num_tokens(sid) == len(q.tokens)
+
+
+class WindowedMachine(BlockManagerMachine):
+    WINDOWS = (3,)
+
+
+class HybridMachine(BlockManagerMachine):
+    WINDOWS = (None, 3)
 
 
 TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestWindowedStateful = WindowedMachine.TestCase
+TestWindowedStateful.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestHybridStateful = HybridMachine.TestCase
+TestHybridStateful.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

@@ -41,11 +41,12 @@ std::string cat(Args&&... args) {
 BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks,
                            bool enable_prefix_caching, double watermark, HashAlgo hash_algo, bool enable_events,
                            int64_t max_pending_events, int32_t default_priority, int32_t decode_priority,
-                           double max_pinned_fraction)
+                           double max_pinned_fraction, std::vector<int64_t> group_windows)
     : num_blocks_(num_blocks),
       block_size_(block_size),
       num_cpu_blocks_(num_cpu_blocks),
       watermark_blocks_(0),
+      windows_(std::move(group_windows)),
       prefix_caching_(enable_prefix_caching),
       hash_algo_(hash_algo),
       gpu_free_(std::max(num_blocks, 0), /*num_levels=*/2 + kMaxPriority),
@@ -68,6 +69,13 @@ BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_c
       throw ValueError(cat(name, " must be in [", kMinPriority, ", ", kMaxPriority, "], got ", p));
   if (!(max_pinned_fraction >= 0.0 && max_pinned_fraction < 1.0))
     throw ValueError(cat("max_pinned_fraction must be in [0, 1), got ", max_pinned_fraction));
+  if (windows_.empty() || windows_.size() > static_cast<size_t>(kMaxGroups))
+    throw ValueError(cat("group_windows must have 1 to ", kMaxGroups, " groups, got ", windows_.size()));
+  for (size_t g = 0; g < windows_.size(); ++g) {
+    if (windows_[g] < 0)
+      throw ValueError(cat("group_windows[", g, "] must be a window of >= 1 tokens or full attention, got ", windows_[g]));
+    has_windows_ |= windows_[g] != kFullAttention;
+  }
   watermark_blocks_ = static_cast<int32_t>(watermark * num_blocks);
   max_pinned_blocks_ = static_cast<int32_t>(max_pinned_fraction * num_blocks);
   block_retention_.assign(num_blocks, BlockRetention{default_priority, kForever});
@@ -156,42 +164,100 @@ uint64_t BlockManager::block_hash(Sequence& seq, int32_t index) {
   return seq.block_hashes[index];
 }
 
-std::vector<int32_t> BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens,
-                                                std::string_view salt, std::vector<uint64_t>* hashes) const {
-  std::vector<int32_t> hit_blocks;
-  if (!prefix_caching_) return hit_blocks;
+BlockManager::PrefixMatch BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens,
+                                                     std::string_view salt) const {
+  const int32_t num_groups = this->num_groups();
+  PrefixMatch m;
+  m.held.resize(num_groups);
+  if (!prefix_caching_) return m;
   const int32_t max_hits = blocks_for_tokens(static_cast<int64_t>(num_tokens)) - 1;  // last block: computed
-  PrefixCache::NodeId parent = PrefixCache::kRoot;
-  std::optional<uint64_t> parent_hash;
-  for (int32_t i = 0; i < max_hits; ++i) {
-    const int64_t* block_tokens = tokens + int64_t(i) * block_size_;
-    const uint64_t h = hash_block_tokens(block_tokens, block_size_, parent_hash, hash_algo_,
-                                         i == 0 ? salt : std::string_view());
-    const PrefixCache::NodeId node = cache_.find(h, parent, block_tokens, i == 0 ? salt : std::string_view());
-    if (node == PrefixCache::kNoNode || cache_.node(node).block == PrefixCache::kNoBlock) break;
-    hit_blocks.push_back(cache_.node(node).block);
-    if (hashes) hashes->push_back(h);
-    parent = node;
-    parent_hash = h;
+  // Per group, the blocks registered for the chain of the prompt's blocks (kNoBlock: the content is a
+  // link of the chain without KV), as far as the chain goes. A full-attention group needs every block,
+  // so it stops at the first one without KV and bounds the hit; a windowed group needs only the blocks
+  // its window reads at the first token to compute.
+  std::vector<std::vector<int32_t>> chain(num_groups);
+  int32_t limit = max_hits;
+  for (int32_t pass = 0; pass < 2; ++pass)  // full-attention groups first: they bound the walk
+    for (int32_t g = 0; g < num_groups && limit > 0; ++g) {
+      const bool full = windows_[g] == kFullAttention;
+      if (full != (pass == 0)) continue;
+      PrefixCache::NodeId parent = PrefixCache::root(g);
+      for (int32_t i = 0; i < limit; ++i) {
+        const int64_t* block_tokens = tokens + int64_t(i) * block_size_;
+        if (static_cast<int32_t>(m.hashes.size()) == i)
+          m.hashes.push_back(hash_block_tokens(block_tokens, block_size_,
+                                               i == 0 ? std::nullopt : std::optional<uint64_t>(m.hashes[i - 1]),
+                                               hash_algo_, i == 0 ? salt : std::string_view()));
+        const PrefixCache::NodeId node = cache_.find(m.hashes[i], parent, block_tokens, i == 0 ? salt : std::string_view());
+        if (node == PrefixCache::kNoNode) break;
+        const int32_t block = cache_.node(node).block;
+        if (block == PrefixCache::kNoBlock && full) break;
+        chain[g].push_back(block);
+        parent = node;
+      }
+      if (full) limit = std::min(limit, static_cast<int32_t>(chain[g].size()));
+    }
+  // The longest hit every group can serve: its chain reaches block k - 1 (the cache has seen that
+  // prefix) and the blocks [released_for(g, k * bs), k) hold KV.
+  int32_t k = limit;
+  for (; k > 0; --k) {
+    bool servable = true;
+    for (int32_t g = 0; g < num_groups && servable; ++g) {
+      servable = k <= static_cast<int32_t>(chain[g].size());
+      for (int32_t i = static_cast<int32_t>(released_for(g, int64_t(k) * block_size_)); i < k && servable; ++i)
+        servable = chain[g][i] != PrefixCache::kNoBlock;
+    }
+    if (servable) break;
   }
-  return hit_blocks;
+  m.num_blocks = k;
+  m.hashes.resize(static_cast<size_t>(k));
+  for (int32_t g = 0; g < num_groups; ++g)
+    m.held[g].assign(chain[g].begin() + std::min<int64_t>(released_for(g, int64_t(k) * block_size_), k),
+                     chain[g].begin() + k);  // k <= chain[g].size()
+  return m;
 }
 
-const std::vector<int32_t>& BlockManager::match_prefix_memo(const int64_t* tokens, size_t num_tokens,
-                                                           std::string_view salt,
-                                                           const std::vector<uint64_t>** hashes) const {
+const BlockManager::PrefixMatch& BlockManager::match_prefix_memo(const int64_t* tokens, size_t num_tokens,
+                                                                 std::string_view salt) const {
   MatchMemo& m = memo_;
   const bool same = m.cache_version == cache_.version() && m.tokens.size() == num_tokens && m.salt == salt &&
                     std::equal(m.tokens.begin(), m.tokens.end(), tokens);
   if (!same) {
-    m.hashes.clear();
-    m.hits = match_prefix(tokens, num_tokens, salt, &m.hashes);
+    m.match = match_prefix(tokens, num_tokens, salt);
     m.tokens.assign(tokens, tokens + num_tokens);
     m.salt.assign(salt);
     m.cache_version = cache_.version();
   }
-  if (hashes) *hashes = &m.hashes;
-  return m.hits;
+  return m.match;
+}
+
+int32_t BlockManager::from_free_for(const PrefixMatch& m, int32_t num_blocks) const {
+  int32_t from_free = 0;
+  for (int32_t g = 0; g < num_groups(); ++g) {
+    from_free += num_blocks - m.num_blocks;
+    for (int32_t b : m.held[g]) from_free += gpu_ref_[b] == 0;  // in-use hits cost no free block
+  }
+  return from_free;
+}
+
+int32_t BlockManager::group_arg(int32_t group, const char* what) const {
+  if (group < 0 || group >= num_groups())
+    throw ValueError(cat(what, ": group=", group, " is not one of this manager's ", num_groups(), " groups"));
+  return group;
+}
+
+int64_t BlockManager::blocks_held(int64_t num_tokens, int64_t num_computed) const {
+  if (num_tokens < 0 || num_computed < 0 || num_computed > num_tokens)
+    throw ValueError(cat("blocks_held: need 0 <= num_computed <= num_tokens, got num_tokens=", num_tokens,
+                         " num_computed=", num_computed));
+  int64_t held = 0;
+  const int64_t blocks = num_tokens / block_size_ + (num_tokens % block_size_ != 0);
+  for (int32_t g = 0; g < num_groups(); ++g) held += blocks - released_for(g, num_computed);
+  return held;
+}
+
+int32_t BlockManager::num_released_blocks(int64_t seq_id, int32_t group) const {
+  return get(seq_id).groups[group_arg(group, "num_released_blocks")].released;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -201,7 +267,7 @@ void BlockManager::untag_block(int32_t block) {
   const PrefixCache::NodeId node = block_node_[block];
   if (node == PrefixCache::kNoNode) return;
   if (cache_.node(node).block == block) {
-    if (events_enabled_) record_removed(node);
+    if (events_enabled_ && cache_.node(node).root == PrefixCache::kRoot) record_removed(node);
     cache_.set_block(node, PrefixCache::kNoBlock);
   }
   block_node_[block] = PrefixCache::kNoNode;
@@ -331,8 +397,9 @@ const std::vector<int32_t>& BlockManager::pinned_blocks(int64_t seq_id) const {
 int32_t BlockManager::pin(int64_t seq_id) {
   const Sequence& seq = get_resident(seq_id, "pin");
   std::vector<int32_t> blocks;
-  for (int32_t i = 0; i < seq.num_registered; ++i)
-    if (holds_cached_kv(seq.block_table[i])) blocks.push_back(seq.block_table[i]);
+  for (const GroupTable& t : seq.groups)
+    for (int32_t i = t.released; i < t.num_registered; ++i)
+      if (holds_cached_kv(t.blocks[i])) blocks.push_back(t.blocks[i]);
   // Blocks pinned after this call: the others' pins, plus these.
   const auto old = pins_.find(seq_id);
   std::unordered_set<int32_t> held_before;
@@ -406,14 +473,15 @@ void BlockManager::release_cpu_block(int32_t block) {
 
 AllocStatus BlockManager::can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt) const {
   if (num_tokens == 0) throw ValueError("can_allocate: token_ids is empty");
-  const int32_t needed = blocks_for_tokens(static_cast<int64_t>(num_tokens));
-  if (needed > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
-  const std::vector<int32_t>& hits = match_prefix_memo(tokens, num_tokens, salt, nullptr);
-  int32_t from_free = needed;
-  for (int32_t b : hits) from_free -= gpu_ref_[b] > 0;  // in-use hits cost no free block
+  const int64_t len = static_cast<int64_t>(num_tokens);
+  if (blocks_held(len, 0) > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
+  const PrefixMatch& m = match_prefix_memo(tokens, num_tokens, salt);
+  const int32_t needed = static_cast<int32_t>(blocks_held(len, int64_t(m.num_blocks) * block_size_));
+  const int32_t from_free = from_free_for(m, blocks_for_tokens(len));
   if (pinned_blocks_ > 0) {  // pinned blocks never come free: what does not fit beside them waits forever
     int32_t pinned_hits = 0;
-    for (int32_t b : hits) pinned_hits += pin_count_[b] > 0;
+    for (const auto& held : m.held)
+      for (int32_t b : held) pinned_hits += pin_count_[b] > 0;
     if (needed - pinned_hits > num_blocks_ - watermark_blocks_ - pinned_blocks_) return AllocStatus::kNever;
   }
   return gpu_free_.size() - from_free >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
@@ -425,11 +493,8 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
   if (num_tokens == 0) throw ValueError("allocate: token_ids is empty");
   validate_retention(retention, "allocate");
   const int32_t needed = blocks_for_tokens(static_cast<int64_t>(num_tokens));
-  const std::vector<uint64_t>* memo_hashes = nullptr;
-  const std::vector<int32_t> hits = match_prefix_memo(tokens, num_tokens, salt, &memo_hashes);
-  std::vector<uint64_t> hashes = *memo_hashes;
-  int32_t from_free = needed;
-  for (int32_t b : hits) from_free -= gpu_ref_[b] > 0;
+  const PrefixMatch m = match_prefix_memo(tokens, num_tokens, salt);
+  const int32_t from_free = from_free_for(m, needed);
   if (from_free > gpu_free_.size())
     throw OutOfBlocks(cat("allocate: ", seq_str(seq_id), " needs ", from_free, " free blocks but only ",
                           gpu_free_.size(), " are free (check can_allocate first)"));
@@ -437,31 +502,43 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
   Sequence seq;
   seq.tokens.assign(tokens, tokens + num_tokens);
   seq.salt.assign(salt);
-  seq.block_hashes = std::move(hashes);
+  seq.block_hashes = m.hashes;
   seq.prompt_len = static_cast<int64_t>(num_tokens);
   seq.retention = retention;
-  seq.block_table.reserve(needed);
-  for (int32_t b : hits) {
-    if (gpu_ref_[b]++ == 0 && gpu_free_.contains(b)) {  // else held for a pending copy
-      gpu_free_.remove(b);
-      --cached_free_blocks_;  // a hit holds cached KV
+  seq.num_computed = int64_t(m.num_blocks) * block_size_;
+  seq.groups.resize(num_groups());
+  int32_t held_hits = 0;
+  // Every group's hits first: a fresh block taken for one group must not evict another group's hit.
+  for (int32_t g = 0; g < num_groups(); ++g) {
+    GroupTable& t = seq.groups[g];
+    t.released = static_cast<int32_t>(released_for(g, seq.num_computed));
+    t.num_registered = m.num_blocks;
+    t.blocks.reserve(needed);
+    t.blocks.assign(static_cast<size_t>(t.released), kPad);
+    for (int32_t b : m.held[g]) {
+      if (gpu_ref_[b]++ == 0 && gpu_free_.contains(b)) {  // else held for a pending copy
+        gpu_free_.remove(b);
+        --cached_free_blocks_;  // a hit holds cached KV
+      }
+      keep_stronger_retention(b, retention_of(seq, static_cast<int32_t>(t.blocks.size())));
+      t.blocks.push_back(b);
     }
-    keep_stronger_retention(b, retention_of(seq, static_cast<int32_t>(seq.block_table.size())));
-    seq.block_table.push_back(b);
+    held_hits += static_cast<int32_t>(m.held[g].size());
   }
-  while (static_cast<int32_t>(seq.block_table.size()) < needed) {
-    const int32_t b = take_free_block();
-    block_retention_[b] = retention_of(seq, static_cast<int32_t>(seq.block_table.size()));
-    seq.block_table.push_back(b);
+  for (GroupTable& t : seq.groups) {
+    while (static_cast<int32_t>(t.blocks.size()) < needed) {
+      const int32_t b = take_free_block();
+      block_retention_[b] = retention_of(seq, static_cast<int32_t>(t.blocks.size()));
+      t.blocks.push_back(b);
+    }
   }
-  seq.num_registered = static_cast<int32_t>(hits.size());
-  seq.num_computed = int64_t(hits.size()) * block_size_;
+  const int32_t fresh = (needed - m.num_blocks) * num_groups();
   counters_.queries += static_cast<int64_t>(num_tokens);
   counters_.hits += seq.num_computed;
-  counters_.query_blocks += needed;
-  counters_.hit_blocks += static_cast<int64_t>(hits.size());
-  counters_.hit_blocks_in_use += needed - from_free;  // hits on blocks another sequence holds
-  counters_.hit_blocks_revived += static_cast<int64_t>(hits.size()) - (needed - from_free);
+  counters_.query_blocks += int64_t(needed) * num_groups();
+  counters_.hit_blocks += int64_t(m.num_blocks) * num_groups();
+  counters_.hit_blocks_in_use += held_hits - (from_free - fresh);  // hits on blocks another sequence holds
+  counters_.hit_blocks_revived += from_free - fresh;
   const int64_t cached = seq.num_computed;
   seqs_.emplace(seq_id, std::move(seq));
   return cached;
@@ -497,16 +574,28 @@ std::vector<int64_t> BlockManager::allocate_batch(const std::vector<int64_t>& se
   return cached;
 }
 
-void BlockManager::register_computed_blocks(Sequence& seq) {
+PrefixCache::NodeId BlockManager::chain_node(Sequence& seq, int32_t group, int32_t i) {
+  PrefixCache::NodeId node = PrefixCache::root(group);
+  for (int32_t j = 0; j <= i; ++j) {
+    const std::string_view salt = j == 0 ? std::string_view(seq.salt) : std::string_view();
+    node = cache_.find_or_create(block_hash(seq, j), node, seq.tokens.data() + int64_t(j) * block_size_, salt);
+  }
+  return node;
+}
+
+void BlockManager::register_computed_blocks(Sequence& seq, int32_t group) {
   if (!prefix_caching_) return;
   stored_run_open_ = false;
+  GroupTable& t = seq.groups[group];
   const int32_t full = static_cast<int32_t>(seq.num_computed / block_size_);
   bool parent_is_new = false;  // a node created in this loop has no children yet: skip the lookup
-  for (int32_t i = seq.num_registered; i < full; ++i) {
-    const PrefixCache::NodeId parent = i == 0 ? PrefixCache::kRoot : block_node_[seq.block_table[i - 1]];
+  const bool record = events_enabled_ && group == 0;  // events describe group 0's cache
+  for (int32_t i = std::max(t.num_registered, t.released); i < full; ++i) {
+    PrefixCache::NodeId parent = PrefixCache::root(group);
+    if (i > 0) parent = i - 1 < t.released ? chain_node(seq, group, i - 1) : block_node_[t.blocks[i - 1]];
     if (parent == PrefixCache::kNoNode) break;  // the prefix lost its content tag (cache reset)
     const uint64_t h = block_hash(seq, i);
-    const int32_t block = seq.block_table[i];
+    const int32_t block = t.blocks[i];
     const int64_t* block_tokens = seq.tokens.data() + int64_t(i) * block_size_;
     const std::string_view salt = i == 0 ? std::string_view(seq.salt) : std::string_view();
     const PrefixCache::NodeId node = parent_is_new ? cache_.create(h, parent, block_tokens, salt)
@@ -517,14 +606,25 @@ void BlockManager::register_computed_blocks(Sequence& seq) {
       cache_.add_ref(node);
     }
     const int32_t previous = cache_.node(node).block;
-    if (events_enabled_ && previous == PrefixCache::kNoBlock) record_stored(node, block_tokens, salt);
+    if (record && previous == PrefixCache::kNoBlock) record_stored(node, block_tokens, salt);
     // The latest registration wins, unless a pin holds the earlier one: what is pinned keeps hitting.
     if (previous == PrefixCache::kNoBlock || pin_count_[previous] == 0) cache_.set_block(node, block);
     if (previous != PrefixCache::kNoBlock && previous != block && gpu_free_.contains(previous)) {
       --cached_free_blocks_;  // a free copy of this content is superseded: no longer a hit
       move_to_level(previous, 0);
     }
-    seq.num_registered = i + 1;
+    t.num_registered = i + 1;
+  }
+}
+
+void BlockManager::release_out_of_window(Sequence& seq) {
+  for (int32_t g = 0; g < num_groups(); ++g) {
+    GroupTable& t = seq.groups[g];
+    const int32_t target = static_cast<int32_t>(released_for(g, seq.num_computed));
+    for (; t.released < target; ++t.released) {  // oldest first: the oldest is evicted first
+      release_block(t.blocks[t.released]);
+      t.blocks[t.released] = kPad;
+    }
   }
 }
 
@@ -541,7 +641,9 @@ void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std:
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence& seq = *seqs[i];
     seq.num_computed = num_tokens ? (*num_tokens)[i] : static_cast<int64_t>(seq.tokens.size());
-    register_computed_blocks(seq);
+    // Each group registers its new full blocks, then lets go of those its window no longer reads.
+    for (int32_t g = 0; g < num_groups(); ++g) register_computed_blocks(seq, g);
+    if (has_windows_) release_out_of_window(seq);
   }
 }
 
@@ -563,13 +665,15 @@ int32_t BlockManager::blocks_needed_to_append(const Sequence* const* seqs, size_
     const int64_t len = static_cast<int64_t>(seq->tokens.size());
     const int64_t count = (counts ? counts[i] : 1) + extra;
     if (count <= 0) continue;
-    needed += blocks_for_tokens(len + count) - blocks_for_tokens(len);
+    needed += (blocks_for_tokens(len + count) - blocks_for_tokens(len)) * static_cast<int32_t>(seq->groups.size());
     if (len % block_size_ == 0) continue;
-    const int32_t last = seq->block_table.back();
-    if (block_node_[last] != PrefixCache::kNoNode)
-      ++needed;  // cached KV: every appender copies
-    else if (gpu_ref_[last] > 1)
-      ++appenders_of_shared[last];
+    for (const GroupTable& t : seq->groups) {  // the last block is never released while partial
+      const int32_t last = t.blocks.back();
+      if (block_node_[last] != PrefixCache::kNoNode)
+        ++needed;  // cached KV: every appender copies
+      else if (gpu_ref_[last] > 1)
+        ++appenders_of_shared[last];
+    }
   }
   // k appenders on a block with r references copy k times, or k - 1 times when they are all of them.
   for (const auto& [block, k] : appenders_of_shared) needed += k < gpu_ref_[block] ? k : k - 1;
@@ -615,26 +719,31 @@ void BlockManager::append_tokens(const int64_t* seq_ids, size_t n, const int64_t
   for (size_t i = 0; i < n; ++i) {
     Sequence& seq = *seqs[i];
     const int64_t count = counts ? counts[i] : 1;
-    for (int64_t j = 0; j < count; ++j) {
-      const int64_t pos = static_cast<int64_t>(seq.tokens.size());
-      if (pos % block_size_ == 0) {
-        const int32_t b = take_free_block();
-        block_retention_[b] = retention_of(seq, static_cast<int32_t>(seq.block_table.size()));
-        seq.block_table.push_back(b);
-      } else if (j == 0 && must_copy_before_write(seq.block_table.back())) {  // copy on write
-        const int32_t last = seq.block_table.back();
-        const int32_t copy = take_free_block();
-        block_retention_[copy] = retention_of(seq, static_cast<int32_t>(seq.block_table.size()) - 1);
-        // Copying a block whose own copy is still pending: copy from that copy's source instead, so that
-        // no copy reads another copy's destination (the copies of one batch are independent).
-        const int32_t pending = pending_copies_.empty() ? -1 : pending_copy_source(last);
-        pending_copies_.emplace_back(pending >= 0 ? pending : last, copy);
-        ++counters_.cow_copies;
-        release_block(last);
-        seq.block_table.back() = copy;
+    const int64_t len = static_cast<int64_t>(seq.tokens.size());
+    for (GroupTable& t : seq.groups) {
+      for (int64_t pos = len; pos < len + count; ++pos) {
+        if (pos % block_size_ == 0) {
+          const int32_t b = take_free_block();
+          block_retention_[b] = retention_of(seq, static_cast<int32_t>(t.blocks.size()));
+          t.blocks.push_back(b);
+        } else if (pos == len && must_copy_before_write(t.blocks.back())) {  // copy on write
+          const int32_t last = t.blocks.back();
+          const int32_t copy = take_free_block();
+          block_retention_[copy] = retention_of(seq, static_cast<int32_t>(t.blocks.size()) - 1);
+          // Copying a block whose own copy is still pending: copy from that copy's source instead, so that
+          // no copy reads another copy's destination (the copies of one batch are independent).
+          const int32_t pending = pending_copies_.empty() ? -1 : pending_copy_source(last);
+          pending_copies_.emplace_back(pending >= 0 ? pending : last, copy);
+          ++counters_.cow_copies;
+          release_block(last);
+          t.blocks.back() = copy;
+        }
       }
+    }
+    const std::vector<int32_t>& table = seq.groups[0].blocks;
+    for (int64_t pos = len; pos < len + count; ++pos) {
       seq.tokens.push_back(*token_ids++);
-      *slots_out++ = int64_t(seq.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
+      *slots_out++ = int64_t(table[pos / block_size_]) * block_size_ + pos % block_size_;
     }
   }
 }
@@ -643,22 +752,32 @@ void BlockManager::truncate(const std::vector<int64_t>& seq_ids, const std::vect
   if (num_tokens.size() != seq_ids.size())
     throw ValueError(cat("truncate: ", seq_ids.size(), " seq_ids but ", num_tokens.size(), " num_tokens"));
   const std::vector<Sequence*> seqs = resolve(seq_ids.data(), seq_ids.size(), "truncate", /*unique=*/true);
-  for (size_t i = 0; i < seqs.size(); ++i)
+  for (size_t i = 0; i < seqs.size(); ++i) {
     if (num_tokens[i] < 1 || num_tokens[i] > static_cast<int64_t>(seqs[i]->tokens.size()))
       throw ValueError(cat("truncate: num_tokens=", num_tokens[i], " for ", seq_str(seq_ids[i]), " must be in [1, ",
                            seqs[i]->tokens.size(), "]"));
+    // A window never gives back what it released: rolling back below it would need those blocks again.
+    const int64_t computed = std::min(seqs[i]->num_computed, num_tokens[i]);
+    for (int32_t g = 0; g < num_groups(); ++g)
+      if (released_for(g, computed) < seqs[i]->groups[g].released)
+        throw ValueError(cat("truncate: num_tokens=", num_tokens[i], " for ", seq_str(seq_ids[i]),
+                             " would need KV that the sliding window of group ", g, " already released (",
+                             seqs[i]->groups[g].released, " blocks)"));
+  }
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence& seq = *seqs[i];
     const int64_t n = num_tokens[i];
     const size_t keep = static_cast<size_t>(blocks_for_tokens(n));
-    while (seq.block_table.size() > keep) {  // tail first; cached blocks stay cached
-      release_block(seq.block_table.back());
-      seq.block_table.pop_back();
+    const int32_t full = static_cast<int32_t>(n / block_size_);
+    for (GroupTable& t : seq.groups) {
+      while (t.blocks.size() > keep) {  // tail first; cached blocks stay cached
+        release_block(t.blocks.back());
+        t.blocks.pop_back();
+      }
+      t.num_registered = std::min(t.num_registered, full);
     }
     seq.tokens.resize(static_cast<size_t>(n));
     seq.num_computed = std::min(seq.num_computed, n);
-    const int32_t full = static_cast<int32_t>(n / block_size_);
-    seq.num_registered = std::min(seq.num_registered, full);
     if (static_cast<int32_t>(seq.block_hashes.size()) > full) seq.block_hashes.resize(static_cast<size_t>(full));
   }
 }
@@ -681,8 +800,9 @@ void BlockManager::free(int64_t seq_id) {
   if (it == seqs_.end()) throw KeyError(cat("free: unknown ", seq_str(seq_id), " (never allocated or already freed)"));
   const Sequence& seq = it->second;
   // Tail first: prefix blocks are freed last, so they are the last to be evicted.
-  for (auto b = seq.block_table.rbegin(); b != seq.block_table.rend(); ++b)
-    seq.swapped ? release_cpu_block(*b) : release_block(*b);
+  for (const GroupTable& t : seq.groups)
+    for (auto b = t.blocks.rbegin(); b != t.blocks.rend() - t.released; ++b)
+      seq.swapped ? release_cpu_block(*b) : release_block(*b);
   seqs_.erase(it);
 }
 
@@ -690,7 +810,8 @@ void BlockManager::fork(int64_t parent_seq_id, int64_t child_seq_id) {
   const Sequence& parent = get_resident(parent_seq_id, "fork");
   if (seqs_.count(child_seq_id)) throw ValueError(cat("fork: child ", seq_str(child_seq_id), " already exists"));
   Sequence child = parent;
-  for (int32_t b : child.block_table) ++gpu_ref_[b];
+  for (const GroupTable& t : child.groups)
+    for (size_t i = static_cast<size_t>(t.released); i < t.blocks.size(); ++i) ++gpu_ref_[t.blocks[i]];
   seqs_.emplace(child_seq_id, std::move(child));
 }
 
@@ -700,7 +821,7 @@ void BlockManager::fork(int64_t parent_seq_id, int64_t child_seq_id) {
 int32_t BlockManager::distinct_blocks(const std::vector<int64_t>& seq_ids, const char* what, Where where) const {
   std::unordered_set<int32_t> blocks;
   for (const Sequence* seq : resolve(seq_ids.data(), seq_ids.size(), what, /*unique=*/true, where))
-    blocks.insert(seq->block_table.begin(), seq->block_table.end());
+    for (const GroupTable& t : seq->groups) blocks.insert(t.blocks.begin() + t.released, t.blocks.end());
   return static_cast<int32_t>(blocks.size());
 }
 
@@ -714,25 +835,27 @@ std::vector<BlockPair> BlockManager::move_blocks(const std::vector<int64_t>& seq
     for (const BlockPair& p : pending_copies_) copy_source[p.second] = p.first;
   for (int64_t id : seq_ids) {
     Sequence& seq = get(id);
-    std::vector<int32_t> dst_table(seq.block_table.size());
-    for (size_t i = 0; i < seq.block_table.size(); ++i) {
-      auto [it, inserted] = src_to_dst.emplace(seq.block_table[i], 0);
-      if (inserted) {
-        it->second = to_cpu ? take_cpu_block() : take_free_block();
-        if (!to_cpu) block_retention_[it->second] = retention_of(seq, static_cast<int32_t>(i));
-        const auto pending = copy_source.find(seq.block_table[i]);
-        mapping.emplace_back(pending == copy_source.end() ? seq.block_table[i] : pending->second, it->second);
-      } else {
-        ++(to_cpu ? cpu_ref_ : gpu_ref_)[it->second];
-        if (!to_cpu) keep_stronger_retention(it->second, retention_of(seq, static_cast<int32_t>(i)));
+    for (GroupTable& t : seq.groups) {  // released entries stay pads: only held blocks move
+      std::vector<int32_t> dst_table(t.blocks.size(), kPad);
+      for (size_t i = static_cast<size_t>(t.released); i < t.blocks.size(); ++i) {
+        auto [it, inserted] = src_to_dst.emplace(t.blocks[i], 0);
+        if (inserted) {
+          it->second = to_cpu ? take_cpu_block() : take_free_block();
+          if (!to_cpu) block_retention_[it->second] = retention_of(seq, static_cast<int32_t>(i));
+          const auto pending = copy_source.find(t.blocks[i]);
+          mapping.emplace_back(pending == copy_source.end() ? t.blocks[i] : pending->second, it->second);
+        } else {
+          ++(to_cpu ? cpu_ref_ : gpu_ref_)[it->second];
+          if (!to_cpu) keep_stronger_retention(it->second, retention_of(seq, static_cast<int32_t>(i)));
+        }
+        dst_table[i] = it->second;
       }
-      dst_table[i] = it->second;
+      for (auto b = t.blocks.rbegin(); b != t.blocks.rend() - t.released; ++b)
+        to_cpu ? release_block(*b) : release_cpu_block(*b);
+      t.blocks = std::move(dst_table);
+      t.num_registered = 0;  // re-registered by mark_computed once the KV is back on the GPU
     }
-    for (auto b = seq.block_table.rbegin(); b != seq.block_table.rend(); ++b)
-      to_cpu ? release_block(*b) : release_cpu_block(*b);
-    seq.block_table = std::move(dst_table);
     seq.swapped = to_cpu;
-    seq.num_registered = 0;  // re-registered by mark_computed once the KV is back on the GPU
   }
   (to_cpu ? counters_.swapped_out_blocks : counters_.swapped_in_blocks) += static_cast<int64_t>(mapping.size());
   return mapping;
@@ -754,9 +877,9 @@ AllocStatus BlockManager::can_swap_in(const std::vector<int64_t>& seq_ids, int64
     throw ValueError(cat("can_swap_in: num_lookahead_slots must be in [0, ", kMaxTokensPerAppend, "], got ",
                          num_lookahead_slots));
   int32_t needed = distinct_blocks(seq_ids, "swap_in", Where::kSwapped);
-  for (const int64_t id : seq_ids) {  // room to append that many tokens once back
+  for (const int64_t id : seq_ids) {  // room to append that many tokens once back, in every group
     const int64_t len = static_cast<int64_t>(get(id).tokens.size());
-    needed += blocks_for_tokens(len + num_lookahead_slots) - blocks_for_tokens(len);
+    needed += (blocks_for_tokens(len + num_lookahead_slots) - blocks_for_tokens(len)) * num_groups();
   }
   if (needed > num_blocks_ - watermark_blocks_ - pinned_blocks_) return AllocStatus::kNever;
   return gpu_free_.size() - needed >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
@@ -773,41 +896,46 @@ std::vector<BlockPair> BlockManager::swap_in(const std::vector<int64_t>& seq_ids
 // ---------------------------------------------------------------------------------------------------
 // Queries for the model runner
 
-const std::vector<int32_t>& BlockManager::block_table(int64_t seq_id) const { return get(seq_id).block_table; }
+const std::vector<int32_t>& BlockManager::block_table(int64_t seq_id, int32_t group) const {
+  return get(seq_id).groups[group_arg(group, "block_table")].blocks;
+}
 
 int32_t BlockManager::block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
-                                   std::vector<int32_t>* out) const {
+                                   std::vector<int32_t>* out, int32_t group) const {
+  group_arg(group, "block_tables");
   const std::vector<const Sequence*> seqs = resolve(seq_ids, n, "block_tables", /*unique=*/false);
   size_t longest = 0;
-  for (const Sequence* seq : seqs) longest = std::max(longest, seq->block_table.size());
+  for (const Sequence* seq : seqs) longest = std::max(longest, seq->groups[group].blocks.size());
   const int32_t width = max_blocks ? *max_blocks : static_cast<int32_t>(longest);
   if (width < static_cast<int32_t>(longest))
     throw ValueError(cat("block_tables: max_blocks=", width, " is shorter than the longest block table (", longest,
                          " blocks)"));
-  if (width > std::max(num_blocks_, num_cpu_blocks_))
-    throw ValueError(cat("block_tables: max_blocks=", width, " is longer than any block table can be (",
-                         std::max(num_blocks_, num_cpu_blocks_), " blocks in the pool)"));
+  // A windowed table grows with the context (its released entries hold nothing), so only memory bounds it.
+  const int64_t limit = has_windows_ ? std::max<int64_t>(std::max(num_blocks_, num_cpu_blocks_), 1 << 24)
+                                     : std::max(num_blocks_, num_cpu_blocks_);
+  if (width > limit)
+    throw ValueError(cat("block_tables: max_blocks=", width, " is longer than any block table can be (", limit,
+                         has_windows_ ? " blocks)" : " blocks in the pool)"));
   out->resize(n * static_cast<size_t>(width));
   for (size_t i = 0; i < n; ++i) {
-    const std::vector<int32_t>& table = seqs[i]->block_table;
+    const GroupTable& t = seqs[i]->groups[group];
     int32_t* row = out->data() + i * static_cast<size_t>(width);
-    std::copy(table.begin(), table.end(), row);
-    std::fill(row + table.size(), row + width, pad);
+    std::fill(row, row + t.released, pad);
+    std::copy(t.blocks.begin() + t.released, t.blocks.end(), row + t.released);
+    std::fill(row + t.blocks.size(), row + width, pad);
   }
   return width;
 }
 
-void BlockManager::slot_mapping(int64_t seq_id, int64_t start, int64_t end, int64_t* out) const {
-  const Sequence& seq = get_resident(seq_id, "slot_mapping");
-  const int64_t len = static_cast<int64_t>(seq.tokens.size());
-  if (start < 0 || start > end || end > len)
-    throw ValueError(cat("slot_mapping: need 0 <= start <= end <= ", len, " for ", seq_str(seq_id), ", got start=",
-                         start, " end=", end));
-  write_slots(seq.block_table, block_size_, start, end, out);
+void BlockManager::slot_mapping(int64_t seq_id, int64_t start, int64_t end, int64_t* out, int32_t group) const {
+  std::vector<int64_t> slots;
+  slot_mappings(&seq_id, &start, &end, 1, &slots, "slot_mapping", group);
+  std::copy(slots.begin(), slots.end(), out);
 }
 
 void BlockManager::slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
-                                 std::vector<int64_t>* out, const char* what) const {
+                                 std::vector<int64_t>* out, const char* what, int32_t group) const {
+  group_arg(group, what);
   const std::vector<const Sequence*> seqs = resolve(seq_ids, n, what, /*unique=*/false);
   size_t total = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -816,13 +944,17 @@ void BlockManager::slot_mappings(const int64_t* seq_ids, const int64_t* starts, 
     if (starts[i] < 0 || starts[i] > end || end > len)
       throw ValueError(cat(what, ": positions [", starts[i], ", ", end, ") are not inside [0, ", len, "] for ",
                            seq_str(seq_ids[i]), " (need 0 <= start <= end <= length)"));
+    const int64_t first_held = int64_t(seqs[i]->groups[group].released) * block_size_;
+    if (starts[i] < end && starts[i] < first_held)
+      throw ValueError(cat(what, ": position ", starts[i], " of ", seq_str(seq_ids[i]), " is in a block that the ",
+                           "sliding window of group ", group, " released (positions before ", first_held, ")"));
     total += static_cast<size_t>(end - starts[i]);
   }
   out->resize(total);
   int64_t* p = out->data();
   for (size_t i = 0; i < n; ++i) {
     const int64_t end = ends ? ends[i] : static_cast<int64_t>(seqs[i]->tokens.size());
-    p = write_slots(seqs[i]->block_table, block_size_, starts[i], end, p);
+    p = write_slots(seqs[i]->groups[group].blocks, block_size_, starts[i], end, p);
   }
 }
 
@@ -836,7 +968,7 @@ std::vector<int64_t> BlockManager::token_ids(int64_t seq_id) const { return get(
 
 std::optional<uint64_t> BlockManager::parent_hash(PrefixCache::NodeId node) const {
   const PrefixCache::NodeId parent = cache_.node(node).parent;
-  if (parent == PrefixCache::kRoot) return std::nullopt;
+  if (PrefixCache::is_root(parent)) return std::nullopt;
   return cache_.node(parent).hash;
 }
 
@@ -885,8 +1017,9 @@ std::vector<KvEvent> BlockManager::take_events() {
 std::vector<std::pair<uint64_t, std::optional<uint64_t>>> BlockManager::cached_blocks() const {
   std::vector<std::pair<uint64_t, std::optional<uint64_t>>> out;
   out.reserve(static_cast<size_t>(cache_.num_registered()));
-  for (PrefixCache::NodeId id : cache_.live_nodes())
-    if (cache_.node(id).block != PrefixCache::kNoBlock) out.emplace_back(cache_.node(id).hash, parent_hash(id));
+  for (PrefixCache::NodeId id : cache_.live_nodes())  // group 0's, as the events
+    if (cache_.node(id).block != PrefixCache::kNoBlock && cache_.node(id).root == PrefixCache::kRoot)
+      out.emplace_back(cache_.node(id).hash, parent_hash(id));
   return out;
 }
 
@@ -930,7 +1063,8 @@ void BlockManager::reset_prefix_cache() {
   for (int32_t b = 0; b < num_blocks_; ++b) block_node_[b] = PrefixCache::kNoNode;
   cache_.clear();
   cached_free_blocks_ = 0;
-  for (auto& kv : seqs_) kv.second.num_registered = 0;
+  for (auto& kv : seqs_)
+    for (GroupTable& t : kv.second.groups) t.num_registered = 0;
   // Nothing is cached any more: pins (which keep cached KV) let go, and free blocks go to level 0 in
   // their eviction order, at the default priority.
   std::vector<int64_t> pinned_ids;
@@ -957,28 +1091,50 @@ void BlockManager::check_invariants() const {
   std::vector<int32_t> gpu_uses(num_blocks_, 0), cpu_uses(num_cpu_blocks_, 0);
   for (const auto& [id, seq] : seqs_) {
     const int64_t len = static_cast<int64_t>(seq.tokens.size());
-    if (static_cast<int64_t>(seq.block_table.size()) != blocks_for_tokens(len))
-      fail(cat(seq_str(id), " has ", seq.block_table.size(), " blocks for ", len, " tokens"));
     if (seq.num_computed < 0 || seq.num_computed > len)
       fail(cat(seq_str(id), " has num_computed=", seq.num_computed, " outside [0, ", len, "]"));
-    if (int64_t(seq.num_registered) * block_size_ > seq.num_computed)
-      fail(cat(seq_str(id), " registered ", seq.num_registered, " blocks beyond its computed tokens"));
-    for (int32_t b : seq.block_table) {
-      const int32_t limit = seq.swapped ? num_cpu_blocks_ : num_blocks_;
-      if (b < 0 || b >= limit) fail(cat(seq_str(id), " holds out-of-range block ", b));
-      ++(seq.swapped ? cpu_uses : gpu_uses)[b];
-    }
-    // Registered blocks carry exactly this sequence's content and prefix.
-    PrefixCache::NodeId parent = PrefixCache::kRoot;
-    for (int32_t i = 0; i < seq.num_registered && !seq.swapped; ++i) {
-      const PrefixCache::NodeId node = block_node_[seq.block_table[i]];
-      if (node == PrefixCache::kNoNode) fail(cat(seq_str(id), " block ", i, " is registered but has no content tag"));
-      const auto& n = cache_.node(node);
-      const int64_t* block_tokens = seq.tokens.data() + int64_t(i) * block_size_;
-      if (n.parent != parent || !std::equal(block_tokens, block_tokens + block_size_, cache_.tokens(node)) ||
-          (i == 0 && n.salt != seq.salt))
-        fail(cat(seq_str(id), " block ", i, " is tagged with content that differs from its tokens or prefix"));
-      parent = node;
+    if (static_cast<int32_t>(seq.groups.size()) != num_groups())
+      fail(cat(seq_str(id), " has ", seq.groups.size(), " group tables for ", num_groups(), " groups"));
+    for (int32_t g = 0; g < static_cast<int32_t>(seq.groups.size()); ++g) {
+      const GroupTable& t = seq.groups[g];
+      const std::string where = cat(seq_str(id), " group ", g);
+      if (static_cast<int64_t>(t.blocks.size()) != blocks_for_tokens(len))
+        fail(cat(where, " has ", t.blocks.size(), " blocks for ", len, " tokens"));
+      if (t.released != released_for(g, seq.num_computed))
+        fail(cat(where, " released ", t.released, " blocks but its window releases ",
+                 released_for(g, seq.num_computed), " at ", seq.num_computed, " computed tokens"));
+      // Held: at most the window's blocks, the block being written and the tokens not yet computed.
+      if (windows_[g] != kFullAttention &&
+          static_cast<int64_t>(t.blocks.size()) - t.released >
+              (windows_[g] + block_size_ - 2) / block_size_ + 1 + blocks_for_tokens(len - seq.num_computed))
+        fail(cat(where, " holds ", t.blocks.size() - t.released, " blocks, more than its window needs"));
+      if (int64_t(t.num_registered) * block_size_ > seq.num_computed)
+        fail(cat(where, " registered ", t.num_registered, " blocks beyond its computed tokens"));
+      for (int32_t i = 0; i < t.released; ++i)
+        if (t.blocks[i] != kPad) fail(cat(where, " released entry ", i, " holds ", t.blocks[i], " instead of the pad"));
+      for (size_t i = static_cast<size_t>(t.released); i < t.blocks.size(); ++i) {
+        const int32_t b = t.blocks[i];
+        const int32_t limit = seq.swapped ? num_cpu_blocks_ : num_blocks_;
+        if (b < 0 || b >= limit) fail(cat(where, " holds out-of-range block ", b));
+        ++(seq.swapped ? cpu_uses : gpu_uses)[b];
+      }
+      // Registered held blocks carry exactly this sequence's content, and their chain its prefix, from
+      // the group's root.
+      const int32_t last = t.num_registered - 1;
+      if (seq.swapped || last < t.released) continue;
+      PrefixCache::NodeId node = block_node_[t.blocks[last]];
+      for (int32_t i = last; i >= 0; --i) {
+        if (node == PrefixCache::kNoNode || PrefixCache::is_root(node))
+          fail(cat(where, " block ", i, " is registered but its chain has no content there"));
+        if (i >= t.released && block_node_[t.blocks[i]] != node)
+          fail(cat(where, " block ", i, " is tagged with content other than its chain's"));
+        const auto& n = cache_.node(node);
+        const int64_t* block_tokens = seq.tokens.data() + int64_t(i) * block_size_;
+        if (!std::equal(block_tokens, block_tokens + block_size_, cache_.tokens(node)) || (i == 0 && n.salt != seq.salt))
+          fail(cat(where, " block ", i, " is tagged with content that differs from its tokens or prefix"));
+        node = n.parent;
+      }
+      if (node != PrefixCache::root(g)) fail(cat(where, "'s registered chain does not start at the group's root"));
     }
   }
   // Pins: each holds distinct blocks, counted in pin_count_ and as one reference.
@@ -1049,7 +1205,10 @@ void BlockManager::check_invariants() const {
   int32_t registered = 0;
   for (PrefixCache::NodeId id : live) {
     const auto& n = cache_.node(id);
-    if (n.parent != PrefixCache::kRoot) ++refs[n.parent];
+    if (!PrefixCache::is_root(n.parent)) ++refs[n.parent];
+    if (n.root > PrefixCache::kRoot || n.root < PrefixCache::root(num_groups() - 1) ||
+        n.root != (PrefixCache::is_root(n.parent) ? n.parent : cache_.node(n.parent).root))
+      fail(cat("prefix-cache node ", id, " has root ", n.root, " which is not its chain's group root"));
     if (!cache_.indexed(id)) fail(cat("prefix-cache node ", id, " is missing from the hash index"));
     if (n.block != PrefixCache::kNoBlock) {
       ++registered;

@@ -88,8 +88,17 @@ class BlockManager {
                bool enable_prefix_caching = true, double watermark = 0.0,
                HashAlgo hash_algo = HashAlgo::kXXH64, bool enable_events = false,
                int64_t max_pending_events = kDefaultMaxPendingEvents, int32_t default_priority = kDefaultPriority,
-               int32_t decode_priority = kDefaultPriority, double max_pinned_fraction = kDefaultMaxPinnedFraction);
+               int32_t decode_priority = kDefaultPriority, double max_pinned_fraction = kDefaultMaxPinnedFraction,
+               std::vector<int64_t> group_windows = {kFullAttention});
   static constexpr int64_t kDefaultMaxPendingEvents = 1 << 16;
+  // Groups of layers (hybrid models): each has its own block table per sequence and a window in tokens
+  // (kFullAttention: none). The token at position p attends to positions (p - window, p], so once the
+  // KV of the first n tokens is computed, the leading max(0, n - window + 1) / block_size blocks of a
+  // windowed group are never read again: mark_computed releases them from its table, which keeps a pad
+  // (kPad) in their place.
+  static constexpr int64_t kFullAttention = 0;
+  static constexpr int32_t kPad = 0;
+  static constexpr int32_t kMaxGroups = 64;
   static constexpr double kDefaultMaxPinnedFraction = 0.5;
 
   AllocStatus can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt = {}) const;
@@ -132,6 +141,7 @@ class BlockManager {
 
   // Room for every sequence to append 1 + num_lookahead_slots tokens now.
   bool can_append(const int64_t* seq_ids, size_t n, int64_t num_lookahead_slots = 0) const;
+  // Appends to every group's table; the slots returned are group 0's (slot_mappings(group=g) for the others).
   int64_t append_token(int64_t seq_id, int64_t token_id);
   void append_tokens(const int64_t* seq_ids, const int64_t* token_ids, size_t n, int64_t* slots_out);
   // Sequence i appends counts[i] tokens (one each when counts is null), the next ones of token_ids;
@@ -159,15 +169,25 @@ class BlockManager {
   AllocStatus can_swap_in(const std::vector<int64_t>& seq_ids, int64_t num_lookahead_slots = 0) const;
   std::vector<BlockPair> swap_in(const std::vector<int64_t>& seq_ids);   // (cpu, gpu)
 
-  const std::vector<int32_t>& block_table(int64_t seq_id) const;
-  // Rows of block ids padded with `pad` to max_blocks (default: the longest table); returns the width.
+  // Group `group`'s table: released entries hold kPad.
+  const std::vector<int32_t>& block_table(int64_t seq_id, int32_t group = 0) const;
+  // Rows of block ids padded with `pad` to max_blocks (default: the longest table); released entries are
+  // `pad` too. Returns the width.
   int32_t block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
-                       std::vector<int32_t>* out) const;
-  void slot_mapping(int64_t seq_id, int64_t start, int64_t end, int64_t* out) const;
+                       std::vector<int32_t>* out, int32_t group = 0) const;
+  void slot_mapping(int64_t seq_id, int64_t start, int64_t end, int64_t* out, int32_t group = 0) const;
   // Concatenated slots of positions [starts[i], ends[i]) (ends null: each sequence's length). Validates
-  // every range before it writes (or allocates) anything.
+  // every range before it writes (or allocates) anything; a position whose block the window released
+  // is a ValueError.
   void slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
-                     std::vector<int64_t>* out, const char* what = "slot_mappings") const;
+                     std::vector<int64_t>* out, const char* what = "slot_mappings", int32_t group = 0) const;
+  // Leading entries of the sequence's table in `group` that the window released.
+  int32_t num_released_blocks(int64_t seq_id, int32_t group = 0) const;
+  // Blocks a sequence of num_tokens tokens, the first num_computed of them computed, holds over all groups.
+  int64_t blocks_held(int64_t num_tokens, int64_t num_computed = 0) const;
+  int32_t num_groups() const { return static_cast<int32_t>(windows_.size()); }
+  const std::vector<int64_t>& group_windows() const { return windows_; }
+  bool has_windows() const { return has_windows_; }
   int64_t num_tokens(int64_t seq_id) const;
   int64_t num_computed_tokens(int64_t seq_id) const;
   bool is_swapped(int64_t seq_id) const;
@@ -196,12 +216,17 @@ class BlockManager {
   void check_invariants() const;  // throws InvariantError naming the first violation
 
  private:
+  // One group's block table of a sequence.
+  struct GroupTable {
+    std::vector<int32_t> blocks;        // GPU block ids, or CPU block ids while swapped; [0, released): kPad
+    int32_t released = 0;               // leading entries the window released
+    int32_t num_registered = 0;         // leading full blocks registered in the prefix cache (or released)
+  };
   struct Sequence {
     std::vector<int64_t> tokens;
-    std::vector<int32_t> block_table;   // GPU block ids, or CPU block ids while swapped
-    std::vector<uint64_t> block_hashes; // hashes of leading full blocks, filled lazily
+    std::vector<GroupTable> groups;     // one per group of layers
+    std::vector<uint64_t> block_hashes; // hashes of leading full blocks, filled lazily (shared by groups)
     int64_t num_computed = 0;           // tokens whose KV is written
-    int32_t num_registered = 0;         // leading full blocks registered in the prefix cache
     std::string salt;
     bool swapped = false;
     int64_t prompt_len = 0;
@@ -242,18 +267,34 @@ class BlockManager {
   int32_t blocks_for_tokens(int64_t num_tokens) const {
     return static_cast<int32_t>((num_tokens + block_size_ - 1) / block_size_);
   }
-  // Longest run of leading blocks (at most ceil(n/bs) - 1) whose content is cached.
-  std::vector<int32_t> match_prefix(const int64_t* tokens, size_t num_tokens, std::string_view salt,
-                                    std::vector<uint64_t>* hashes) const;
+  // Entries of a windowed group's table released once num_computed tokens are computed.
+  int64_t released_for(int32_t group, int64_t num_computed) const {
+    const int64_t w = windows_[group];
+    if (w == kFullAttention || num_computed < w) return 0;
+    return (num_computed - w + 1) / block_size_;
+  }
+  // A prefix-cache hit: the leading num_blocks blocks (at most ceil(n/bs) - 1) are computed, and every
+  // group holds the cached blocks its window needs, [released_for(g, num_blocks * bs), num_blocks).
+  struct PrefixMatch {
+    int32_t num_blocks = 0;
+    std::vector<std::vector<int32_t>> held;  // per group
+    std::vector<uint64_t> hashes;            // of the num_blocks blocks
+  };
+  PrefixMatch match_prefix(const int64_t* tokens, size_t num_tokens, std::string_view salt) const;
   // Cached: allocate() right after can_allocate() for the same prompt reuses the lookup.
-  const std::vector<int32_t>& match_prefix_memo(const int64_t* tokens, size_t num_tokens, std::string_view salt,
-                                                const std::vector<uint64_t>** hashes) const;
+  const PrefixMatch& match_prefix_memo(const int64_t* tokens, size_t num_tokens, std::string_view salt) const;
+  int32_t from_free_for(const PrefixMatch& m, int32_t num_blocks) const;  // free blocks allocate takes
+  int32_t group_arg(int32_t group, const char* what) const;  // validated
+  // The prefix-cache node of the sequence's block i in group g, created (with its ancestors, without KV)
+  // when missing: the parent of a block registered after the one before it was released.
+  PrefixCache::NodeId chain_node(Sequence& seq, int32_t group, int32_t i);
+  void release_out_of_window(Sequence& seq);
   int32_t blocks_needed_to_append(const Sequence* const* seqs, size_t n, const int64_t* counts, int64_t extra) const;
   bool must_copy_before_write(int32_t block) const;
   int32_t distinct_blocks(const std::vector<int64_t>& seq_ids, const char* what, Where where) const;
   std::vector<BlockPair> move_blocks(const std::vector<int64_t>& seq_ids, bool to_cpu);  // swap out / in
   uint64_t block_hash(Sequence& seq, int32_t index);  // computed lazily, kept in seq
-  void register_computed_blocks(Sequence& seq);
+  void register_computed_blocks(Sequence& seq, int32_t group);
 
   int32_t take_free_block();         // pops the LRU free block, evicting its cached content
   void release_block(int32_t block); // drops one reference; at zero the block joins the free list
@@ -269,6 +310,8 @@ class BlockManager {
   void release_cpu_block(int32_t block);
 
   int32_t num_blocks_, block_size_, num_cpu_blocks_, watermark_blocks_;
+  std::vector<int64_t> windows_;  // per group, kFullAttention or tokens
+  bool has_windows_ = false;
   bool prefix_caching_;
   HashAlgo hash_algo_;
 
@@ -285,8 +328,7 @@ class BlockManager {
     uint64_t cache_version = ~uint64_t(0);
     std::vector<int64_t> tokens;
     std::string salt;
-    std::vector<int32_t> hits;
-    std::vector<uint64_t> hashes;
+    PrefixMatch match;
   };
   mutable MatchMemo memo_;
   BlockManagerStats counters_;

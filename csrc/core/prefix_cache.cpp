@@ -52,12 +52,13 @@ PrefixCache::NodeId PrefixCache::create(uint64_t hash, NodeId parent, const int6
   Node& n = nodes_[id];
   n.hash = hash;
   n.parent = parent;
+  n.root = PrefixCache::is_root(parent) ? parent : nodes_[parent].root;
   std::copy(block_tokens, block_tokens + block_size_, token_pool_.begin() + int64_t(id) * block_size_);
   n.salt.assign(salt);
   n.block = kNoBlock;
   n.refs = 0;
   live_[id] = true;
-  if (parent != kRoot) add_ref(parent);
+  if (!is_root(parent)) add_ref(parent);
   NodeId& head = bucket(hash);
   n.next = head;
   head = id;
@@ -73,7 +74,7 @@ void PrefixCache::set_block(NodeId id, int32_t block) {
 }
 
 void PrefixCache::release(NodeId id) {
-  while (id != kRoot && --nodes_[id].refs == 0) {
+  while (!is_root(id) && --nodes_[id].refs == 0) {
     Node& n = nodes_[id];
     unlink(id);
     --num_live_;

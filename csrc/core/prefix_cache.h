@@ -15,12 +15,16 @@ class PrefixCache {
  public:
   using NodeId = int32_t;
   static constexpr NodeId kNoNode = -1;   // no node (an empty bucket, an untagged block)
-  static constexpr NodeId kRoot = -2;     // the parent of every block 0: not a node
+  static constexpr NodeId kRoot = -2;     // the parent of every block 0 of group 0: not a node
+  // Each group of layers has its own root (kRoot - group), so groups never hit each other's blocks.
+  static constexpr NodeId root(int32_t group) { return kRoot - group; }
+  static constexpr bool is_root(NodeId id) { return id <= kRoot; }
   static constexpr int32_t kNoBlock = -1; // no physical block holds a node's KV
 
   struct Node {
     uint64_t hash = 0;
     NodeId parent = kRoot;
+    NodeId root = kRoot;     // the root this node's chain starts from (its group)
     std::string salt;        // block 0 only
     int32_t block = kNoBlock;  // physical block registered for this content, or kNoBlock
     int32_t refs = 0;        // blocks tagged with this node + child nodes; freed at 0

@@ -1,6 +1,7 @@
-// CPU paged attention, torch glue: checks, the plan of work items (sequence x KV head x query chunk,
-// split over the keys when there are too few items for the threads), the run of one ISA copy of the
-// kernels (ops/cpu/) with at::parallel_for, and the merge of split-K partitions.
+// CPU paged attention, torch glue: checks, the plan of work items (a decode sequence over all its KV
+// heads, a prefill sequence per KV head x query chunk; split over the keys or the heads when there are
+// too few items for the threads), the run of one ISA copy of the kernels (ops/cpu/) with
+// at::parallel_for, and the merge of split-K partitions.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -82,31 +83,13 @@ void run_work_items(Isa isa, const AttentionParams& a, const std::vector<WorkIte
   });
 }
 
-// Single-query items of one sequence fold into one item over all its KV heads when there are
-// enough sequences to keep the threads busy (at least target_items of them): a block's rows for
-// those heads are adjacent in memory.
-std::vector<WorkItem> merge_decode_heads(std::vector<WorkItem> items, const AttentionShape& shape,
-                                         int64_t target_items) {
-  if (shape.num_kv_heads == 1 || shape.num_seqs < target_items) return items;
-  std::vector<WorkItem> merged;
-  merged.reserve(items.size());
-  for (const WorkItem& item : items) {
-    const bool fold = item.kernel == Kernel::kDecode && item.num_parts == 1;
-    if (fold && !merged.empty() && merged.back().kernel == Kernel::kDecode && merged.back().seq == item.seq &&
-        merged.back().num_parts == 1 && merged.back().kv_head + merged.back().kv_head_count == item.kv_head) {
-      ++merged.back().kv_head_count;
-    } else {
-      merged.push_back(item);
-    }
-  }
-  return merged;
-}
-
-// Work items: one per (sequence, KV head, chunk of queries); when there are fewer items than
-// kItemsPerThread per thread, long key ranges are split into partitions merged afterwards.
+// Work items. A decode sequence is one item over all its KV heads (a block's rows for those heads are
+// adjacent in memory); a prefill sequence gives one item per (KV head, chunk of queries). With fewer
+// items than kItemsPerThread per thread, long key ranges are split into partitions merged afterwards
+// (split-K), and decode sequences too short to split are divided over their KV heads instead.
 std::vector<WorkItem> plan_work(const AttentionShape& shape, const int32_t* seq_lens, const int32_t* qsl,
                                 int64_t sliding_window, int64_t* num_partial_rows) {
-  const int64_t G = shape.num_q_heads / shape.num_kv_heads;
+  const int64_t G = shape.num_q_heads / shape.num_kv_heads, Hkv = shape.num_kv_heads;
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < shape.num_seqs; ++b) {
     const int64_t q_len = qsl[b + 1] - qsl[b];
@@ -116,10 +99,12 @@ std::vector<WorkItem> plan_work(const AttentionShape& shape, const int32_t* seq_
       const int64_t q_count = std::min(q_chunk, q_len - q0);
       const KeyRange keys{visible_keys(query_position(seq_lens[b], q_len, q0), sliding_window).begin,
                           query_position(seq_lens[b], q_len, q0 + q_count - 1) + 1};
-      const Kernel kernel = q_count == 1 && shape.head_dim % cpu::kDecodeDimAlign == 0 ? Kernel::kDecode
-                            : gemm                                                     ? Kernel::kPrefillGemm
-                                                                                       : Kernel::kPrefillRows;
-      for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
+      if (q_count == 1 && shape.head_dim % cpu::kDecodeDimAlign == 0) {
+        items.push_back(WorkItem{int32_t(b), 0, int32_t(q0), 1, int32_t(Hkv), 0, 1, 0, keys, Kernel::kDecode});
+        continue;
+      }
+      const Kernel kernel = gemm ? Kernel::kPrefillGemm : Kernel::kPrefillRows;
+      for (int64_t h = 0; h < Hkv; ++h) {
         items.push_back(WorkItem{int32_t(b), int32_t(h), int32_t(q0), int32_t(q_count), 1, 0, 1, 0, keys, kernel});
       }
     }
@@ -131,22 +116,32 @@ std::vector<WorkItem> plan_work(const AttentionShape& shape, const int32_t* seq_
   for (const WorkItem& item : items) {
     const int64_t num_keys = item.keys.end - item.keys.begin;
     const int64_t parts = num_partitions(num_keys, num_items, target_items);
-    if (parts == 1) {
-      split.push_back(item);
-      continue;
+    // Head groups for decode items that key splitting leaves short of the target.
+    const int64_t head_groups =
+        item.kernel == Kernel::kDecode && num_items * parts < target_items
+            ? std::min<int64_t>(item.kv_head_count, ceil_div(target_items, num_items * parts))
+            : 1;
+    for (int64_t hg = 0; hg < head_groups; ++hg) {
+      WorkItem group = item;
+      group.kv_head = int32_t(item.kv_head + hg * item.kv_head_count / head_groups);
+      group.kv_head_count = int32_t(item.kv_head + (hg + 1) * item.kv_head_count / head_groups - group.kv_head);
+      if (parts == 1) {
+        split.push_back(group);
+        continue;
+      }
+      const int64_t part_size = partition_size(num_keys, parts);
+      for (int64_t p = 0; p < parts; ++p) {
+        WorkItem piece = group;
+        piece.part = int32_t(p);
+        piece.num_parts = int32_t(parts);
+        piece.partial_row = *num_partial_rows;
+        piece.keys = partition_keys(group.keys, p, parts, part_size);
+        split.push_back(piece);
+      }
+      *num_partial_rows += parts * group.rows(G);
     }
-    const int64_t part_size = partition_size(num_keys, parts);
-    for (int64_t p = 0; p < parts; ++p) {
-      WorkItem piece = item;
-      piece.part = int32_t(p);
-      piece.num_parts = int32_t(parts);
-      piece.partial_row = *num_partial_rows;
-      piece.keys = partition_keys(item.keys, p, parts, part_size);
-      split.push_back(piece);
-    }
-    *num_partial_rows += parts * item.rows(G);
   }
-  return merge_decode_heads(std::move(split), shape, target_items);
+  return split;
 }
 
 // Folds the partitions of every split item into the final output (OnlineSoftmax::add_partial).
