@@ -225,7 +225,6 @@ class BlockManager {
   struct Sequence {
     std::vector<int64_t> tokens;
     std::vector<GroupTable> groups;     // one per group of layers
-    std::vector<uint64_t> block_hashes; // hashes of leading full blocks, filled lazily (shared by groups)
     int64_t num_computed = 0;           // tokens whose KV is written
     std::string salt;
     bool swapped = false;
@@ -277,13 +276,18 @@ class BlockManager {
   // group holds the cached blocks its window needs, [released_for(g, num_blocks * bs), num_blocks).
   struct PrefixMatch {
     int32_t num_blocks = 0;
-    std::vector<std::vector<int32_t>> held;  // per group
-    std::vector<uint64_t> hashes;            // of the num_blocks blocks
+    std::vector<std::vector<int32_t>> held;   // per group
+    std::vector<std::vector<int32_t>> chain;  // per group: scratch of the walk (kept for its capacity)
   };
-  PrefixMatch match_prefix(const int64_t* tokens, size_t num_tokens, std::string_view salt) const;
+  void match_prefix(const int64_t* tokens, size_t num_tokens, std::string_view salt, PrefixMatch* out) const;
   // Cached: allocate() right after can_allocate() for the same prompt reuses the lookup.
   const PrefixMatch& match_prefix_memo(const int64_t* tokens, size_t num_tokens, std::string_view salt) const;
   int32_t from_free_for(const PrefixMatch& m, int32_t num_blocks) const;  // free blocks allocate takes
+  bool never_fits(int64_t num_tokens) const;  // more blocks than the pool can ever give one prompt
+  AllocStatus fits(int64_t num_tokens, const PrefixMatch& m) const;  // can_allocate, given the lookup
+  // allocate() once the prompt's lookup m is done and fits; the arguments are validated.
+  int64_t admit(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt,
+                const std::vector<RetentionRange>& retention, const PrefixMatch& m);
   int32_t group_arg(int32_t group, const char* what) const;  // validated
   // The prefix-cache node of the sequence's block i in group g, created (with its ancestors, without KV)
   // when missing: the parent of a block registered after the one before it was released.
@@ -293,7 +297,6 @@ class BlockManager {
   bool must_copy_before_write(int32_t block) const;
   int32_t distinct_blocks(const std::vector<int64_t>& seq_ids, const char* what, Where where) const;
   std::vector<BlockPair> move_blocks(const std::vector<int64_t>& seq_ids, bool to_cpu);  // swap out / in
-  uint64_t block_hash(Sequence& seq, int32_t index);  // computed lazily, kept in seq
   void register_computed_blocks(Sequence& seq, int32_t group);
 
   int32_t take_free_block();         // pops the LRU free block, evicting its cached content
