@@ -581,10 +581,12 @@ PYBIND11_MODULE(_C, m) {
               stop.emplace(ends, "ends");
               if (stop->size != ids.size) throw ValueError("slot_mappings: seq_ids and ends differ in length");
             }
-            std::vector<int64_t> slots;
-            bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, &slots, "slot_mappings", group);
-            const auto n = static_cast<int64_t>(slots.size());
-            return to_tensor(std::move(slots), {n}, torch::kInt64);
+            torch::Tensor slots;
+            bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, [&slots](size_t total) {
+              slots = torch::empty({static_cast<int64_t>(total)}, torch::kInt64);
+              return slots.data_ptr<int64_t>();
+            }, "slot_mappings", group);
+            return slots;
           },
           py::arg("seq_ids"), py::arg("starts"), py::arg("ends") = py::none(), py::kw_only(), py::arg("group") = 0,
           "Concatenated slots of positions [starts[i], ends[i]) of each sequence (default end: its length); "

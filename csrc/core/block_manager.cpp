@@ -940,6 +940,14 @@ void BlockManager::slot_mapping(int64_t seq_id, int64_t start, int64_t end, int6
 
 void BlockManager::slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
                                  std::vector<int64_t>* out, const char* what, int32_t group) const {
+  slot_mappings(seq_ids, starts, ends, n, [out](size_t total) {
+    out->resize(total);
+    return out->data();
+  }, what, group);
+}
+
+void BlockManager::slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
+                                 const std::function<int64_t*(size_t)>& out, const char* what, int32_t group) const {
   group_arg(group, what);
   const std::vector<const Sequence*> seqs = resolve(seq_ids, n, what, /*unique=*/false);
   size_t total = 0;
@@ -955,8 +963,7 @@ void BlockManager::slot_mappings(const int64_t* seq_ids, const int64_t* starts, 
                            "sliding window of group ", group, " released (positions before ", first_held, ")"));
     total += static_cast<size_t>(end - starts[i]);
   }
-  out->resize(total);
-  int64_t* p = out->data();
+  int64_t* p = out(total);
   for (size_t i = 0; i < n; ++i) {
     const int64_t end = ends ? ends[i] : static_cast<int64_t>(seqs[i]->tokens.size());
     p = write_slots(seqs[i]->groups[group].blocks, block_size_, starts[i], end, p);

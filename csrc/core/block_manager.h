@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
@@ -181,6 +182,11 @@ class BlockManager {
   // is a ValueError.
   void slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
                      std::vector<int64_t>* out, const char* what = "slot_mappings", int32_t group = 0) const;
+  // The same, written into out(total): a buffer for `total` slots that the caller allocates once the
+  // ranges are validated (e.g. a tensor's storage, no copy).
+  void slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
+                     const std::function<int64_t*(size_t)>& out, const char* what = "slot_mappings",
+                     int32_t group = 0) const;
   // Leading entries of the sequence's table in `group` that the window released.
   int32_t num_released_blocks(int64_t seq_id, int32_t group = 0) const;
   // Blocks a sequence of num_tokens tokens, the first num_computed of them computed, holds over all groups.
