@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -74,12 +75,23 @@ void copy_strided(const char* base, Py_ssize_t stride, size_t n, int64_t* out, c
   }
 }
 
+// Releases a buffer taken with PyObject_GetBuffer (the GIL is held: Int64Arrays live inside a binding).
+struct BufferRelease {
+  void operator()(Py_buffer* view) const {
+    PyBuffer_Release(view);
+    delete view;
+  }
+};
+
 // A 1-D int64 view of the integers a caller passes: a list or tuple of ints, a 1-D integer tensor, or any
 // 1-D integer buffer (numpy arrays, array.array, memoryview), the last two converted without a Python
-// call per element. Floats, bools and strings are a TypeError; values outside int64 an OverflowError.
+// call per element. Contiguous native int64 arrays and CPU tensors are read in place (zero-copy, for the
+// duration of the call: the core copies what it keeps); other dtypes and strided views are converted.
+// Floats, bools and strings are a TypeError; values outside int64 an OverflowError.
 struct Int64Array {
   std::vector<int64_t> storage;
   torch::Tensor tensor;
+  std::unique_ptr<Py_buffer, BufferRelease> buffer;  // the caller's buffer, when read in place
   const int64_t* data = nullptr;
   size_t size = 0;
 
@@ -109,6 +121,12 @@ struct Int64Array {
       throw py::type_error(std::string(name) + " must hold integers, got dtype " + std::string(c10::toString(st)));
     if (!(t.device().is_cpu() || t.device().is_cuda()))
       throw ValueError(std::string(name) + " must be a CPU or CUDA tensor, got device " + t.device().str());
+    if (st == at::kLong && t.device().is_cpu() && t.is_contiguous()) {  // in place: no dispatcher call
+      tensor = t;
+      data = t.data_ptr<int64_t>();
+      size = static_cast<size_t>(t.numel());
+      return;
+    }
     if (st == at::kUInt64) {
       const torch::Tensor cpu = t.cpu().contiguous();
       storage.resize(static_cast<size_t>(cpu.numel()));
@@ -123,9 +141,10 @@ struct Int64Array {
   }
 
   void from_buffer(const py::handle& obj, const char* name) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_RECORDS_RO) != 0) throw py::error_already_set();
-    std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> release(&view, PyBuffer_Release);
+    std::unique_ptr<Py_buffer> taken(new Py_buffer);
+    if (PyObject_GetBuffer(obj.ptr(), taken.get(), PyBUF_RECORDS_RO) != 0) throw py::error_already_set();
+    buffer.reset(taken.release());
+    const Py_buffer& view = *buffer;
     if (view.ndim != 1)
       throw ValueError(std::string(name) + " must be 1-D, got an array with " + std::to_string(view.ndim) + " dimensions");
     std::string_view fmt = view.format ? view.format : "B";
@@ -135,9 +154,14 @@ struct Int64Array {
     if (!is_signed && !is_unsigned)
       throw py::type_error(std::string(name) + " must hold native-endian integers, got an array of format '" +
                            std::string(view.format ? view.format : "B") + "'");
-    storage.resize(static_cast<size_t>(view.shape[0]));
     const char* base = static_cast<const char*>(view.buf);
     const Py_ssize_t stride = view.strides ? view.strides[0] : view.itemsize;
+    if (is_signed && view.itemsize == 8 && stride == 8 && reinterpret_cast<uintptr_t>(base) % alignof(int64_t) == 0) {
+      data = reinterpret_cast<const int64_t*>(base);  // native int64, contiguous: read in place
+      size = static_cast<size_t>(view.shape[0]);
+      return;
+    }
+    storage.resize(static_cast<size_t>(view.shape[0]));
     int64_t* out = storage.data();
     const size_t n = storage.size();
     switch (view.itemsize * (is_signed ? 1 : -1)) {
@@ -153,6 +177,7 @@ struct Int64Array {
     }
     data = storage.data();
     size = storage.size();
+    buffer.reset();  // converted: the caller's buffer is no longer needed
   }
 
   void from_sequence(const py::handle& obj, const char* name) {
@@ -579,10 +604,12 @@ PYBIND11_MODULE(_C, m) {
               stop.emplace(ends, "ends");
               if (stop->size != ids.size) throw ValueError("slot_mappings: seq_ids and ends differ in length");
             }
-            std::vector<int64_t> slots;
-            bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, &slots, "slot_mappings", group);
-            const auto n = static_cast<int64_t>(slots.size());
-            return to_tensor(std::move(slots), {n}, torch::kInt64);
+            torch::Tensor slots;
+            bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, [&slots](size_t total) {
+              slots = torch::empty({static_cast<int64_t>(total)}, torch::kInt64);
+              return slots.data_ptr<int64_t>();
+            }, "slot_mappings", group);
+            return slots;
           },
           py::arg("seq_ids"), py::arg("starts"), py::arg("ends") = py::none(), py::kw_only(), py::arg("group") = 0,
           "Concatenated slots of positions [starts[i], ends[i]) of each sequence (default end: its length); "

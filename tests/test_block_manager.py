@@ -98,6 +98,30 @@ def test_slot_mappings_batched_with_and_without_ends():
         bm.slot_mappings([1, 2], [0, 0], [4])
 
 
+@pytest.mark.parametrize("block_size", [1, 2, 3, 16, 17])
+def test_slot_mappings_match_the_per_token_formula_on_random_ranges(block_size):
+    """Slots are written a block's run at a time: every start / end alignment against p // bs, p % bs."""
+    rng = random.Random()
+    bm = BlockManager(4096, block_size)
+    lengths = {i: rng.randrange(1, 6 * block_size + 3) for i in range(12)}
+    for i, n in lengths.items():
+        bm.allocate(i, [rng.randrange(100) for _ in range(n)])
+    bm.free(3)  # holes in the pool: tables are not runs of consecutive blocks
+    bm.allocate(3, toks(lengths[3]))
+    for _ in range(20):
+        ids = rng.sample(sorted(lengths), rng.randrange(1, len(lengths) + 1))
+        starts = [rng.randrange(lengths[i] + 1) for i in ids]
+        ends = [rng.randrange(s, lengths[i] + 1) for s, i in zip(starts, ids)]
+        expected = []
+        for i, s, e in zip(ids, starts, ends):
+            table = bm.block_table(i)
+            expected += [table[p // block_size] * block_size + p % block_size for p in range(s, e)]
+        assert bm.slot_mappings(ids, starts, ends).tolist() == expected
+        i, s, e = ids[0], starts[0], ends[0]
+        assert bm.slot_mapping(i, s, e).tolist() == expected[:e - s]
+    whole = [t * block_size + k for t in bm.block_table(5) for k in range(block_size)][:lengths[5]]
+    assert bm.slot_mappings([5], [0]).tolist() == whole
+
 def test_hits_need_mark_computed_and_last_block_is_computed():
     bm = BlockManager(32, 4)
     prompt = toks(12)

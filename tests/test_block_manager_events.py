@@ -1,19 +1,21 @@
 """KV events, cached_blocks() and step statistics of the prefix cache."""
+import random
 from collections import Counter
 
 import pytest
 
 from pagedkv import BlockManager, hash_block_tokens
+from pagedkv._C import sha256_available
 
 
 def toks(n, start=0):
     return list(range(start, start + n))
 
 
-def chain(tokens, bs, salt=None):
+def chain(tokens, bs, salt=None, algo="xxh64"):
     hashes, parent = [], None
     for i in range(len(tokens) // bs):
-        parent = hash_block_tokens(tokens[i * bs:(i + 1) * bs], parent, cache_salt=salt if i == 0 else None)
+        parent = hash_block_tokens(tokens[i * bs:(i + 1) * bs], parent, algo=algo, cache_salt=salt if i == 0 else None)
         hashes.append(parent)
     return hashes
 
@@ -125,3 +127,31 @@ def test_step_stats_count_since_the_last_call():
     assert step["used_blocks"] == 3 and step["hit_rate"] == pytest.approx(16 / 19)
     assert bm.stats()["queries"] == 28
     assert bm.take_step_stats()["queries"] == 0
+
+
+
+@pytest.mark.parametrize("algo", ["xxh64", "sha256", "weak8"])
+def test_cached_block_hashes_are_the_chains_of_the_registered_prompts(algo):
+    """Block hashes are computed by the prefix cache only when asked for (events, cached_blocks): they
+    must still be each registered block's chained hash with the manager's algorithm."""
+    if algo == "sha256" and not sha256_available():
+        pytest.skip("built without OpenSSL")
+    rng = random.Random()
+    bs = rng.randrange(2, 6)
+    bm = BlockManager(256, bs, hash_algo=algo, enable_events=rng.random() < 0.5)
+    systems = [[rng.randrange(50) for _ in range(rng.randrange(bs, 4 * bs))] for _ in range(3)]
+    expected, registered = Counter(), set()  # one node per distinct (salt, prefix content)
+    for seq_id in range(12):
+        salt = rng.choice([None, b"a", b"b"])
+        prompt = rng.choice(systems) + [rng.randrange(50) for _ in range(rng.randrange(1, 3 * bs))]
+        bm.allocate(seq_id, prompt, cache_salt=salt)
+        computed = rng.randrange(bm.num_computed_tokens(seq_id), len(prompt) + 1)
+        bm.mark_computed(seq_id, computed)
+        parent = None
+        for i, h in enumerate(chain(prompt[:computed], bs, salt, algo)):
+            if (salt, tuple(prompt[:(i + 1) * bs])) not in registered:
+                registered.add((salt, tuple(prompt[:(i + 1) * bs])))
+                expected[(h, parent)] += 1
+            parent = h
+    assert Counter(bm.cached_blocks()) == expected
+    bm.check_invariants()

@@ -34,6 +34,11 @@ def two_sequences(num_blocks=8, **kwargs):
 
 # --- integer inputs ------------------------------------------------------------------------------------
 
+def read_only(a):
+    a.flags.writeable = False
+    return a
+
+
 INT_INPUTS = [
     ("list", lambda v: list(v)),
     ("tuple", lambda v: tuple(v)),
@@ -42,6 +47,8 @@ INT_INPUTS = [
     ("numpy uint16", lambda v: np.array(v, dtype=np.uint16)),
     ("numpy uint64", lambda v: np.array(v, dtype=np.uint64)),
     ("numpy strided", lambda v: np.repeat(np.array(v, dtype=np.int64), 2)[::2]),
+    ("numpy read-only", lambda v: read_only(np.array(v, dtype=np.int64))),
+    ("numpy misaligned int64", lambda v: np.frombuffer(b"\0" + np.array(v, dtype=np.int64).tobytes(), np.int64, offset=1)),
     ("numpy reversed view", lambda v: np.array(v[::-1], dtype=np.int64)[::-1]),
     ("numpy scalars in a list", lambda v: [np.int64(x) for x in v]),
     ("array.array", lambda v: array.array("q", v)),
@@ -67,6 +74,50 @@ def test_every_integer_container_gives_the_same_result(name, make):
     assert bm.append_tokens(make([7, 8]), make([3, 4])).tolist() == ref.append_tokens([7, 8], [3, 4]).tolist()
     bm.mark_computed(make([7, 8]), make([2, 3]))
     assert bm.num_computed_tokens(8) == 3
+    bm.check_invariants()
+
+
+IN_PLACE_INPUTS = [  # read by the bindings without a copy: the core must copy what it keeps
+    ("numpy int64", lambda v: np.array(v, dtype=np.int64)),
+    ("torch int64", lambda v: torch.tensor(v, dtype=torch.int64)),
+    ("array.array", lambda v: array.array("q", v)),
+]
+
+
+@pytest.mark.parametrize("name, make", IN_PLACE_INPUTS, ids=[n for n, _ in IN_PLACE_INPUTS])
+def test_mutating_the_callers_array_afterwards_changes_nothing_inside(name, make):
+    rng = np.random.default_rng()
+    bs = int(rng.integers(2, 9))
+    prompt = [int(x) for x in rng.integers(0, 1000, size=int(rng.integers(3 * bs, 8 * bs)))]
+    other = [int(x) for x in rng.integers(1000, 2000, size=len(prompt))]
+    bm = BlockManager(64, bs)
+    single, batch = make(prompt), make(prompt)
+    assert bm.can_allocate(single) == AllocStatus.OK
+    bm.allocate(1, single)
+    bm.allocate_batch([2], [batch])
+    for arr in (single, batch):
+        arr[:] = make(other)
+    assert bm.token_ids(1) == prompt and bm.token_ids(2) == prompt
+    bm.mark_computed([1, 2])
+    full_blocks = (len(prompt) - 1) // bs  # the last block is always computed
+    assert bm.allocate(3, prompt) == full_blocks * bs  # the cache holds the prompt's content ...
+    assert bm.allocate(4, other) == 0                  # ... not what the arrays hold now
+    # can_allocate's lookup is reused by allocate only for the same content: a change in between counts.
+    probe = make(prompt)
+    assert bm.can_allocate(probe) == AllocStatus.OK
+    probe[:] = make(other)
+    assert bm.allocate(5, probe) == 0 and bm.token_ids(5) == other
+    bm.check_invariants()
+
+
+def test_a_2d_prompts_tensor_is_copied_before_it_changes():
+    rng = np.random.default_rng()
+    prompts = torch.from_numpy(rng.integers(0, 1000, size=(3, 13)))
+    expected = prompts.tolist()
+    bm = BlockManager(64, 4)
+    bm.allocate_batch([0, 1, 2], prompts)
+    prompts.zero_()
+    assert [bm.token_ids(i) for i in range(3)] == expected
     bm.check_invariants()
 
 

@@ -14,6 +14,21 @@ namespace {
 
 std::string seq_str(int64_t seq_id) { return "sequence " + std::to_string(seq_id); }
 
+// Slots of positions [start, end) through a block table, written a block's run at a time: one division
+// per block instead of a division and a modulo per token.
+int64_t* write_slots(const std::vector<int32_t>& table, int32_t block_size, int64_t start, int64_t end,
+                     int64_t* out) {
+  int64_t index = start / block_size, offset = start - index * block_size;
+  for (int64_t pos = start; pos < end; ++index, offset = 0) {
+    const int64_t run = std::min<int64_t>(block_size - offset, end - pos);
+    const int64_t base = int64_t(table[index]) * block_size + offset;
+    for (int64_t k = 0; k < run; ++k) out[k] = base + k;
+    out += run;
+    pos += run;
+  }
+  return out;
+}
+
 template <typename... Args>
 std::string cat(Args&&... args) {
   std::ostringstream os;
@@ -36,7 +51,7 @@ BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_c
       hash_algo_(hash_algo),
       gpu_free_(std::max(num_blocks, 0), /*num_levels=*/2 + kMaxPriority),
       cpu_free_(std::max(num_cpu_blocks, 0)),
-      cache_(std::max(block_size, 1), std::max(num_blocks, 0)),
+      cache_(std::max(block_size, 1), std::max(num_blocks, 0), hash_algo),
       default_priority_(default_priority),
       decode_priority_(decode_priority),
       max_pinned_blocks_(0),
@@ -138,29 +153,24 @@ std::vector<const BlockManager::Sequence*> BlockManager::resolve(const int64_t* 
   return resolve_in(seqs_, seq_ids, n, what, unique, where);
 }
 
-uint64_t BlockManager::block_hash(Sequence& seq, int32_t index) {
-  while (static_cast<int32_t>(seq.block_hashes.size()) <= index) {
-    const int32_t i = static_cast<int32_t>(seq.block_hashes.size());
-    std::optional<uint64_t> parent;
-    if (i > 0) parent = seq.block_hashes[i - 1];
-    seq.block_hashes.push_back(hash_block_tokens(seq.tokens.data() + int64_t(i) * block_size_, block_size_,
-                                                 parent, hash_algo_, i == 0 ? seq.salt : std::string()));
-  }
-  return seq.block_hashes[index];
-}
-
-BlockManager::PrefixMatch BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens,
-                                                     std::string_view salt) const {
+void BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens, std::string_view salt,
+                                PrefixMatch* out) const {
   const int32_t num_groups = this->num_groups();
-  PrefixMatch m;
+  PrefixMatch& m = *out;  // its vectors keep their capacity from one prompt to the next
+  m.num_blocks = 0;
   m.held.resize(num_groups);
-  if (!prefix_caching_) return m;
+  m.chain.resize(num_groups);
+  for (int32_t g = 0; g < num_groups; ++g) {
+    m.held[g].clear();
+    m.chain[g].clear();
+  }
+  if (!prefix_caching_) return;
   const int32_t max_hits = blocks_for_tokens(static_cast<int64_t>(num_tokens)) - 1;  // last block: computed
   // Per group, the blocks registered for the chain of the prompt's blocks (kNoBlock: the content is a
   // link of the chain without KV), as far as the chain goes. A full-attention group needs every block,
   // so it stops at the first one without KV and bounds the hit; a windowed group needs only the blocks
   // its window reads at the first token to compute.
-  std::vector<std::vector<int32_t>> chain(num_groups);
+  std::vector<std::vector<int32_t>>& chain = m.chain;
   int32_t limit = max_hits;
   for (int32_t pass = 0; pass < 2; ++pass)  // full-attention groups first: they bound the walk
     for (int32_t g = 0; g < num_groups && limit > 0; ++g) {
@@ -169,11 +179,9 @@ BlockManager::PrefixMatch BlockManager::match_prefix(const int64_t* tokens, size
       PrefixCache::NodeId parent = PrefixCache::root(g);
       for (int32_t i = 0; i < limit; ++i) {
         const int64_t* block_tokens = tokens + int64_t(i) * block_size_;
-        if (static_cast<int32_t>(m.hashes.size()) == i)
-          m.hashes.push_back(hash_block_tokens(block_tokens, block_size_,
-                                               i == 0 ? std::nullopt : std::optional<uint64_t>(m.hashes[i - 1]),
-                                               hash_algo_, i == 0 ? salt : std::string_view()));
-        const PrefixCache::NodeId node = cache_.find(m.hashes[i], parent, block_tokens, i == 0 ? salt : std::string_view());
+        const std::string_view block_salt = i == 0 ? salt : std::string_view();
+        const PrefixCache::NodeId node =
+            cache_.find(cache_.key(parent, block_tokens, block_salt), parent, block_tokens, block_salt);
         if (node == PrefixCache::kNoNode) break;
         const int32_t block = cache_.node(node).block;
         if (block == PrefixCache::kNoBlock && full) break;
@@ -195,11 +203,9 @@ BlockManager::PrefixMatch BlockManager::match_prefix(const int64_t* tokens, size
     if (servable) break;
   }
   m.num_blocks = k;
-  m.hashes.resize(static_cast<size_t>(k));
   for (int32_t g = 0; g < num_groups; ++g)
     m.held[g].assign(chain[g].begin() + std::min<int64_t>(released_for(g, int64_t(k) * block_size_), k),
                      chain[g].begin() + k);  // k <= chain[g].size()
-  return m;
 }
 
 const BlockManager::PrefixMatch& BlockManager::match_prefix_memo(const int64_t* tokens, size_t num_tokens,
@@ -208,7 +214,7 @@ const BlockManager::PrefixMatch& BlockManager::match_prefix_memo(const int64_t* 
   const bool same = m.cache_version == cache_.version() && m.tokens.size() == num_tokens && m.salt == salt &&
                     std::equal(m.tokens.begin(), m.tokens.end(), tokens);
   if (!same) {
-    m.match = match_prefix(tokens, num_tokens, salt);
+    match_prefix(tokens, num_tokens, salt, &m.match);
     m.tokens.assign(tokens, tokens + num_tokens);
     m.salt.assign(salt);
     m.cache_version = cache_.version();
@@ -480,11 +486,23 @@ AllocStatus BlockManager::can_allocate(const int64_t* tokens, size_t num_tokens,
   if (num_tokens == 0) throw ValueError("can_allocate: token_ids is empty");
   check_num_new_tokens(num_new_tokens, "can_allocate");
   const int64_t len = static_cast<int64_t>(num_tokens);
-  if (max_blocks_held(len, num_new_tokens) > num_blocks_ - watermark_blocks_) return AllocStatus::kNever;
-  const PrefixMatch& m = match_prefix_memo(tokens, num_tokens, salt);
+  if (never_fits(len, num_new_tokens)) return AllocStatus::kNever;
+  return fits(len, match_prefix_memo(tokens, num_tokens, salt), num_new_tokens);
+}
+
+bool BlockManager::never_fits(int64_t num_tokens, int64_t num_new_tokens) const {
+  return max_blocks_held(num_tokens, num_new_tokens) > num_blocks_ - watermark_blocks_;
+}
+
+int64_t BlockManager::first_chunk_end(int64_t num_tokens, const PrefixMatch& m, int64_t num_new_tokens) const {
   const int64_t computed = int64_t(m.num_blocks) * block_size_;
-  const int64_t first = num_new_tokens == kWholePrompt || num_new_tokens >= len - computed ? len : computed + num_new_tokens;
-  const int32_t needed = static_cast<int32_t>(blocks_held(first, computed));
+  return num_new_tokens == kWholePrompt || num_new_tokens >= num_tokens - computed ? num_tokens
+                                                                                  : computed + num_new_tokens;
+}
+
+AllocStatus BlockManager::fits(int64_t num_tokens, const PrefixMatch& m, int64_t num_new_tokens) const {
+  const int64_t first = first_chunk_end(num_tokens, m, num_new_tokens);
+  const int32_t needed = static_cast<int32_t>(blocks_held(first, int64_t(m.num_blocks) * block_size_));
   const int32_t from_free = from_free_for(m, blocks_for_tokens(first));
   if (pinned_blocks_ > 0) {  // pinned blocks never come free: what does not fit beside them waits forever
     int32_t pinned_hits = 0;
@@ -501,22 +519,25 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
   if (num_tokens == 0) throw ValueError("allocate: token_ids is empty");
   check_num_new_tokens(num_new_tokens, "allocate");
   validate_retention(retention, "allocate");
-  const int32_t total = blocks_for_tokens(static_cast<int64_t>(num_tokens));
-  const PrefixMatch m = match_prefix_memo(tokens, num_tokens, salt);
-  // Blocks allocated now: the whole prompt's, or those of the cached tokens and the first chunk.
-  const int64_t len = static_cast<int64_t>(num_tokens), computed = int64_t(m.num_blocks) * block_size_;
-  const int32_t needed = num_new_tokens == kWholePrompt || num_new_tokens >= len - computed
-                             ? total
-                             : blocks_for_tokens(computed + num_new_tokens);
-  const int32_t from_free = from_free_for(m, needed);
+  const PrefixMatch& m = match_prefix_memo(tokens, num_tokens, salt);  // admit() does not look up again
+  const int32_t from_free =
+      from_free_for(m, blocks_for_tokens(first_chunk_end(static_cast<int64_t>(num_tokens), m, num_new_tokens)));
   if (from_free > gpu_free_.size())
     throw OutOfBlocks(cat("allocate: ", seq_str(seq_id), " needs ", from_free, " free blocks but only ",
                           gpu_free_.size(), " are free (check can_allocate first)"));
+  return admit(seq_id, tokens, num_tokens, salt, retention, m, num_new_tokens);
+}
 
+int64_t BlockManager::admit(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt,
+                            const std::vector<RetentionRange>& retention, const PrefixMatch& m,
+                            int64_t num_new_tokens) {
+  // Blocks allocated now: the whole prompt's, or those of the cached tokens and the first chunk.
+  const int32_t total = blocks_for_tokens(static_cast<int64_t>(num_tokens));
+  const int32_t needed = blocks_for_tokens(first_chunk_end(static_cast<int64_t>(num_tokens), m, num_new_tokens));
+  const int32_t from_free = from_free_for(m, needed);
   Sequence seq;
   seq.tokens.assign(tokens, tokens + num_tokens);
   seq.salt.assign(salt);
-  seq.block_hashes = m.hashes;
   seq.prompt_len = static_cast<int64_t>(num_tokens);
   seq.retention = retention;
   seq.num_computed = int64_t(m.num_blocks) * block_size_;
@@ -539,13 +560,6 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
     }
     held_hits += static_cast<int32_t>(m.held[g].size());
   }
-  for (GroupTable& t : seq.groups) {
-    while (static_cast<int32_t>(t.blocks.size()) < needed) {
-      const int32_t b = take_free_block();
-      block_retention_[b] = retention_of(seq, static_cast<int32_t>(t.blocks.size()));
-      t.blocks.push_back(b);
-    }
-  }
   const int32_t fresh = (needed - m.num_blocks) * num_groups();
   counters_.queries += static_cast<int64_t>(num_tokens);
   counters_.hits += seq.num_computed;
@@ -553,6 +567,14 @@ int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num
   counters_.hit_blocks += int64_t(m.num_blocks) * num_groups();
   counters_.hit_blocks_in_use += held_hits - (from_free - fresh);  // hits on blocks another sequence holds
   counters_.hit_blocks_revived += from_free - fresh;
+  // From here on m may be stale: taking free blocks changes the prefix cache.
+  for (GroupTable& t : seq.groups) {
+    while (static_cast<int32_t>(t.blocks.size()) < needed) {
+      const int32_t b = take_free_block();
+      block_retention_[b] = retention_of(seq, static_cast<int32_t>(t.blocks.size()));
+      t.blocks.push_back(b);
+    }
+  }
   const int64_t cached = seq.num_computed;
   seqs_.emplace(seq_id, std::move(seq));
   return cached;
@@ -569,21 +591,23 @@ std::vector<int64_t> BlockManager::allocate_batch(const std::vector<int64_t>& se
   if (!retentions.empty() && retentions.size() != seq_ids.size())
     throw ValueError(cat("allocate_batch: ", retentions.size(), " retentions for ", seq_ids.size(), " prompts"));
   for (const auto& r : retentions) validate_retention(r, "allocate_batch");
-  std::unordered_set<int64_t> seen;
-  seen.reserve(seq_ids.size());
+  check_distinct(seq_ids.data(), seq_ids.size(), "allocate_batch");
   for (size_t i = 0; i < seq_ids.size(); ++i) {
     if (seqs_.count(seq_ids[i])) throw ValueError(cat("allocate_batch: ", seq_str(seq_ids[i]), " already exists"));
-    if (!seen.insert(seq_ids[i]).second)
-      throw ValueError(cat("allocate_batch: ", seq_str(seq_ids[i]), " appears twice in seq_ids"));
     if (prompts[i].size == 0) throw ValueError(cat("allocate_batch: prompts[", i, "] is empty"));
   }
   std::vector<int64_t> cached;
   cached.reserve(seq_ids.size());
+  PrefixMatch m;  // one lookup per prompt, shared by the fit check and the admission
+  static const std::vector<RetentionRange> kNoRetention;
   for (size_t i = 0; i < seq_ids.size(); ++i) {
     const std::string_view salt = salts.empty() ? std::string_view() : std::string_view(salts[i]);
-    if (can_allocate(prompts[i].data, prompts[i].size, salt) != AllocStatus::kOk) break;
-    cached.push_back(allocate(seq_ids[i], prompts[i].data, prompts[i].size, salt,
-                              retentions.empty() ? std::vector<RetentionRange>() : retentions[i]));
+    const int64_t len = static_cast<int64_t>(prompts[i].size);
+    if (never_fits(len, kWholePrompt)) break;
+    match_prefix(prompts[i].data, prompts[i].size, salt, &m);
+    if (fits(len, m, kWholePrompt) != AllocStatus::kOk) break;
+    cached.push_back(admit(seq_ids[i], prompts[i].data, prompts[i].size, salt,
+                           retentions.empty() ? kNoRetention : retentions[i], m, kWholePrompt));
   }
   return cached;
 }
@@ -592,7 +616,8 @@ PrefixCache::NodeId BlockManager::chain_node(Sequence& seq, int32_t group, int32
   PrefixCache::NodeId node = PrefixCache::root(group);
   for (int32_t j = 0; j <= i; ++j) {
     const std::string_view salt = j == 0 ? std::string_view(seq.salt) : std::string_view();
-    node = cache_.find_or_create(block_hash(seq, j), node, seq.tokens.data() + int64_t(j) * block_size_, salt);
+    const int64_t* block_tokens = seq.tokens.data() + int64_t(j) * block_size_;
+    node = cache_.find_or_create(cache_.key(node, block_tokens, salt), node, block_tokens, salt);
   }
   return node;
 }
@@ -608,10 +633,10 @@ void BlockManager::register_computed_blocks(Sequence& seq, int32_t group) {
     PrefixCache::NodeId parent = PrefixCache::root(group);
     if (i > 0) parent = i - 1 < t.released ? chain_node(seq, group, i - 1) : block_node_[t.blocks[i - 1]];
     if (parent == PrefixCache::kNoNode) break;  // the prefix lost its content tag (cache reset)
-    const uint64_t h = block_hash(seq, i);
     const int32_t block = t.blocks[i];
     const int64_t* block_tokens = seq.tokens.data() + int64_t(i) * block_size_;
     const std::string_view salt = i == 0 ? std::string_view(seq.salt) : std::string_view();
+    const uint64_t h = cache_.key(parent, block_tokens, salt);
     const PrefixCache::NodeId node = parent_is_new ? cache_.create(h, parent, block_tokens, salt)
                                                    : cache_.find_or_create(h, parent, block_tokens, salt, &parent_is_new);
     if (block_node_[block] != node) {
@@ -845,7 +870,6 @@ void BlockManager::truncate(const std::vector<int64_t>& seq_ids, const std::vect
     }
     seq.tokens.resize(static_cast<size_t>(n));
     seq.num_computed = std::min(seq.num_computed, n);
-    if (static_cast<int32_t>(seq.block_hashes.size()) > full) seq.block_hashes.resize(static_cast<size_t>(full));
   }
 }
 
@@ -1002,6 +1026,14 @@ void BlockManager::slot_mapping(int64_t seq_id, int64_t start, int64_t end, int6
 
 void BlockManager::slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
                                  std::vector<int64_t>* out, const char* what, int32_t group) const {
+  slot_mappings(seq_ids, starts, ends, n, [out](size_t total) {
+    out->resize(total);
+    return out->data();
+  }, what, group);
+}
+
+void BlockManager::slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
+                                 const std::function<int64_t*(size_t)>& out, const char* what, int32_t group) const {
   group_arg(group, what);
   const std::vector<const Sequence*> seqs = resolve(seq_ids, n, what, /*unique=*/false);
   size_t total = 0;
@@ -1020,13 +1052,10 @@ void BlockManager::slot_mappings(const int64_t* seq_ids, const int64_t* starts, 
                            "sliding window of group ", group, " released (positions before ", first_held, ")"));
     total += static_cast<size_t>(end - starts[i]);
   }
-  out->resize(total);
-  int64_t* p = out->data();
+  int64_t* p = out(total);
   for (size_t i = 0; i < n; ++i) {
     const int64_t end = ends ? ends[i] : static_cast<int64_t>(seqs[i]->tokens.size());
-    const std::vector<int32_t>& table = seqs[i]->groups[group].blocks;
-    for (int64_t pos = starts[i]; pos < end; ++pos)
-      *p++ = int64_t(table[pos / block_size_]) * block_size_ + pos % block_size_;
+    p = write_slots(seqs[i]->groups[group].blocks, block_size_, starts[i], end, p);
   }
 }
 
@@ -1041,7 +1070,7 @@ std::vector<int64_t> BlockManager::token_ids(int64_t seq_id) const { return get(
 std::optional<uint64_t> BlockManager::parent_hash(PrefixCache::NodeId node) const {
   const PrefixCache::NodeId parent = cache_.node(node).parent;
   if (PrefixCache::is_root(parent)) return std::nullopt;
-  return cache_.node(parent).hash;
+  return cache_.hash(parent);
 }
 
 void BlockManager::record_event(KvEvent&& event) {
@@ -1058,13 +1087,13 @@ void BlockManager::record_stored(PrefixCache::NodeId node, const int64_t* tokens
   const std::optional<uint64_t> parent = parent_hash(node);
   if (stored_run_open_ && !events_.empty() && parent && events_.back().block_hashes.back() == *parent) {
     KvEvent& run = events_.back();  // the next block of the same chain: one event for both
-    run.block_hashes.push_back(cache_.node(node).hash);
+    run.block_hashes.push_back(cache_.hash(node));
     run.token_ids.insert(run.token_ids.end(), tokens, tokens + block_size_);
     return;
   }
   KvEvent stored;
   stored.kind = KvEvent::Kind::kStored;
-  stored.block_hashes.push_back(cache_.node(node).hash);
+  stored.block_hashes.push_back(cache_.hash(node));
   stored.parent_hash = parent;
   stored.token_ids.assign(tokens, tokens + block_size_);
   stored.salt.assign(salt);
@@ -1075,7 +1104,7 @@ void BlockManager::record_stored(PrefixCache::NodeId node, const int64_t* tokens
 void BlockManager::record_removed(PrefixCache::NodeId node) {
   KvEvent removed;
   removed.kind = KvEvent::Kind::kRemoved;
-  removed.block_hashes.push_back(cache_.node(node).hash);
+  removed.block_hashes.push_back(cache_.hash(node));
   record_event(std::move(removed));
 }
 
@@ -1091,7 +1120,7 @@ std::vector<std::pair<uint64_t, std::optional<uint64_t>>> BlockManager::cached_b
   out.reserve(static_cast<size_t>(cache_.num_registered()));
   for (PrefixCache::NodeId id : cache_.live_nodes())  // group 0's, as the events
     if (cache_.node(id).block != PrefixCache::kNoBlock && cache_.node(id).root == PrefixCache::kRoot)
-      out.emplace_back(cache_.node(id).hash, parent_hash(id));
+      out.emplace_back(cache_.hash(id), parent_hash(id));
   return out;
 }
 

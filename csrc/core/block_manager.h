@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
@@ -193,6 +194,11 @@ class BlockManager {
   // is a ValueError.
   void slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
                      std::vector<int64_t>* out, const char* what = "slot_mappings", int32_t group = 0) const;
+  // The same, written into out(total): a buffer for `total` slots that the caller allocates once the
+  // ranges are validated (e.g. a tensor's storage, no copy).
+  void slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
+                     const std::function<int64_t*(size_t)>& out, const char* what = "slot_mappings",
+                     int32_t group = 0) const;
   // Leading entries of the sequence's table in `group` that the window released.
   int32_t num_released_blocks(int64_t seq_id, int32_t group = 0) const;
   // Blocks a sequence of num_tokens tokens, the first num_computed of them computed, holds over all groups.
@@ -237,7 +243,6 @@ class BlockManager {
   struct Sequence {
     std::vector<int64_t> tokens;
     std::vector<GroupTable> groups;     // one per group of layers
-    std::vector<uint64_t> block_hashes; // hashes of leading full blocks, filled lazily (shared by groups)
     int64_t num_computed = 0;           // tokens whose KV is written
     std::string salt;
     bool swapped = false;
@@ -289,13 +294,21 @@ class BlockManager {
   // group holds the cached blocks its window needs, [released_for(g, num_blocks * bs), num_blocks).
   struct PrefixMatch {
     int32_t num_blocks = 0;
-    std::vector<std::vector<int32_t>> held;  // per group
-    std::vector<uint64_t> hashes;            // of the num_blocks blocks
+    std::vector<std::vector<int32_t>> held;   // per group
+    std::vector<std::vector<int32_t>> chain;  // per group: scratch of the walk (kept for its capacity)
   };
-  PrefixMatch match_prefix(const int64_t* tokens, size_t num_tokens, std::string_view salt) const;
+  void match_prefix(const int64_t* tokens, size_t num_tokens, std::string_view salt, PrefixMatch* out) const;
   // Cached: allocate() right after can_allocate() for the same prompt reuses the lookup.
   const PrefixMatch& match_prefix_memo(const int64_t* tokens, size_t num_tokens, std::string_view salt) const;
   int32_t from_free_for(const PrefixMatch& m, int32_t num_blocks) const;  // free blocks allocate takes
+  // More blocks than the pool can ever give one prompt (admitted whole, or by chunks of num_new_tokens).
+  bool never_fits(int64_t num_tokens, int64_t num_new_tokens) const;
+  // Where the tokens allocated at admission end: the whole prompt, or the cached ones and the first chunk.
+  int64_t first_chunk_end(int64_t num_tokens, const PrefixMatch& m, int64_t num_new_tokens) const;
+  AllocStatus fits(int64_t num_tokens, const PrefixMatch& m, int64_t num_new_tokens) const;  // given the lookup
+  // allocate() once the prompt's lookup m is done and fits; the arguments are validated.
+  int64_t admit(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt,
+                const std::vector<RetentionRange>& retention, const PrefixMatch& m, int64_t num_new_tokens);
   int32_t group_arg(int32_t group, const char* what) const;  // validated
   int64_t allocated_tokens(const Sequence& seq) const {
     return std::min<int64_t>(static_cast<int64_t>(seq.tokens.size()), int64_t(seq.groups[0].blocks.size()) * block_size_);
@@ -314,7 +327,6 @@ class BlockManager {
   bool must_copy_before_write(int32_t block) const;
   int32_t distinct_blocks(const std::vector<int64_t>& seq_ids, const char* what, Where where) const;
   std::vector<BlockPair> move_blocks(const std::vector<int64_t>& seq_ids, bool to_cpu);  // swap out / in
-  uint64_t block_hash(Sequence& seq, int32_t index);  // computed lazily, kept in seq
   void register_computed_blocks(Sequence& seq, int32_t group);
 
   int32_t take_free_block();         // pops the LRU free block, evicting its cached content

@@ -2,10 +2,15 @@
 #include "core/prefix_cache.h"
 
 #include <algorithm>
+#include <optional>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 namespace pagedkv {
 
-PrefixCache::PrefixCache(int32_t block_size, int32_t capacity) : block_size_(block_size) {
+PrefixCache::PrefixCache(int32_t block_size, int32_t capacity, HashAlgo algo)
+    : block_size_(block_size), algo_(algo) {
   // Live nodes rarely exceed the number of blocks: size the storage now (and touch its pages here, not
   // on the serving path); it grows only past that.
   size_t num_buckets = 16;
@@ -21,21 +26,43 @@ bool PrefixCache::matches(NodeId id, NodeId parent, const int64_t* block_tokens,
   return n.parent == parent && std::equal(block_tokens, block_tokens + block_size_, tokens(id)) && n.salt == salt;
 }
 
-PrefixCache::NodeId PrefixCache::find(uint64_t hash, NodeId parent, const int64_t* block_tokens,
+uint64_t PrefixCache::key(NodeId parent, const int64_t* block_tokens, std::string_view salt) const {
+  // The parent's id stands for its whole prefix (a live node's id is not reused while it has children);
+  // the salt of block 0 is folded into the seed.
+  uint64_t seed = static_cast<uint64_t>(static_cast<int64_t>(parent));
+  if (!salt.empty()) seed ^= XXH3_64bits_withSeed(salt.data(), salt.size(), 0x9E3779B97F4A7C15ull);
+  const uint64_t k = XXH3_64bits_withSeed(block_tokens, sizeof(int64_t) * static_cast<size_t>(block_size_), seed);
+  return algo_ == HashAlgo::kWeak8 ? (k & 0xFFu) : k;
+}
+
+uint64_t PrefixCache::hash(NodeId id) const {
+  unhashed_.clear();
+  for (NodeId n = id; !is_root(n) && !nodes_[n].hashed; n = nodes_[n].parent) unhashed_.push_back(n);
+  for (auto it = unhashed_.rbegin(); it != unhashed_.rend(); ++it) {  // from the oldest ancestor down
+    const Node& n = nodes_[*it];
+    const std::optional<uint64_t> parent_hash =
+        is_root(n.parent) ? std::nullopt : std::optional<uint64_t>(nodes_[n.parent].hash);
+    n.hash = hash_block_tokens(tokens(*it), static_cast<size_t>(block_size_), parent_hash, algo_, n.salt);
+    n.hashed = true;
+  }
+  return nodes_[id].hash;
+}
+
+PrefixCache::NodeId PrefixCache::find(uint64_t key, NodeId parent, const int64_t* block_tokens,
                                       std::string_view salt) const {
-  for (NodeId id = bucket(hash); id != kNoNode; id = nodes_[id].next)
-    if (nodes_[id].hash == hash && matches(id, parent, block_tokens, salt)) return id;
+  for (NodeId id = bucket(key); id != kNoNode; id = nodes_[id].next)
+    if (nodes_[id].key == key && matches(id, parent, block_tokens, salt)) return id;
   return kNoNode;
 }
 
-PrefixCache::NodeId PrefixCache::find_or_create(uint64_t hash, NodeId parent, const int64_t* block_tokens,
+PrefixCache::NodeId PrefixCache::find_or_create(uint64_t key, NodeId parent, const int64_t* block_tokens,
                                                 std::string_view salt, bool* created) {
-  const NodeId id = find(hash, parent, block_tokens, salt);
+  const NodeId id = find(key, parent, block_tokens, salt);
   if (created) *created = id == kNoNode;
-  return id != kNoNode ? id : create(hash, parent, block_tokens, salt);
+  return id != kNoNode ? id : create(key, parent, block_tokens, salt);
 }
 
-PrefixCache::NodeId PrefixCache::create(uint64_t hash, NodeId parent, const int64_t* block_tokens,
+PrefixCache::NodeId PrefixCache::create(uint64_t key, NodeId parent, const int64_t* block_tokens,
                                         std::string_view salt) {
   NodeId id;
   if (!free_ids_.empty()) {
@@ -50,7 +77,8 @@ PrefixCache::NodeId PrefixCache::create(uint64_t hash, NodeId parent, const int6
     }
   }
   Node& n = nodes_[id];
-  n.hash = hash;
+  n.key = key;
+  n.hashed = false;
   n.parent = parent;
   n.root = PrefixCache::is_root(parent) ? parent : nodes_[parent].root;
   std::copy(block_tokens, block_tokens + block_size_, token_pool_.begin() + int64_t(id) * block_size_);
@@ -59,7 +87,7 @@ PrefixCache::NodeId PrefixCache::create(uint64_t hash, NodeId parent, const int6
   n.refs = 0;
   live_[id] = true;
   if (!is_root(parent)) add_ref(parent);
-  NodeId& head = bucket(hash);
+  NodeId& head = bucket(key);
   n.next = head;
   head = id;
   if (2 * static_cast<size_t>(++num_live_) > buckets_.size()) rehash(2 * buckets_.size());
@@ -106,13 +134,13 @@ std::vector<PrefixCache::NodeId> PrefixCache::live_nodes() const {
 }
 
 bool PrefixCache::indexed(NodeId id) const {
-  for (NodeId i = bucket(nodes_[id].hash); i != kNoNode; i = nodes_[i].next)
+  for (NodeId i = bucket(nodes_[id].key); i != kNoNode; i = nodes_[i].next)
     if (i == id) return true;
   return false;
 }
 
 void PrefixCache::unlink(NodeId id) {
-  NodeId* link = &bucket(nodes_[id].hash);
+  NodeId* link = &bucket(nodes_[id].key);
   while (*link != id) link = &nodes_[*link].next;  // id is in its bucket's chain
   *link = nodes_[id].next;
   nodes_[id].next = kNoNode;
@@ -122,7 +150,7 @@ void PrefixCache::rehash(size_t num_buckets) {
   buckets_.assign(num_buckets, kNoNode);
   for (NodeId id = 0; id < num_created_; ++id) {
     if (!live_[id]) continue;
-    NodeId& head = bucket(nodes_[id].hash);
+    NodeId& head = bucket(nodes_[id].key);
     nodes_[id].next = head;
     head = id;
   }

@@ -1,13 +1,16 @@
 // The prefix cache: a trie of block contents. A node is one distinct full-block prefix, keyed by
-// (parent node, the block's tokens, the salt for block 0); the chained block hash only indexes the
-// lookup. A hit therefore requires the block's tokens AND its whole prefix to be identical, whatever the
-// hash algorithm: a collision costs a miss, never a wrong hit. A node remembers which physical block
-// currently holds its KV (the latest registration wins).
+// (parent node, the block's tokens, the salt for block 0); the index key (key(): XXH3 of the block's
+// tokens seeded with the parent node) only speeds up the lookup. A hit therefore requires the block's
+// tokens AND its whole prefix to be identical: a collision costs a miss, never a wrong hit. A node
+// remembers which physical block currently holds its KV (the latest registration wins). Its chained
+// block hash (hash(): the manager's hash algorithm, for events) is computed only when asked for.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "core/hashing.h"
 
 namespace pagedkv {
 
@@ -22,26 +25,36 @@ class PrefixCache {
   static constexpr int32_t kNoBlock = -1; // no physical block holds a node's KV
 
   struct Node {
-    uint64_t hash = 0;
+    uint64_t key = 0;        // index key (key(parent, tokens, salt))
     NodeId parent = kRoot;
     NodeId root = kRoot;     // the root this node's chain starts from (its group)
     std::string salt;        // block 0 only
     int32_t block = kNoBlock;  // physical block registered for this content, or kNoBlock
     int32_t refs = 0;        // blocks tagged with this node + child nodes; freed at 0
     NodeId next = kNoNode;     // next node in the same hash bucket
+    mutable bool hashed = false;   // `hash` holds the chained block hash (computed on first use)
+    mutable uint64_t hash = 0;
   };
 
-  // Every node holds one full block of `block_size` tokens; `capacity` sizes the hash index.
-  PrefixCache(int32_t block_size, int32_t capacity);
+  // Every node holds one full block of `block_size` tokens; `capacity` sizes the hash index; `algo`
+  // makes the chained block hashes hash() returns (kWeak8 also keeps 8 bits of the index keys, so
+  // that tests meet colliding keys).
+  PrefixCache(int32_t block_size, int32_t capacity, HashAlgo algo = HashAlgo::kXXH64);
 
-  // The node with exactly this content (one full block of tokens), or kNoNode.
-  NodeId find(uint64_t hash, NodeId parent, const int64_t* tokens, std::string_view salt) const;
-  NodeId find_or_create(uint64_t hash, NodeId parent, const int64_t* tokens, std::string_view salt,
+  // The index key of the child of `parent` holding `tokens` (one full block; `salt` for block 0).
+  uint64_t key(NodeId parent, const int64_t* tokens, std::string_view salt) const;
+  // The node with exactly this content (one full block of tokens), or kNoNode. `key` is key(parent,
+  // tokens, salt), or any value the node was created with.
+  NodeId find(uint64_t key, NodeId parent, const int64_t* tokens, std::string_view salt) const;
+  NodeId find_or_create(uint64_t key, NodeId parent, const int64_t* tokens, std::string_view salt,
                         bool* created = nullptr);
   // A new node, without looking for an existing one: only for a parent known to have no such child
   // (e.g. a parent created a moment ago).
-  NodeId create(uint64_t hash, NodeId parent, const int64_t* tokens, std::string_view salt);
+  NodeId create(uint64_t key, NodeId parent, const int64_t* tokens, std::string_view salt);
   const int64_t* tokens(NodeId id) const { return token_pool_.data() + int64_t(id) * block_size_; }
+  // The chained block hash of the node's prefix: h = H(hash(parent), tokens), as hash_block_tokens
+  // with the constructor's algorithm (the salt in block 0). Computed on first use, then kept.
+  uint64_t hash(NodeId id) const;
 
   const Node& node(NodeId id) const { return nodes_[id]; }
   void set_block(NodeId id, int32_t block);
@@ -59,12 +72,14 @@ class PrefixCache {
 
  private:
   bool matches(NodeId id, NodeId parent, const int64_t* tokens, std::string_view salt) const;
-  NodeId& bucket(uint64_t hash) { return buckets_[hash & (buckets_.size() - 1)]; }
-  NodeId bucket(uint64_t hash) const { return buckets_[hash & (buckets_.size() - 1)]; }
+  NodeId& bucket(uint64_t key) { return buckets_[key & (buckets_.size() - 1)]; }
+  NodeId bucket(uint64_t key) const { return buckets_[key & (buckets_.size() - 1)]; }
   void unlink(NodeId id);
   void rehash(size_t num_buckets);
 
   int32_t block_size_;
+  HashAlgo algo_;
+  mutable std::vector<NodeId> unhashed_;  // hash()'s walk up to the first hashed ancestor
   std::vector<Node> nodes_;
   std::vector<int64_t> token_pool_;  // node id * block_size: the node's tokens (no allocation per node)
   std::vector<NodeId> free_ids_;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -73,4 +74,40 @@ TEST(PrefixCache, ChildKeepsParentAliveAndClearForgetsEverything) {
   EXPECT_EQ(cache.find(3, PrefixCache::kRoot, a.data(), "s"), PrefixCache::kNoNode);
   const NodeId fresh = cache.create(3, PrefixCache::kRoot, a.data(), "s");
   EXPECT_EQ(cache.find(3, PrefixCache::kRoot, a.data(), "s"), fresh);
+}
+
+TEST(PrefixCache, HashesAreChainedBlockHashesComputedOnDemand) {
+  std::mt19937_64 rng(std::random_device{}());
+  for (HashAlgo algo : {HashAlgo::kXXH64, HashAlgo::kWeak8}) {
+    PrefixCache cache(kBlock, 4, algo);
+    // A chain of random length under a salted block 0, and a branch off its middle.
+    const int n = 2 + static_cast<int>(rng() % 8);
+    std::vector<std::vector<int64_t>> blocks;
+    for (int i = 0; i < n + 1; ++i) blocks.push_back({int64_t(rng() % 1000), int64_t(rng()), -i, i});
+    std::vector<NodeId> chain;
+    NodeId parent = PrefixCache::kRoot;
+    for (int i = 0; i < n; ++i) {
+      const std::string_view salt = i == 0 ? "salt" : "";
+      parent = cache.create(cache.key(parent, blocks[i].data(), salt), parent, blocks[i].data(), salt);
+      chain.push_back(parent);
+    }
+    const NodeId branch = cache.create(cache.key(chain[n / 2], blocks[n].data(), ""), chain[n / 2], blocks[n].data(), "");
+    // Asked for out of order (the tail first, which hashes its whole prefix on the way).
+    const uint64_t tail = cache.hash(chain.back());
+    std::optional<uint64_t> expected;
+    for (int i = 0; i < n; ++i) {
+      expected = hash_block_tokens(blocks[i].data(), kBlock, expected, algo, i == 0 ? "salt" : "");
+      EXPECT_EQ(cache.hash(chain[i]), *expected) << "block " << i;
+    }
+    EXPECT_EQ(tail, *expected);
+    const uint64_t at_branch = hash_block_tokens(
+        blocks[n].data(), kBlock, cache.hash(chain[n / 2]), algo, "");
+    EXPECT_EQ(cache.hash(branch), at_branch);
+    // Keys find exactly the content they were made from; the parent and the salt are part of them.
+    for (int i = 1; i < n; ++i)
+      EXPECT_EQ(cache.find(cache.key(chain[i - 1], blocks[i].data(), ""), chain[i - 1], blocks[i].data(), ""), chain[i]);
+    EXPECT_EQ(cache.find(cache.key(PrefixCache::kRoot, blocks[0].data(), ""), PrefixCache::kRoot, blocks[0].data(), ""),
+              PrefixCache::kNoNode);
+    if (algo == HashAlgo::kWeak8) EXPECT_LT(cache.key(chain[0], blocks[1].data(), ""), 256u);
+  }
 }
