@@ -318,3 +318,69 @@ def test_paged_attention_cpu_decode_shapes(isa, dtype, shape):
     expected, expected_lse = batch.reference(sliding_window=window, softcap=softcap)
     assert_close(out, expected, dtype, f"{isa} seq_lens={lens}")
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
+# head_dim, group, block_size, num_kv_heads, cached prefixes, query lengths, sliding window, softcap,
+# threads: the micro-GEMM prefill in every ISA copy (bf16 over 32-multiple head dims: AMX tiles in the
+# AMX copy), with key ranges that start and end off 16-key tiles (prefixes, split-K partitions, sliding
+# windows, blocks of 1 and 5 keys: staged rows), padded row tiles (group 3), up to 64 rows per item,
+# G = 1..16; head_dim 80 stays on the fp32 path everywhere.
+PREFILL_SHAPES = [
+    (128, 4, 16, 2, [2040, 300], [128, 37], -1, 0.0, 2),  # the benchmark's shape (fewer KV heads)
+    (64, 8, 32, 1, [0, 500], [70, 9], 100, 0.0, 2),
+    (256, 1, 16, 2, [33], [50], -1, 5.0, 1),
+    (32, 3, 5, 2, [129, 7], [40, 23], 9, 0.0, 8),
+    (96, 2, 1, 3, [64, 0], [33, 16], -1, 2.0, 2),
+    (128, 16, 64, 1, [700], [20], 50, 0.0, 8),
+    (80, 2, 16, 2, [100], [30], -1, 0.0, 2),
+]
+
+
+def prefill_shape_id(shape):
+    d, g, bs, hkv, prefixes, q_lens, window, softcap, threads = shape
+    return f"d{d}-g{g}-bs{bs}-kv{hkv}-p{max(prefixes)}-q{max(q_lens)}-w{window}-cap{softcap:g}-t{threads}"
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=prefill_shape_id)
+@pytest.mark.parametrize("poison", [False, True], ids=["finite", "inf_value"])
+def test_paged_attention_cpu_prefill_shapes(isa, dtype, shape, poison):
+    """Prefill over cached prefixes in every ISA copy against the float64 reference. Unused cache rows
+    hold NaN and block tables are padded with -1; with `poison`, the value of each sequence's last key
+    is inf: only its last query sees it (the rows of that query are not compared), every other row of
+    the tile that holds it must mask it exactly (no 0 * inf)."""
+    head_dim, group, block_size, num_kv_heads, prefixes, q_lens, window, softcap, num_threads = shape
+    prefixes = [p + int(torch.randint(0, 5, ())) for p in prefixes]
+    q_lens = [q - int(torch.randint(0, 3, ())) for q in q_lens]
+    batch = PagedBatch(prefixes, q_lens, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
+                       head_dim=head_dim, dtype=dtype, device="cpu")
+    lens = batch.seq_lens_list
+    used = torch.zeros(batch.num_blocks * block_size, dtype=torch.bool)
+    last_slots = []
+    for b, n in enumerate(lens):
+        blocks = -(-n // block_size)
+        slots = batch.block_tables[b, :blocks].long()[:, None] * block_size + torch.arange(block_size)
+        used[slots.flatten()[:n]] = True
+        last_slots.append(int(slots.flatten()[n - 1]))
+        batch.block_tables[b, blocks:] = -1
+    for cache in (batch.key_cache, batch.value_cache):
+        cache.view(-1, num_kv_heads, head_dim)[~used] = float("nan")
+    # The rows compared do not see the poisoned values: the reference (whose P V would multiply them by 0)
+    # is taken before.
+    expected, expected_lse = batch.reference(sliding_window=window, softcap=softcap)
+    if poison:
+        batch.value_cache.view(-1, num_kv_heads, head_dim)[last_slots] = float("inf")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        with cpu_attention_isa(isa):
+            out, lse = ops.paged_attention_with_lse(*batch.args(), sliding_window=window, softcap=softcap)
+    finally:
+        torch.set_num_threads(threads)
+    keep = torch.ones(out.shape[0], dtype=torch.bool)
+    if poison:
+        keep[batch.query_start_loc[1:].long() - 1] = False
+    what = f"{isa} prefixes={prefixes} q_lens={q_lens}"
+    assert_close(out[keep], expected[keep], dtype, what)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)

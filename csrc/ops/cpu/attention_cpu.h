@@ -81,6 +81,10 @@ struct Scratch {
   // St [kGemmKeyTile][R], accumulator [R][Dp], per-row alpha and visible key range.
   std::vector<float> g_qt, g_k, g_v, g_st, g_acc, g_alpha;
   std::vector<int32_t> g_begin, g_end;
+  // AMX GEMM path (bf16): packed query pairs [D/2][R], probabilities [R][<=kGemmKeyTile] as bf16, V as
+  // key-pair words [kGemmKeyTile/2][D], and 16 staged key rows plus one zero row [17][D].
+  std::vector<uint32_t> g_qp, g_vp;
+  std::vector<uint16_t> g_pb, g_kst;
 
   void reserve(int64_t rows, int64_t head_dim) {
     grow(q, rows * head_dim);
@@ -102,6 +106,13 @@ struct Scratch {
     grow(state, R);
     grow(g_k, kGemmKeyTile * Dp);
     grow(g_v, kGemmKeyTile * Dp);
+  }
+
+  void reserve_gemm_amx(int64_t R, int64_t D) {
+    grow(g_qp, R * D / 2);
+    grow(g_vp, kGemmKeyTile / 2 * D);
+    grow(g_pb, R * kGemmKeyTile);
+    grow(g_kst, 17 * D);
   }
 
  private:
