@@ -289,6 +289,17 @@ def decode_shape_id(shape):
     return f"d{d}-g{g}-bs{bs}-kv{hkv}-n{len(lens)}-w{window}-cap{softcap:g}-t{threads}"
 
 
+def _cpu_attention_with_lse(batch, isa, num_threads, **kwargs):
+    """paged_attention_with_lse of the batch in one CPU ISA copy on num_threads threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        with cpu_attention_isa(isa):
+            return ops.paged_attention_with_lse(*batch.args(), **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
 @pytest.mark.parametrize("shape", DECODE_SHAPES, ids=decode_shape_id)
@@ -308,13 +319,7 @@ def test_paged_attention_cpu_decode_shapes(isa, dtype, shape):
         batch.block_tables[b, blocks:] = -1
     for cache in (batch.key_cache, batch.value_cache):
         cache.view(-1, num_kv_heads, head_dim)[~used] = float("nan")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        with cpu_attention_isa(isa):
-            out, lse = ops.paged_attention_with_lse(*batch.args(), sliding_window=window, softcap=softcap)
-    finally:
-        torch.set_num_threads(threads)
+    out, lse = _cpu_attention_with_lse(batch, isa, num_threads, sliding_window=window, softcap=softcap)
     expected, expected_lse = batch.reference(sliding_window=window, softcap=softcap)
     assert_close(out, expected, dtype, f"{isa} seq_lens={lens}")
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
@@ -371,13 +376,7 @@ def test_paged_attention_cpu_prefill_shapes(isa, dtype, shape, poison):
     expected, expected_lse = batch.reference(sliding_window=window, softcap=softcap)
     if poison:
         batch.value_cache.view(-1, num_kv_heads, head_dim)[last_slots] = float("inf")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        with cpu_attention_isa(isa):
-            out, lse = ops.paged_attention_with_lse(*batch.args(), sliding_window=window, softcap=softcap)
-    finally:
-        torch.set_num_threads(threads)
+    out, lse = _cpu_attention_with_lse(batch, isa, num_threads, sliding_window=window, softcap=softcap)
     keep = torch.ones(out.shape[0], dtype=torch.bool)
     if poison:
         keep[batch.query_start_loc[1:].long() - 1] = False
