@@ -383,3 +383,21 @@ def test_paged_attention_cpu_prefill_shapes(isa, dtype, shape, poison):
     what = f"{isa} prefixes={prefixes} q_lens={q_lens}"
     assert_close(out[keep], expected[keep], dtype, what)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("sliding_window", [7, 13, 20, 29, -1])
+def test_paged_attention_cpu_prefill_runs_across_short_blocks(isa, sliding_window):
+    # Blocks of 8 keys whose table puts block ids k at every even entry and k + 2 at every odd one: a run
+    # of 16 keys starting inside an even entry's block ends in the next even one, 15 slots on, although
+    # the block between them is not contiguous. A kernel that reads such a run in place (as consecutive
+    # slots) reads the wrong middle block; the AMX bf16 prefill once did.
+    batch = PagedBatch([200], [24], block_size=8, num_kv_heads=2, group=2, head_dim=64, dtype=BF16, device="cpu")
+    blocks = -(-batch.seq_lens_list[0] // 8)
+    batch.block_tables[0, :blocks] = torch.tensor([k if k % 2 == 0 else k + 2 for k in range(blocks)],
+                                                  dtype=torch.int32)
+    assert len(set(batch.block_tables[0, :blocks].tolist())) == blocks <= batch.num_blocks - 2
+    out, lse = _cpu_attention_with_lse(batch, isa, 2, sliding_window=sliding_window)
+    expected, expected_lse = batch.reference(sliding_window=sliding_window)
+    assert_close(out, expected, BF16, f"{isa} window={sliding_window}")
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
