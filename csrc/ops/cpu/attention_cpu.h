@@ -85,6 +85,7 @@ struct Scratch {
   // key-pair words [kGemmKeyTile/2][D], and 16 staged key rows plus one zero row [17][D].
   std::vector<uint32_t> g_qp, g_vp;
   std::vector<uint16_t> g_pb, g_kst;
+  std::vector<uint16_t> zero_row;  // bf16 decode: a value row of zeros (an odd key count's partner)
 
   void reserve(int64_t rows, int64_t head_dim) {
     grow(q, rows * head_dim);
