@@ -164,12 +164,24 @@ void BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens, std::s
     m.held[g].clear();
     m.chain[g].clear();
   }
+  m.keys.clear();
   if (!prefix_caching_) return;
   const int32_t max_hits = blocks_for_tokens(static_cast<int64_t>(num_tokens)) - 1;  // last block: computed
   // Per group, the blocks registered for the chain of the prompt's blocks (kNoBlock: the content is a
   // link of the chain without KV), as far as the chain goes. A full-attention group needs every block,
   // so it stops at the first one without KV and bounds the hit; a windowed group needs only the blocks
   // its window reads at the first token to compute.
+  // Every full block's key first (they depend on the content only): the buckets of the blocks walked
+  // are loaded together instead of one cache miss after another, and admit() keeps the keys for
+  // mark_computed.
+  const int32_t num_full = static_cast<int32_t>(num_tokens / block_size_);
+  m.keys.resize(static_cast<size_t>(num_full));
+  uint64_t key = PrefixCache::kRootKey;
+  for (int32_t i = 0; i < num_full; ++i) {
+    key = cache_.key_after(key, tokens + int64_t(i) * block_size_, i == 0 ? salt : std::string_view());
+    m.keys[i] = key;
+    if (i < max_hits) cache_.prefetch(key);
+  }
   std::vector<std::vector<int32_t>>& chain = m.chain;
   int32_t limit = max_hits;
   for (int32_t pass = 0; pass < 2; ++pass)  // full-attention groups first: they bound the walk
@@ -178,10 +190,10 @@ void BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens, std::s
       if (full != (pass == 0)) continue;
       PrefixCache::NodeId parent = PrefixCache::root(g);
       for (int32_t i = 0; i < limit; ++i) {
+        if (i + 1 < limit) cache_.prefetch_node(m.keys[i + 1]);  // its bucket is loaded or on its way
         const int64_t* block_tokens = tokens + int64_t(i) * block_size_;
         const std::string_view block_salt = i == 0 ? salt : std::string_view();
-        const PrefixCache::NodeId node =
-            cache_.find(cache_.key(parent, block_tokens, block_salt), parent, block_tokens, block_salt);
+        const PrefixCache::NodeId node = cache_.find(m.keys[i], parent, block_tokens, block_salt);
         if (node == PrefixCache::kNoNode) break;
         const int32_t block = cache_.node(node).block;
         if (block == PrefixCache::kNoBlock && full) break;
@@ -537,6 +549,7 @@ int64_t BlockManager::admit(int64_t seq_id, const int64_t* tokens, size_t num_to
   const int32_t from_free = from_free_for(m, needed);
   Sequence seq;
   seq.tokens.assign(tokens, tokens + num_tokens);
+  seq.block_keys = m.keys;
   seq.salt.assign(salt);
   seq.prompt_len = static_cast<int64_t>(num_tokens);
   seq.retention = retention;
@@ -613,13 +626,22 @@ std::vector<int64_t> BlockManager::allocate_batch(const std::vector<int64_t>& se
 }
 
 PrefixCache::NodeId BlockManager::chain_node(Sequence& seq, int32_t group, int32_t i) {
+  const std::vector<uint64_t>& keys = block_keys_upto(seq, i + 1);
   PrefixCache::NodeId node = PrefixCache::root(group);
   for (int32_t j = 0; j <= i; ++j) {
     const std::string_view salt = j == 0 ? std::string_view(seq.salt) : std::string_view();
-    const int64_t* block_tokens = seq.tokens.data() + int64_t(j) * block_size_;
-    node = cache_.find_or_create(cache_.key(node, block_tokens, salt), node, block_tokens, salt);
+    node = cache_.find_or_create(keys[j], node, seq.tokens.data() + int64_t(j) * block_size_, salt);
   }
   return node;
+}
+
+const std::vector<uint64_t>& BlockManager::block_keys_upto(Sequence& seq, int32_t num_blocks) const {
+  std::vector<uint64_t>& keys = seq.block_keys;
+  for (int32_t i = static_cast<int32_t>(keys.size()); i < num_blocks; ++i)
+    keys.push_back(cache_.key_after(i == 0 ? PrefixCache::kRootKey : keys[i - 1],
+                                    seq.tokens.data() + int64_t(i) * block_size_,
+                                    i == 0 ? std::string_view(seq.salt) : std::string_view()));
+  return keys;
 }
 
 void BlockManager::register_computed_blocks(Sequence& seq, int32_t group) {
@@ -629,6 +651,7 @@ void BlockManager::register_computed_blocks(Sequence& seq, int32_t group) {
   const int32_t full = static_cast<int32_t>(seq.num_computed / block_size_);
   bool parent_is_new = false;  // a node created in this loop has no children yet: skip the lookup
   const bool record = events_enabled_ && group == 0;  // events describe group 0's cache
+  const std::vector<uint64_t>& keys = block_keys_upto(seq, full);
   for (int32_t i = std::max(t.num_registered, t.released); i < full; ++i) {
     PrefixCache::NodeId parent = PrefixCache::root(group);
     if (i > 0) parent = i - 1 < t.released ? chain_node(seq, group, i - 1) : block_node_[t.blocks[i - 1]];
@@ -636,7 +659,7 @@ void BlockManager::register_computed_blocks(Sequence& seq, int32_t group) {
     const int32_t block = t.blocks[i];
     const int64_t* block_tokens = seq.tokens.data() + int64_t(i) * block_size_;
     const std::string_view salt = i == 0 ? std::string_view(seq.salt) : std::string_view();
-    const uint64_t h = cache_.key(parent, block_tokens, salt);
+    const uint64_t h = keys[i];
     const PrefixCache::NodeId node = parent_is_new ? cache_.create(h, parent, block_tokens, salt)
                                                    : cache_.find_or_create(h, parent, block_tokens, salt, &parent_is_new);
     if (block_node_[block] != node) {
@@ -682,6 +705,14 @@ void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std:
   }
   if (!num_tokens)
     for (size_t i = 0; i < seqs.size(); ++i) check_complete(*seqs[i], seq_ids[i], "mark_computed");
+  if (prefix_caching_)  // the buckets of every block about to be registered are loaded together
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Sequence& seq = *seqs[i];
+      const int64_t computed = num_tokens ? (*num_tokens)[i] : static_cast<int64_t>(seq.tokens.size());
+      const int32_t full = static_cast<int32_t>(computed / block_size_);
+      const std::vector<uint64_t>& keys = block_keys_upto(seq, full);
+      for (int32_t b = seq.groups[0].num_registered; b < full; ++b) cache_.prefetch(keys[b]);
+    }
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence& seq = *seqs[i];
     seq.num_computed = num_tokens ? (*num_tokens)[i] : static_cast<int64_t>(seq.tokens.size());
@@ -869,6 +900,7 @@ void BlockManager::truncate(const std::vector<int64_t>& seq_ids, const std::vect
       t.num_registered = std::min(t.num_registered, full);
     }
     seq.tokens.resize(static_cast<size_t>(n));
+    if (seq.block_keys.size() > static_cast<size_t>(full)) seq.block_keys.resize(static_cast<size_t>(full));
     seq.num_computed = std::min(seq.num_computed, n);
   }
 }

@@ -26,10 +26,9 @@ bool PrefixCache::matches(NodeId id, NodeId parent, const int64_t* block_tokens,
   return n.parent == parent && std::equal(block_tokens, block_tokens + block_size_, tokens(id)) && n.salt == salt;
 }
 
-uint64_t PrefixCache::key(NodeId parent, const int64_t* block_tokens, std::string_view salt) const {
-  // The parent's id stands for its whole prefix (a live node's id is not reused while it has children);
-  // the salt of block 0 is folded into the seed.
-  uint64_t seed = static_cast<uint64_t>(static_cast<int64_t>(parent));
+uint64_t PrefixCache::key_after(uint64_t parent_key, const int64_t* block_tokens, std::string_view salt) const {
+  // The parent's key stands for its whole prefix; the salt of block 0 is folded into the seed.
+  uint64_t seed = parent_key;
   if (!salt.empty()) seed ^= XXH3_64bits_withSeed(salt.data(), salt.size(), 0x9E3779B97F4A7C15ull);
   const uint64_t k = XXH3_64bits_withSeed(block_tokens, sizeof(int64_t) * static_cast<size_t>(block_size_), seed);
   return algo_ == HashAlgo::kWeak8 ? (k & 0xFFu) : k;
