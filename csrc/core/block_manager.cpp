@@ -177,7 +177,13 @@ void BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens, std::s
   const int32_t num_full = static_cast<int32_t>(num_tokens / block_size_);
   m.keys.resize(static_cast<size_t>(num_full));
   uint64_t key = PrefixCache::kRootKey;
+  constexpr int64_t kAhead = 512;  // bytes of the prompt requested ahead of the hashing (a fresh prompt is cold)
+  const char* const prompt_end = reinterpret_cast<const char*>(tokens + num_tokens);
+  for (const char* p = reinterpret_cast<const char*>(tokens); p < prompt_end && p < reinterpret_cast<const char*>(tokens) + kAhead; p += 64)
+    __builtin_prefetch(p);
   for (int32_t i = 0; i < num_full; ++i) {
+    const char* ahead = reinterpret_cast<const char*>(tokens + int64_t(i) * block_size_) + kAhead;
+    for (int64_t b = 0; b < int64_t(block_size_) * 8 && ahead + b < prompt_end; b += 64) __builtin_prefetch(ahead + b);
     key = cache_.key_after(key, tokens + int64_t(i) * block_size_, i == 0 ? salt : std::string_view());
     m.keys[i] = key;
     if (i < max_hits) cache_.prefetch(key);
@@ -705,14 +711,18 @@ void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std:
   }
   if (!num_tokens)
     for (size_t i = 0; i < seqs.size(); ++i) check_complete(*seqs[i], seq_ids[i], "mark_computed");
-  if (prefix_caching_)  // the buckets of every block about to be registered are loaded together
+  if (prefix_caching_) {  // the memory of every block about to be registered is loaded together
+    int32_t new_blocks = 0;
     for (size_t i = 0; i < seqs.size(); ++i) {
       Sequence& seq = *seqs[i];
       const int64_t computed = num_tokens ? (*num_tokens)[i] : static_cast<int64_t>(seq.tokens.size());
       const int32_t full = static_cast<int32_t>(computed / block_size_);
       const std::vector<uint64_t>& keys = block_keys_upto(seq, full);
       for (int32_t b = seq.groups[0].num_registered; b < full; ++b) cache_.prefetch(keys[b]);
+      new_blocks += std::max(0, full - seq.groups[0].num_registered);
     }
+    cache_.prefetch_creates(std::min(new_blocks, 256));  // at most new_blocks nodes are created
+  }
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence& seq = *seqs[i];
     seq.num_computed = num_tokens ? (*num_tokens)[i] : static_cast<int64_t>(seq.tokens.size());

@@ -93,6 +93,17 @@ PrefixCache::NodeId PrefixCache::create(uint64_t key, NodeId parent, const int64
   return id;
 }
 
+void PrefixCache::prefetch_creates(int32_t count) const {
+  const int32_t reused = std::min<int32_t>(count, static_cast<int32_t>(free_ids_.size()));
+  for (int32_t k = 0; k < count; ++k) {  // the order create() takes them in: freed ids first
+    const NodeId id = k < reused ? free_ids_[free_ids_.size() - 1 - k] : num_created_ + (k - reused);
+    if (static_cast<size_t>(id) >= nodes_.size()) break;
+    __builtin_prefetch(&nodes_[id], 1);
+    const char* slot = reinterpret_cast<const char*>(tokens(id));
+    for (size_t b = 0; b < sizeof(int64_t) * static_cast<size_t>(block_size_); b += 64) __builtin_prefetch(slot + b, 1);
+  }
+}
+
 void PrefixCache::set_block(NodeId id, int32_t block) {
   Node& n = nodes_[id];
   ++version_;

@@ -54,6 +54,9 @@ class PrefixCache {
   // Starts loading the bucket of `key` into the cache, so that a find / create of it soon after does not
   // wait for memory (the bucket array is touched at random: one cache miss per new block otherwise).
   void prefetch(uint64_t key) const { __builtin_prefetch(&buckets_[key & (buckets_.size() - 1)]); }
+  // Starts loading, for writing, the storage of the next `count` nodes create() will hand out (their node
+  // and token slots were last touched when the cache was built: cold by the time blocks are registered).
+  void prefetch_creates(int32_t count) const;
   // Starts loading the first node in the bucket of `key` and its tokens (call once the bucket is cached).
   void prefetch_node(uint64_t key) const {
     const NodeId id = bucket(key);
