@@ -1,6 +1,7 @@
 // pybind11 bindings of the block manager, in the extension module pagedkv._C (which also registers the
 // torch.ops.pagedkv operators from csrc/ops). Token ids and sequence ids are accepted as Python
 // sequences of ints or as 1-D integer tensors; batched results come back as CPU tensors.
+#include <ATen/EmptyTensor.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -276,10 +277,16 @@ std::vector<RetentionRange> retention_ranges(const py::handle& obj, const char* 
   return out;
 }
 
+// A new CPU tensor for a result, made without the dispatcher (torch::empty through it costs about as
+// much as a small batch's bookkeeping).
+torch::Tensor cpu_tensor(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::Tensor(at::detail::empty_cpu(sizes, dtype));
+}
+
 // A tensor that takes ownership of the vector's storage (no copy).
 template <typename T>
 torch::Tensor to_tensor(std::vector<T>&& values, at::IntArrayRef sizes, at::ScalarType dtype) {
-  if (values.empty()) return torch::empty(sizes, torch::dtype(dtype));
+  if (values.empty()) return cpu_tensor(sizes, dtype);
   auto* owned = new std::vector<T>(std::move(values));
   return torch::from_blob(owned->data(), sizes, [owned](void*) { delete owned; }, torch::dtype(dtype));
 }
@@ -533,7 +540,7 @@ PYBIND11_MODULE(_C, m) {
             if (tokens.size != total)
               throw ValueError("append_tokens: " + std::to_string(total) + (per_seq ? " tokens to append" : " seq_ids") +
                                " but " + std::to_string(tokens.size) + " token_ids");
-            torch::Tensor slots = torch::empty({static_cast<int64_t>(total)}, torch::kInt64);
+            torch::Tensor slots = cpu_tensor({static_cast<int64_t>(total)}, torch::kInt64);
             bm.append_tokens(ids.data, ids.size, tokens.data, per_seq ? per_seq->data : nullptr, slots.data_ptr<int64_t>());
             return slots;
           },
@@ -606,7 +613,7 @@ PYBIND11_MODULE(_C, m) {
             }
             torch::Tensor slots;
             bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, [&slots](size_t total) {
-              slots = torch::empty({static_cast<int64_t>(total)}, torch::kInt64);
+              slots = cpu_tensor({static_cast<int64_t>(total)}, torch::kInt64);
               return slots.data_ptr<int64_t>();
             }, "slot_mappings", group);
             return slots;
@@ -621,7 +628,7 @@ PYBIND11_MODULE(_C, m) {
               throw ValueError("seq_lens: group=" + std::to_string(group) + " is not one of this manager's " +
                                std::to_string(bm.num_groups()) + " groups");
             Int64Array ids(seq_ids, "seq_ids");
-            torch::Tensor out = torch::empty({static_cast<int64_t>(ids.size)}, torch::kInt32);
+            torch::Tensor out = cpu_tensor({static_cast<int64_t>(ids.size)}, torch::kInt32);
             int32_t* p = out.data_ptr<int32_t>();
             for (size_t i = 0; i < ids.size; ++i) p[i] = static_cast<int32_t>(bm.num_tokens(ids.data[i]));
             return out;

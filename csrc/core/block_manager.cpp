@@ -171,23 +171,15 @@ void BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens, std::s
   // link of the chain without KV), as far as the chain goes. A full-attention group needs every block,
   // so it stops at the first one without KV and bounds the hit; a windowed group needs only the blocks
   // its window reads at the first token to compute.
-  // Every full block's key first (they depend on the content only): the buckets of the blocks walked
-  // are loaded together instead of one cache miss after another, and admit() keeps the keys for
-  // mark_computed.
+  // Keys are computed a few blocks ahead of the walk (they depend on the content only), so the buckets
+  // of the blocks walked load together instead of one cache miss after another; the walk stops at the
+  // first miss, so a prompt that waits (can_allocate every step) hashes little more than its hit.
+  constexpr int32_t kKeysAhead = 8;
   const int32_t num_full = static_cast<int32_t>(num_tokens / block_size_);
-  m.keys.resize(static_cast<size_t>(num_full));
-  uint64_t key = PrefixCache::kRootKey;
-  constexpr int64_t kAhead = 512;  // bytes of the prompt requested ahead of the hashing (a fresh prompt is cold)
-  const char* const prompt_end = reinterpret_cast<const char*>(tokens + num_tokens);
-  for (const char* p = reinterpret_cast<const char*>(tokens); p < prompt_end && p < reinterpret_cast<const char*>(tokens) + kAhead; p += 64)
-    __builtin_prefetch(p);
-  for (int32_t i = 0; i < num_full; ++i) {
-    const char* ahead = reinterpret_cast<const char*>(tokens + int64_t(i) * block_size_) + kAhead;
-    for (int64_t b = 0; b < int64_t(block_size_) * 8 && ahead + b < prompt_end; b += 64) __builtin_prefetch(ahead + b);
-    key = cache_.key_after(key, tokens + int64_t(i) * block_size_, i == 0 ? salt : std::string_view());
-    m.keys[i] = key;
-    if (i < max_hits) cache_.prefetch(key);
-  }
+  const auto key_of = [&](int32_t i) {
+    if (i >= static_cast<int32_t>(m.keys.size())) extend_keys(tokens, salt, std::min(num_full, i + kKeysAhead), &m.keys);
+    return m.keys[i];
+  };
   std::vector<std::vector<int32_t>>& chain = m.chain;
   int32_t limit = max_hits;
   for (int32_t pass = 0; pass < 2; ++pass)  // full-attention groups first: they bound the walk
@@ -196,10 +188,12 @@ void BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens, std::s
       if (full != (pass == 0)) continue;
       PrefixCache::NodeId parent = PrefixCache::root(g);
       for (int32_t i = 0; i < limit; ++i) {
-        if (i + 1 < limit) cache_.prefetch_node(m.keys[i + 1]);  // its bucket is loaded or on its way
+        const uint64_t key = key_of(i);
+        if (i + 1 < limit && i + 1 < static_cast<int32_t>(m.keys.size()))
+          cache_.prefetch_node(m.keys[i + 1]);  // its bucket was requested a while ago
         const int64_t* block_tokens = tokens + int64_t(i) * block_size_;
         const std::string_view block_salt = i == 0 ? salt : std::string_view();
-        const PrefixCache::NodeId node = cache_.find(m.keys[i], parent, block_tokens, block_salt);
+        const PrefixCache::NodeId node = cache_.find(key, parent, block_tokens, block_salt);
         if (node == PrefixCache::kNoNode) break;
         const int32_t block = cache_.node(node).block;
         if (block == PrefixCache::kNoBlock && full) break;
@@ -617,7 +611,7 @@ std::vector<int64_t> BlockManager::allocate_batch(const std::vector<int64_t>& se
   }
   std::vector<int64_t> cached;
   cached.reserve(seq_ids.size());
-  PrefixMatch m;  // one lookup per prompt, shared by the fit check and the admission
+  PrefixMatch& m = batch_match_;  // one lookup per prompt, shared by the fit check and the admission
   static const std::vector<RetentionRange> kNoRetention;
   for (size_t i = 0; i < seq_ids.size(); ++i) {
     const std::string_view salt = salts.empty() ? std::string_view() : std::string_view(salts[i]);
@@ -642,12 +636,22 @@ PrefixCache::NodeId BlockManager::chain_node(Sequence& seq, int32_t group, int32
 }
 
 const std::vector<uint64_t>& BlockManager::block_keys_upto(Sequence& seq, int32_t num_blocks) const {
-  std::vector<uint64_t>& keys = seq.block_keys;
-  for (int32_t i = static_cast<int32_t>(keys.size()); i < num_blocks; ++i)
-    keys.push_back(cache_.key_after(i == 0 ? PrefixCache::kRootKey : keys[i - 1],
-                                    seq.tokens.data() + int64_t(i) * block_size_,
-                                    i == 0 ? std::string_view(seq.salt) : std::string_view()));
-  return keys;
+  extend_keys(seq.tokens.data(), seq.salt, num_blocks, &seq.block_keys);
+  return seq.block_keys;
+}
+
+void BlockManager::extend_keys(const int64_t* tokens, std::string_view salt, int32_t num_blocks,
+                               std::vector<uint64_t>* keys) const {
+  constexpr int64_t kAhead = 512;  // bytes of tokens requested ahead of the hashing (a fresh prompt is cold)
+  const char* const end = reinterpret_cast<const char*>(tokens + int64_t(num_blocks) * block_size_);
+  for (int32_t i = static_cast<int32_t>(keys->size()); i < num_blocks; ++i) {
+    const int64_t* block_tokens = tokens + int64_t(i) * block_size_;
+    const char* ahead = reinterpret_cast<const char*>(block_tokens) + kAhead;
+    for (const char* p = ahead; p < ahead + sizeof(int64_t) * block_size_ && p < end; p += 64) __builtin_prefetch(p);
+    keys->push_back(cache_.key_after(i == 0 ? PrefixCache::kRootKey : keys->back(), block_tokens,
+                                     i == 0 ? salt : std::string_view()));
+    cache_.prefetch(keys->back());  // its find / create comes soon
+  }
 }
 
 void BlockManager::register_computed_blocks(Sequence& seq, int32_t group) {
