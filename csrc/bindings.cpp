@@ -622,6 +622,47 @@ PYBIND11_MODULE(_C, m) {
           "Concatenated slots of positions [starts[i], ends[i]) of each sequence (default end: its length); "
           "a prefill batch's slot mapping, chunked or not.")
       .def(
+          "attention_inputs",
+          [](const BlockManager& bm, const py::object& seq_ids, const py::object& starts, const py::object& ends,
+             std::optional<int32_t> max_blocks, int32_t pad, int32_t group) {
+            Int64Array ids(seq_ids, "seq_ids"), begin(starts, "starts");
+            if (ids.size != begin.size) throw ValueError("attention_inputs: seq_ids and starts differ in length");
+            std::optional<Int64Array> stop;
+            if (!ends.is_none()) {
+              stop.emplace(ends, "ends");
+              if (stop->size != ids.size) throw ValueError("attention_inputs: seq_ids and ends differ in length");
+            }
+            // slot_mappings validates every id and range before it writes anything.
+            torch::Tensor slots;
+            bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, [&slots](size_t total) {
+              if (total > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
+                throw ValueError("attention_inputs: " + std::to_string(total) + " query tokens do not fit the int32 "
+                                 "query_start_loc");
+              slots = cpu_tensor({static_cast<int64_t>(total)}, torch::kInt64);
+              return slots.data_ptr<int64_t>();
+            }, "attention_inputs", group);
+            std::vector<int32_t> rows;
+            const int32_t width =
+                bm.block_tables(ids.data, ids.size, max_blocks ? &*max_blocks : nullptr, pad, &rows, group);
+            const auto n = static_cast<int64_t>(ids.size);
+            torch::Tensor lens = cpu_tensor({n}, torch::kInt32), starts_out = cpu_tensor({n + 1}, torch::kInt32);
+            int32_t* len = lens.data_ptr<int32_t>();
+            int32_t* qsl = starts_out.data_ptr<int32_t>();
+            qsl[0] = 0;
+            for (int64_t i = 0; i < n; ++i) {
+              const int64_t end = stop ? stop->data[i] : bm.num_tokens(ids.data[i]);
+              len[i] = static_cast<int32_t>(end);
+              qsl[i + 1] = qsl[i] + static_cast<int32_t>(end - begin.data[i]);
+            }
+            return py::make_tuple(slots, to_tensor(std::move(rows), {n, width}, torch::kInt32), lens, starts_out);
+          },
+          py::arg("seq_ids"), py::arg("starts"), py::arg("ends") = py::none(), py::kw_only(),
+          py::arg("max_blocks") = py::none(), py::arg("pad") = 0, py::arg("group") = 0,
+          "What paged attention needs for a step whose sequence i has queries at positions [starts[i], ends[i])\n"
+          "(default end: its length), in one call: (slot_mapping int64 [total], block_tables int32 [n, width],\n"
+          "seq_lens int32 [n] (= ends), query_start_loc int32 [n + 1]). The same as slot_mappings, block_tables and\n"
+          "seq_lens, and the cumulative query lengths, without a Python crossing for each.")
+      .def(
           "seq_lens",
           [](const BlockManager& bm, const py::object& seq_ids, int32_t group) {
             if (group < 0 || group >= bm.num_groups())
