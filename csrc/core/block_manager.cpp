@@ -721,11 +721,12 @@ void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std:
       Sequence& seq = *seqs[i];
       const int64_t computed = num_tokens ? (*num_tokens)[i] : static_cast<int64_t>(seq.tokens.size());
       const int32_t full = static_cast<int32_t>(computed / block_size_);
+      if (full <= seq.groups[0].num_registered) continue;  // most of a decode batch
       const std::vector<uint64_t>& keys = block_keys_upto(seq, full);
       for (int32_t b = seq.groups[0].num_registered; b < full; ++b) cache_.prefetch(keys[b]);
-      new_blocks += std::max(0, full - seq.groups[0].num_registered);
+      new_blocks += full - seq.groups[0].num_registered;
     }
-    cache_.prefetch_creates(std::min(new_blocks, 256));  // at most new_blocks nodes are created
+    if (new_blocks > 1) cache_.prefetch_creates(std::min(new_blocks, 256));  // at most new_blocks nodes are created
   }
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence& seq = *seqs[i];
