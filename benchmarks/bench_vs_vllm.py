@@ -268,7 +268,8 @@ def decode_vllm(state, steps):
 
 
 def admit_pagedkv(prompts, wave):
-    """One allocate_batch per scheduler step, then the step's tensors, then mark_computed (KV written)."""
+    """One allocate_batch per scheduler step, then the step's tensors (slot mapping, block tables, seq_lens,
+    query_start_loc: one attention_inputs call), then mark_computed (KV written)."""
     bm = pagedkv.BlockManager(NUM_BLOCKS, BLOCK_SIZE)
     cached = 0
     t0 = time.perf_counter()
@@ -276,9 +277,7 @@ def admit_pagedkv(prompts, wave):
         ids = np.arange(start, min(start + wave, len(prompts)))
         hits = bm.allocate_batch(ids, prompts[start:start + wave])
         assert len(hits) == len(ids)
-        bm.slot_mappings(ids, hits)
-        bm.block_tables(ids)
-        query_start_loc(bm.seq_lens(ids).numpy() - hits)
+        bm.attention_inputs(ids, hits)
         bm.mark_computed(ids)
         cached += sum(hits)
     return time.perf_counter() - t0, cached, bm

@@ -1,6 +1,7 @@
 // pybind11 bindings of the block manager, in the extension module pagedkv._C (which also registers the
 // torch.ops.pagedkv operators from csrc/ops). Token ids and sequence ids are accepted as Python
 // sequences of ints or as 1-D integer tensors; batched results come back as CPU tensors.
+#include <ATen/EmptyTensor.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -276,10 +277,16 @@ std::vector<RetentionRange> retention_ranges(const py::handle& obj, const char* 
   return out;
 }
 
+// A new CPU tensor for a result, made without the dispatcher (torch::empty through it costs about as
+// much as a small batch's bookkeeping).
+torch::Tensor cpu_tensor(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::Tensor(at::detail::empty_cpu(sizes, dtype));
+}
+
 // A tensor that takes ownership of the vector's storage (no copy).
 template <typename T>
 torch::Tensor to_tensor(std::vector<T>&& values, at::IntArrayRef sizes, at::ScalarType dtype) {
-  if (values.empty()) return torch::empty(sizes, torch::dtype(dtype));
+  if (values.empty()) return cpu_tensor(sizes, dtype);
   auto* owned = new std::vector<T>(std::move(values));
   return torch::from_blob(owned->data(), sizes, [owned](void*) { delete owned; }, torch::dtype(dtype));
 }
@@ -533,7 +540,7 @@ PYBIND11_MODULE(_C, m) {
             if (tokens.size != total)
               throw ValueError("append_tokens: " + std::to_string(total) + (per_seq ? " tokens to append" : " seq_ids") +
                                " but " + std::to_string(tokens.size) + " token_ids");
-            torch::Tensor slots = torch::empty({static_cast<int64_t>(total)}, torch::kInt64);
+            torch::Tensor slots = cpu_tensor({static_cast<int64_t>(total)}, torch::kInt64);
             bm.append_tokens(ids.data, ids.size, tokens.data, per_seq ? per_seq->data : nullptr, slots.data_ptr<int64_t>());
             return slots;
           },
@@ -606,7 +613,7 @@ PYBIND11_MODULE(_C, m) {
             }
             torch::Tensor slots;
             bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, [&slots](size_t total) {
-              slots = torch::empty({static_cast<int64_t>(total)}, torch::kInt64);
+              slots = cpu_tensor({static_cast<int64_t>(total)}, torch::kInt64);
               return slots.data_ptr<int64_t>();
             }, "slot_mappings", group);
             return slots;
@@ -615,13 +622,54 @@ PYBIND11_MODULE(_C, m) {
           "Concatenated slots of positions [starts[i], ends[i]) of each sequence (default end: its length); "
           "a prefill batch's slot mapping, chunked or not.")
       .def(
+          "attention_inputs",
+          [](const BlockManager& bm, const py::object& seq_ids, const py::object& starts, const py::object& ends,
+             std::optional<int32_t> max_blocks, int32_t pad, int32_t group) {
+            Int64Array ids(seq_ids, "seq_ids"), begin(starts, "starts");
+            if (ids.size != begin.size) throw ValueError("attention_inputs: seq_ids and starts differ in length");
+            std::optional<Int64Array> stop;
+            if (!ends.is_none()) {
+              stop.emplace(ends, "ends");
+              if (stop->size != ids.size) throw ValueError("attention_inputs: seq_ids and ends differ in length");
+            }
+            // slot_mappings validates every id and range before it writes anything.
+            torch::Tensor slots;
+            bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, [&slots](size_t total) {
+              if (total > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
+                throw ValueError("attention_inputs: " + std::to_string(total) + " query tokens do not fit the int32 "
+                                 "query_start_loc");
+              slots = cpu_tensor({static_cast<int64_t>(total)}, torch::kInt64);
+              return slots.data_ptr<int64_t>();
+            }, "attention_inputs", group);
+            std::vector<int32_t> rows;
+            const int32_t width =
+                bm.block_tables(ids.data, ids.size, max_blocks ? &*max_blocks : nullptr, pad, &rows, group);
+            const auto n = static_cast<int64_t>(ids.size);
+            torch::Tensor lens = cpu_tensor({n}, torch::kInt32), starts_out = cpu_tensor({n + 1}, torch::kInt32);
+            int32_t* len = lens.data_ptr<int32_t>();
+            int32_t* qsl = starts_out.data_ptr<int32_t>();
+            qsl[0] = 0;
+            for (int64_t i = 0; i < n; ++i) {
+              const int64_t end = stop ? stop->data[i] : bm.num_tokens(ids.data[i]);
+              len[i] = static_cast<int32_t>(end);
+              qsl[i + 1] = qsl[i] + static_cast<int32_t>(end - begin.data[i]);
+            }
+            return py::make_tuple(slots, to_tensor(std::move(rows), {n, width}, torch::kInt32), lens, starts_out);
+          },
+          py::arg("seq_ids"), py::arg("starts"), py::arg("ends") = py::none(), py::kw_only(),
+          py::arg("max_blocks") = py::none(), py::arg("pad") = 0, py::arg("group") = 0,
+          "What paged attention needs for a step whose sequence i has queries at positions [starts[i], ends[i])\n"
+          "(default end: its length), in one call: (slot_mapping int64 [total], block_tables int32 [n, width],\n"
+          "seq_lens int32 [n] (= ends), query_start_loc int32 [n + 1]). The same as slot_mappings, block_tables and\n"
+          "seq_lens, and the cumulative query lengths, without a Python crossing for each.")
+      .def(
           "seq_lens",
           [](const BlockManager& bm, const py::object& seq_ids, int32_t group) {
             if (group < 0 || group >= bm.num_groups())
               throw ValueError("seq_lens: group=" + std::to_string(group) + " is not one of this manager's " +
                                std::to_string(bm.num_groups()) + " groups");
             Int64Array ids(seq_ids, "seq_ids");
-            torch::Tensor out = torch::empty({static_cast<int64_t>(ids.size)}, torch::kInt32);
+            torch::Tensor out = cpu_tensor({static_cast<int64_t>(ids.size)}, torch::kInt32);
             int32_t* p = out.data_ptr<int32_t>();
             for (size_t i = 0; i < ids.size; ++i) p[i] = static_cast<int32_t>(bm.num_tokens(ids.data[i]));
             return out;

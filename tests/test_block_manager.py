@@ -122,6 +122,39 @@ def test_slot_mappings_match_the_per_token_formula_on_random_ranges(block_size):
     whole = [t * block_size + k for t in bm.block_table(5) for k in range(block_size)][:lengths[5]]
     assert bm.slot_mappings([5], [0]).tolist() == whole
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_inputs_equal_the_separate_calls(window):
+    """attention_inputs = (slot_mappings, block_tables, ends or lengths, cumulative query lengths), on random
+    batches (windowed group 1: ranges start past what its window released)."""
+    rng = random.Random()
+    block_size = rng.choice([1, 3, 4, 16])
+    bm = BlockManager(4096, block_size, group_windows=[None, window])
+    lengths = {i: rng.randrange(1, 5 * block_size + 9) for i in range(10)}
+    for i, n in lengths.items():
+        bm.allocate(i, [rng.randrange(50) for _ in range(n)])
+        bm.mark_computed(i, rng.randrange(n + 1))
+    for _ in range(20):
+        ids = rng.sample(sorted(lengths), rng.randrange(0, len(lengths) + 1))
+        group = rng.randrange(2)
+        first = [bm.num_released_blocks(i, group=group) * block_size for i in ids]
+        starts = [rng.randrange(f, lengths[i] + 1) for f, i in zip(first, ids)]
+        ends = [rng.randrange(s, lengths[i] + 1) for s, i in zip(starts, ids)] if rng.random() < 0.5 else None
+        pad = rng.randrange(-1, 3)
+        slots, tables, lens, qsl = bm.attention_inputs(ids, starts, ends, pad=pad, group=group)
+        assert slots.dtype == torch.int64 and tables.dtype == lens.dtype == qsl.dtype == torch.int32
+        assert slots.tolist() == bm.slot_mappings(ids, starts, ends, group=group).tolist()
+        assert tables.tolist() == bm.block_tables(ids, pad=pad, group=group).tolist()
+        stop = ends if ends is not None else [lengths[i] for i in ids]
+        assert lens.tolist() == stop
+        assert qsl.tolist() == [0] + np.cumsum([e - s for s, e in zip(starts, stop)]).tolist()
+    with pytest.raises(ValueError, match="differ in length"):
+        bm.attention_inputs([0, 1], [0])
+    with pytest.raises(KeyError):
+        bm.attention_inputs([99], [0])
+    with pytest.raises(ValueError, match="not inside"):
+        bm.attention_inputs([0], [0], [lengths[0] + 1])
+
+
 def test_hits_need_mark_computed_and_last_block_is_computed():
     bm = BlockManager(32, 4)
     prompt = toks(12)

@@ -164,12 +164,22 @@ void BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens, std::s
     m.held[g].clear();
     m.chain[g].clear();
   }
+  m.keys.clear();
   if (!prefix_caching_) return;
   const int32_t max_hits = blocks_for_tokens(static_cast<int64_t>(num_tokens)) - 1;  // last block: computed
   // Per group, the blocks registered for the chain of the prompt's blocks (kNoBlock: the content is a
   // link of the chain without KV), as far as the chain goes. A full-attention group needs every block,
   // so it stops at the first one without KV and bounds the hit; a windowed group needs only the blocks
   // its window reads at the first token to compute.
+  // Keys are computed a few blocks ahead of the walk (they depend on the content only), so the buckets
+  // of the blocks walked load together instead of one cache miss after another; the walk stops at the
+  // first miss, so a prompt that waits (can_allocate every step) hashes little more than its hit.
+  constexpr int32_t kKeysAhead = 8;
+  const int32_t num_full = static_cast<int32_t>(num_tokens / block_size_);
+  const auto key_of = [&](int32_t i) {
+    if (i >= static_cast<int32_t>(m.keys.size())) extend_keys(tokens, salt, std::min(num_full, i + kKeysAhead), &m.keys);
+    return m.keys[i];
+  };
   std::vector<std::vector<int32_t>>& chain = m.chain;
   int32_t limit = max_hits;
   for (int32_t pass = 0; pass < 2; ++pass)  // full-attention groups first: they bound the walk
@@ -178,10 +188,12 @@ void BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens, std::s
       if (full != (pass == 0)) continue;
       PrefixCache::NodeId parent = PrefixCache::root(g);
       for (int32_t i = 0; i < limit; ++i) {
+        const uint64_t key = key_of(i);
+        if (i + 1 < limit && i + 1 < static_cast<int32_t>(m.keys.size()))
+          cache_.prefetch_node(m.keys[i + 1]);  // its bucket was requested a while ago
         const int64_t* block_tokens = tokens + int64_t(i) * block_size_;
         const std::string_view block_salt = i == 0 ? salt : std::string_view();
-        const PrefixCache::NodeId node =
-            cache_.find(cache_.key(parent, block_tokens, block_salt), parent, block_tokens, block_salt);
+        const PrefixCache::NodeId node = cache_.find(key, parent, block_tokens, block_salt);
         if (node == PrefixCache::kNoNode) break;
         const int32_t block = cache_.node(node).block;
         if (block == PrefixCache::kNoBlock && full) break;
@@ -537,6 +549,7 @@ int64_t BlockManager::admit(int64_t seq_id, const int64_t* tokens, size_t num_to
   const int32_t from_free = from_free_for(m, needed);
   Sequence seq;
   seq.tokens.assign(tokens, tokens + num_tokens);
+  seq.block_keys = m.keys;
   seq.salt.assign(salt);
   seq.prompt_len = static_cast<int64_t>(num_tokens);
   seq.retention = retention;
@@ -598,7 +611,7 @@ std::vector<int64_t> BlockManager::allocate_batch(const std::vector<int64_t>& se
   }
   std::vector<int64_t> cached;
   cached.reserve(seq_ids.size());
-  PrefixMatch m;  // one lookup per prompt, shared by the fit check and the admission
+  PrefixMatch& m = batch_match_;  // one lookup per prompt, shared by the fit check and the admission
   static const std::vector<RetentionRange> kNoRetention;
   for (size_t i = 0; i < seq_ids.size(); ++i) {
     const std::string_view salt = salts.empty() ? std::string_view() : std::string_view(salts[i]);
@@ -613,13 +626,32 @@ std::vector<int64_t> BlockManager::allocate_batch(const std::vector<int64_t>& se
 }
 
 PrefixCache::NodeId BlockManager::chain_node(Sequence& seq, int32_t group, int32_t i) {
+  const std::vector<uint64_t>& keys = block_keys_upto(seq, i + 1);
   PrefixCache::NodeId node = PrefixCache::root(group);
   for (int32_t j = 0; j <= i; ++j) {
     const std::string_view salt = j == 0 ? std::string_view(seq.salt) : std::string_view();
-    const int64_t* block_tokens = seq.tokens.data() + int64_t(j) * block_size_;
-    node = cache_.find_or_create(cache_.key(node, block_tokens, salt), node, block_tokens, salt);
+    node = cache_.find_or_create(keys[j], node, seq.tokens.data() + int64_t(j) * block_size_, salt);
   }
   return node;
+}
+
+const std::vector<uint64_t>& BlockManager::block_keys_upto(Sequence& seq, int32_t num_blocks) const {
+  extend_keys(seq.tokens.data(), seq.salt, num_blocks, &seq.block_keys);
+  return seq.block_keys;
+}
+
+void BlockManager::extend_keys(const int64_t* tokens, std::string_view salt, int32_t num_blocks,
+                               std::vector<uint64_t>* keys) const {
+  constexpr int64_t kAhead = 512;  // bytes of tokens requested ahead of the hashing (a fresh prompt is cold)
+  const char* const end = reinterpret_cast<const char*>(tokens + int64_t(num_blocks) * block_size_);
+  for (int32_t i = static_cast<int32_t>(keys->size()); i < num_blocks; ++i) {
+    const int64_t* block_tokens = tokens + int64_t(i) * block_size_;
+    const char* ahead = reinterpret_cast<const char*>(block_tokens) + kAhead;
+    for (const char* p = ahead; p < ahead + sizeof(int64_t) * block_size_ && p < end; p += 64) __builtin_prefetch(p);
+    keys->push_back(cache_.key_after(i == 0 ? PrefixCache::kRootKey : keys->back(), block_tokens,
+                                     i == 0 ? salt : std::string_view()));
+    cache_.prefetch(keys->back());  // its find / create comes soon
+  }
 }
 
 void BlockManager::register_computed_blocks(Sequence& seq, int32_t group) {
@@ -629,6 +661,7 @@ void BlockManager::register_computed_blocks(Sequence& seq, int32_t group) {
   const int32_t full = static_cast<int32_t>(seq.num_computed / block_size_);
   bool parent_is_new = false;  // a node created in this loop has no children yet: skip the lookup
   const bool record = events_enabled_ && group == 0;  // events describe group 0's cache
+  const std::vector<uint64_t>& keys = block_keys_upto(seq, full);
   for (int32_t i = std::max(t.num_registered, t.released); i < full; ++i) {
     PrefixCache::NodeId parent = PrefixCache::root(group);
     if (i > 0) parent = i - 1 < t.released ? chain_node(seq, group, i - 1) : block_node_[t.blocks[i - 1]];
@@ -636,7 +669,7 @@ void BlockManager::register_computed_blocks(Sequence& seq, int32_t group) {
     const int32_t block = t.blocks[i];
     const int64_t* block_tokens = seq.tokens.data() + int64_t(i) * block_size_;
     const std::string_view salt = i == 0 ? std::string_view(seq.salt) : std::string_view();
-    const uint64_t h = cache_.key(parent, block_tokens, salt);
+    const uint64_t h = keys[i];
     const PrefixCache::NodeId node = parent_is_new ? cache_.create(h, parent, block_tokens, salt)
                                                    : cache_.find_or_create(h, parent, block_tokens, salt, &parent_is_new);
     if (block_node_[block] != node) {
@@ -682,6 +715,19 @@ void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std:
   }
   if (!num_tokens)
     for (size_t i = 0; i < seqs.size(); ++i) check_complete(*seqs[i], seq_ids[i], "mark_computed");
+  if (prefix_caching_) {  // the memory of every block about to be registered is loaded together
+    int32_t new_blocks = 0;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      Sequence& seq = *seqs[i];
+      const int64_t computed = num_tokens ? (*num_tokens)[i] : static_cast<int64_t>(seq.tokens.size());
+      const int32_t full = static_cast<int32_t>(computed / block_size_);
+      if (full <= seq.groups[0].num_registered) continue;  // most of a decode batch
+      const std::vector<uint64_t>& keys = block_keys_upto(seq, full);
+      for (int32_t b = seq.groups[0].num_registered; b < full; ++b) cache_.prefetch(keys[b]);
+      new_blocks += full - seq.groups[0].num_registered;
+    }
+    if (new_blocks > 1) cache_.prefetch_creates(std::min(new_blocks, 256));  // at most new_blocks nodes are created
+  }
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence& seq = *seqs[i];
     seq.num_computed = num_tokens ? (*num_tokens)[i] : static_cast<int64_t>(seq.tokens.size());
@@ -869,6 +915,7 @@ void BlockManager::truncate(const std::vector<int64_t>& seq_ids, const std::vect
       t.num_registered = std::min(t.num_registered, full);
     }
     seq.tokens.resize(static_cast<size_t>(n));
+    if (seq.block_keys.size() > static_cast<size_t>(full)) seq.block_keys.resize(static_cast<size_t>(full));
     seq.num_computed = std::min(seq.num_computed, n);
   }
 }

@@ -242,6 +242,9 @@ class BlockManager {
   };
   struct Sequence {
     std::vector<int64_t> tokens;
+    // Prefix-cache index keys of the leading full blocks (a pure function of the tokens, extended on
+    // demand by block_keys_upto): computed once, when the prompt is looked up, and reused to register.
+    std::vector<uint64_t> block_keys;
     std::vector<GroupTable> groups;     // one per group of layers
     int64_t num_computed = 0;           // tokens whose KV is written
     std::string salt;
@@ -294,6 +297,7 @@ class BlockManager {
   // group holds the cached blocks its window needs, [released_for(g, num_blocks * bs), num_blocks).
   struct PrefixMatch {
     int32_t num_blocks = 0;
+    std::vector<uint64_t> keys;               // index keys of the prompt's leading full blocks (those walked)
     std::vector<std::vector<int32_t>> held;   // per group
     std::vector<std::vector<int32_t>> chain;  // per group: scratch of the walk (kept for its capacity)
   };
@@ -322,6 +326,11 @@ class BlockManager {
   // The prefix-cache node of the sequence's block i in group g, created (with its ancestors, without KV)
   // when missing: the parent of a block registered after the one before it was released.
   PrefixCache::NodeId chain_node(Sequence& seq, int32_t group, int32_t i);
+  // The index keys of the sequence's first num_blocks full blocks (computes the missing ones).
+  const std::vector<uint64_t>& block_keys_upto(Sequence& seq, int32_t num_blocks) const;
+  // Extends keys, the index keys of the leading full blocks of `tokens`, to num_blocks blocks (each new
+  // key's bucket prefetched).
+  void extend_keys(const int64_t* tokens, std::string_view salt, int32_t num_blocks, std::vector<uint64_t>* keys) const;
   void release_out_of_window(Sequence& seq);
   int32_t blocks_needed_to_append(const Sequence* const* seqs, size_t n, const int64_t* counts, int64_t extra) const;
   bool must_copy_before_write(int32_t block) const;
@@ -364,6 +373,7 @@ class BlockManager {
     PrefixMatch match;
   };
   mutable MatchMemo memo_;
+  PrefixMatch batch_match_;  // allocate_batch's lookup of each prompt (kept for its vectors' capacity)
   BlockManagerStats counters_;
   BlockManagerStats step_start_;  // counters_ at the last take_step_stats
   int32_t cached_free_blocks_ = 0;  // free blocks that still hold cached KV (kept, not counted per call)

@@ -26,10 +26,9 @@ bool PrefixCache::matches(NodeId id, NodeId parent, const int64_t* block_tokens,
   return n.parent == parent && std::equal(block_tokens, block_tokens + block_size_, tokens(id)) && n.salt == salt;
 }
 
-uint64_t PrefixCache::key(NodeId parent, const int64_t* block_tokens, std::string_view salt) const {
-  // The parent's id stands for its whole prefix (a live node's id is not reused while it has children);
-  // the salt of block 0 is folded into the seed.
-  uint64_t seed = static_cast<uint64_t>(static_cast<int64_t>(parent));
+uint64_t PrefixCache::key_after(uint64_t parent_key, const int64_t* block_tokens, std::string_view salt) const {
+  // The parent's key stands for its whole prefix; the salt of block 0 is folded into the seed.
+  uint64_t seed = parent_key;
   if (!salt.empty()) seed ^= XXH3_64bits_withSeed(salt.data(), salt.size(), 0x9E3779B97F4A7C15ull);
   const uint64_t k = XXH3_64bits_withSeed(block_tokens, sizeof(int64_t) * static_cast<size_t>(block_size_), seed);
   return algo_ == HashAlgo::kWeak8 ? (k & 0xFFu) : k;
@@ -92,6 +91,17 @@ PrefixCache::NodeId PrefixCache::create(uint64_t key, NodeId parent, const int64
   head = id;
   if (2 * static_cast<size_t>(++num_live_) > buckets_.size()) rehash(2 * buckets_.size());
   return id;
+}
+
+void PrefixCache::prefetch_creates(int32_t count) const {
+  const int32_t reused = std::min<int32_t>(count, static_cast<int32_t>(free_ids_.size()));
+  for (int32_t k = 0; k < count; ++k) {  // the order create() takes them in: freed ids first
+    const NodeId id = k < reused ? free_ids_[free_ids_.size() - 1 - k] : num_created_ + (k - reused);
+    if (static_cast<size_t>(id) >= nodes_.size()) break;
+    __builtin_prefetch(&nodes_[id], 1);
+    const char* slot = reinterpret_cast<const char*>(tokens(id));
+    for (size_t b = 0; b < sizeof(int64_t) * static_cast<size_t>(block_size_); b += 64) __builtin_prefetch(slot + b, 1);
+  }
 }
 
 void PrefixCache::set_block(NodeId id, int32_t block) {

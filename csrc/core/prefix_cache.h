@@ -1,9 +1,10 @@
 // The prefix cache: a trie of block contents. A node is one distinct full-block prefix, keyed by
-// (parent node, the block's tokens, the salt for block 0); the index key (key(): XXH3 of the block's
-// tokens seeded with the parent node) only speeds up the lookup. A hit therefore requires the block's
-// tokens AND its whole prefix to be identical: a collision costs a miss, never a wrong hit. A node
-// remembers which physical block currently holds its KV (the latest registration wins). Its chained
-// block hash (hash(): the manager's hash algorithm, for events) is computed only when asked for.
+// (parent node, the block's tokens, the salt for block 0); the index key only speeds up the lookup: a
+// chained XXH3 over the content (key_after: the block's tokens seeded with the parent's key), so a
+// sequence can compute the keys of all its blocks before any node exists and prefetch their buckets. A hit
+// requires the block's tokens AND its whole prefix to be identical: a collision costs a miss, never a
+// wrong hit. A node remembers which physical block currently holds its KV (the latest registration wins).
+// Its chained block hash (hash(): the manager's hash algorithm, for events) is computed only when asked for.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -41,8 +42,28 @@ class PrefixCache {
   // that tests meet colliding keys).
   PrefixCache(int32_t block_size, int32_t capacity, HashAlgo algo = HashAlgo::kXXH64);
 
-  // The index key of the child of `parent` holding `tokens` (one full block; `salt` for block 0).
-  uint64_t key(NodeId parent, const int64_t* tokens, std::string_view salt) const;
+  // The index key of a block holding `tokens` (one full block; `salt` for block 0) after a block whose key
+  // is parent_key (kRootKey for block 0). It depends on the content only, not on node ids nor on the
+  // group: nodes of equal content in different groups share a bucket and differ by their parent.
+  static constexpr uint64_t kRootKey = 0x243F6A8885A308D3ull;
+  uint64_t key_after(uint64_t parent_key, const int64_t* tokens, std::string_view salt) const;
+  // The same for a child of `parent` (a node or a root).
+  uint64_t key(NodeId parent, const int64_t* tokens, std::string_view salt) const {
+    return key_after(is_root(parent) ? kRootKey : nodes_[parent].key, tokens, salt);
+  }
+  // Starts loading the bucket of `key` into the cache, so that a find / create of it soon after does not
+  // wait for memory (the bucket array is touched at random: one cache miss per new block otherwise).
+  void prefetch(uint64_t key) const { __builtin_prefetch(&buckets_[key & (buckets_.size() - 1)]); }
+  // Starts loading, for writing, the storage of the next `count` nodes create() will hand out (their node
+  // and token slots were last touched when the cache was built: cold by the time blocks are registered).
+  void prefetch_creates(int32_t count) const;
+  // Starts loading the first node in the bucket of `key` and its tokens (call once the bucket is cached).
+  void prefetch_node(uint64_t key) const {
+    const NodeId id = bucket(key);
+    if (id == kNoNode) return;
+    __builtin_prefetch(&nodes_[id]);
+    __builtin_prefetch(tokens(id));
+  }
   // The node with exactly this content (one full block of tokens), or kNoNode. `key` is key(parent,
   // tokens, salt), or any value the node was created with.
   NodeId find(uint64_t key, NodeId parent, const int64_t* tokens, std::string_view salt) const;
