@@ -35,6 +35,7 @@ constexpr int64_t kRowsPerItem = 32;
 constexpr int64_t kGemmMinRows = 16;
 constexpr int64_t kGemmKeyTile = 128;
 constexpr int64_t kGemmRowsPerItem = 64;
+constexpr int64_t kAmxGemmRowsPerItem = 512;  // the AMX bf16 kernel (prefill_amx.inc): blocks of 64 rows
 constexpr int64_t kGemmRowAlign = 16;  // rows and head_dim padded to a multiple of this in the GEMM path
 // Single-query (decode) kernel: head_dim must be a multiple of this.
 constexpr int64_t kDecodeDimAlign = 8;
