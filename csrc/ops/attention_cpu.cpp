@@ -108,7 +108,8 @@ void run_work_items(Isa isa, const AttentionParams& a, const std::vector<WorkIte
 }
 
 // Work items. A decode sequence is one item over all its KV heads (a block's rows for those heads are
-// adjacent in memory); a prefill sequence gives one item per (KV head, chunk of queries). With fewer
+// adjacent in memory); a prefill sequence gives one item per (KV head, chunk of queries; micro-GEMM
+// chunks of gemm_rows_per_item rows, larger for the AMX kernel, which shares packed K/V over them). With fewer
 // items than kItemsPerThread (decode: kDecodeItemsPerThread) per thread, long key ranges are split into
 // partitions merged afterwards (split-K), and decode sequences too short to split are divided over
 // their KV heads instead.
