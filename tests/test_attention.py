@@ -328,8 +328,9 @@ def test_paged_attention_cpu_decode_shapes(isa, dtype, shape):
 # head_dim, group, block_size, num_kv_heads, cached prefixes, query lengths, sliding window, softcap,
 # threads: the micro-GEMM prefill in every ISA copy (bf16 over 32-multiple head dims: AMX tiles in the
 # AMX copy), with key ranges that start and end off 16-key tiles (prefixes, split-K partitions, sliding
-# windows, blocks of 1 and 5 keys: staged rows), padded row tiles (group 3), up to 64 rows per item,
-# G = 1..16; head_dim 80 stays on the fp32 path everywhere.
+# windows, blocks of 1 and 5 keys: staged rows), padded row tiles (group 3), up to 64 rows per item
+# (AMX: up to 512, in blocks of 64 whose last may be shorter), G = 1..16; head_dim 80 stays on the fp32
+# path everywhere.
 PREFILL_SHAPES = [
     (128, 4, 16, 2, [2040, 300], [128, 37], -1, 0.0, 2),  # the benchmark's shape (fewer KV heads)
     (64, 8, 32, 1, [0, 500], [70, 9], 100, 0.0, 2),

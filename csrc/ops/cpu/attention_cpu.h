@@ -35,6 +35,7 @@ constexpr int64_t kRowsPerItem = 32;
 constexpr int64_t kGemmMinRows = 16;
 constexpr int64_t kGemmKeyTile = 128;
 constexpr int64_t kGemmRowsPerItem = 64;
+constexpr int64_t kAmxGemmRowsPerItem = 512;  // the AMX bf16 kernel (prefill_amx.inc): blocks of 64 rows
 constexpr int64_t kGemmRowAlign = 16;  // rows and head_dim padded to a multiple of this in the GEMM path
 // Single-query (decode) kernel: head_dim must be a multiple of this.
 constexpr int64_t kDecodeDimAlign = 8;
@@ -82,9 +83,9 @@ struct Scratch {
   std::vector<float> g_qt, g_k, g_v, g_st, g_acc, g_alpha;
   std::vector<int32_t> g_begin, g_end;
   // AMX GEMM path (bf16): packed query pairs [D/2][R], probabilities [R][<=kGemmKeyTile] as bf16, V as
-  // key-pair words [kGemmKeyTile/2][D], and 16 staged key rows plus one zero row [17][D].
+  // key-pair words [kGemmKeyTile/2][D], and the tile's key rows [kGemmKeyTile][D].
   std::vector<uint32_t> g_qp, g_vp;
-  std::vector<uint16_t> g_pb, g_kst;
+  std::vector<uint16_t> g_pb, g_kt;
   std::vector<uint16_t> zero_row;  // bf16 decode: a value row of zeros (an odd key count's partner)
 
   void reserve(int64_t rows, int64_t head_dim) {
@@ -109,11 +110,14 @@ struct Scratch {
     grow(g_v, kGemmKeyTile * Dp);
   }
 
+  // With 64 bytes to spare in each buffer, so that the kernel can start it on a cache line (aligned64).
   void reserve_gemm_amx(int64_t R, int64_t D) {
-    grow(g_qp, R * D / 2);
-    grow(g_vp, kGemmKeyTile / 2 * D);
-    grow(g_pb, R * kGemmKeyTile);
-    grow(g_kst, 17 * D);
+    grow(g_qp, R * D / 2 + 16);
+    grow(g_vp, kGemmKeyTile / 2 * D + 16);
+    grow(g_pb, R * kGemmKeyTile + 32);
+    grow(g_kt, kGemmKeyTile * D + 32);
+    grow(g_st, kGemmKeyTile * R + 16);
+    grow(g_acc, R * D + 16);
   }
 
  private:
@@ -122,6 +126,12 @@ struct Scratch {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   }
 };
+
+// The first cache-line boundary at or after p.
+template <typename T>
+T* aligned64(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}
 
 // Final output of one row: out = acc / l (rounded to the query dtype) and, when asked, its lse.
 template <typename scalar_t>
