@@ -350,6 +350,20 @@ py::dict stats_dict(const BlockManager& bm, const BlockManagerStats& s) {
 
 }  // namespace
 
+// The (seq_ids, starts, ends=None) arguments of slot_mappings and attention_inputs, checked for equal lengths.
+struct PositionRanges {
+  Int64Array ids, begin;
+  std::optional<Int64Array> stop;
+  PositionRanges(const py::object& seq_ids, const py::object& starts, const py::object& ends, const std::string& op)
+      : ids(seq_ids, "seq_ids"), begin(starts, "starts") {
+    if (ids.size != begin.size) throw ValueError(op + ": seq_ids and starts differ in length");
+    if (!ends.is_none()) {
+      stop.emplace(ends, "ends");
+      if (stop->size != ids.size) throw ValueError(op + ": seq_ids and ends differ in length");
+    }
+  }
+};
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pagedkv native module: block manager and paged KV ops";
 #ifdef PAGEDKV_WITH_CUDA
@@ -604,13 +618,9 @@ PYBIND11_MODULE(_C, m) {
           "slot_mappings",
           [](const BlockManager& bm, const py::object& seq_ids, const py::object& starts, const py::object& ends,
              int32_t group) {
-            Int64Array ids(seq_ids, "seq_ids"), begin(starts, "starts");
-            if (ids.size != begin.size) throw ValueError("slot_mappings: seq_ids and starts differ in length");
-            std::optional<Int64Array> stop;
-            if (!ends.is_none()) {
-              stop.emplace(ends, "ends");
-              if (stop->size != ids.size) throw ValueError("slot_mappings: seq_ids and ends differ in length");
-            }
+            const PositionRanges ranges(seq_ids, starts, ends, "slot_mappings");
+            const Int64Array &ids = ranges.ids, &begin = ranges.begin;
+            const std::optional<Int64Array>& stop = ranges.stop;
             torch::Tensor slots;
             bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, [&slots](size_t total) {
               slots = cpu_tensor({static_cast<int64_t>(total)}, torch::kInt64);
@@ -625,13 +635,9 @@ PYBIND11_MODULE(_C, m) {
           "attention_inputs",
           [](const BlockManager& bm, const py::object& seq_ids, const py::object& starts, const py::object& ends,
              std::optional<int32_t> max_blocks, int32_t pad, int32_t group) {
-            Int64Array ids(seq_ids, "seq_ids"), begin(starts, "starts");
-            if (ids.size != begin.size) throw ValueError("attention_inputs: seq_ids and starts differ in length");
-            std::optional<Int64Array> stop;
-            if (!ends.is_none()) {
-              stop.emplace(ends, "ends");
-              if (stop->size != ids.size) throw ValueError("attention_inputs: seq_ids and ends differ in length");
-            }
+            const PositionRanges ranges(seq_ids, starts, ends, "attention_inputs");
+            const Int64Array &ids = ranges.ids, &begin = ranges.begin;
+            const std::optional<Int64Array>& stop = ranges.stop;
             // slot_mappings validates every id and range before it writes anything.
             torch::Tensor slots;
             bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, [&slots](size_t total) {
