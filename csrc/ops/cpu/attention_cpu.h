@@ -82,6 +82,8 @@ struct Scratch {
   // St [kGemmKeyTile][R], accumulator [R][Dp], per-row alpha and visible key range.
   std::vector<float> g_qt, g_k, g_v, g_st, g_acc, g_alpha;
   std::vector<int32_t> g_begin, g_end;
+  const float* g_k_rows[kGemmKeyTile];  // K/V row of each tile key: in the cache (fp32) or in g_k/g_v
+  const float* g_v_rows[kGemmKeyTile];
   // AMX GEMM path (bf16): packed query pairs [D/2][R], probabilities [R][<=kGemmKeyTile] as bf16, V as
   // key-pair words [kGemmKeyTile/2][D], and the tile's key rows [kGemmKeyTile][D].
   std::vector<uint32_t> g_qp, g_vp;
