@@ -281,6 +281,7 @@ DECODE_SHAPES = [
     (64, 20, 16, 1, [100, 2], -1, 0.0, 2),
     (128, 4, 64, 8, [1 + int(n) for n in torch.randint(0, 700, (9,))], 100, 0.0, 2),
     (96, 1, 2, 5, [1, 2, 3, 4], -1, 2.0, 2),
+    (128, 2, 16, 3, [700, 45], -1, 3.0, 1),  # AMX copy: KV heads scored in pairs, an odd one alone
 ]
 
 
