@@ -24,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from seeds_block_manager import Seq, SeedsBlockManager  # noqa: E402
 

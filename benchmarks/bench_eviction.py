@@ -13,13 +13,16 @@
 Run: python benchmarks/bench_eviction.py [--requests 3000] [--rounds 5] [--max-pool 1000000]
 """
 import argparse
+import os
 import random
 import statistics
+import sys
 import time
 
 import numpy as np
 
-import pagedkv
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import pagedkv  # noqa: E402
 
 BS = 16
 

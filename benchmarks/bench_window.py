@@ -15,13 +15,16 @@
 Run: python benchmarks/bench_window.py [--cpu-time] [--rounds 9]
 """
 import argparse
+import os
 import random
 import statistics
+import sys
 import time
 
 import torch
 
-import pagedkv
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import pagedkv  # noqa: E402
 
 BLOCK_SIZE = 16
 BATCH = 256
