@@ -35,7 +35,8 @@ constexpr int64_t kRowsPerItem = 32;
 constexpr int64_t kGemmMinRows = 16;
 constexpr int64_t kGemmKeyTile = 128;
 constexpr int64_t kGemmRowsPerItem = 64;
-constexpr int64_t kAmxGemmRowsPerItem = 512;  // the AMX bf16 kernel (prefill_amx.inc): blocks of 64 rows
+constexpr int64_t kAmxGemmRowsPerItem = 512;  // the AMX bf16 kernel (prefill_amx.inc): blocks of 32 rows
+constexpr int64_t kAmxGemmKeyTile = 256;       // and tiles of this many keys
 constexpr int64_t kGemmRowAlign = 16;  // rows and head_dim padded to a multiple of this in the GEMM path
 // Single-query (decode) kernel: head_dim must be a multiple of this.
 constexpr int64_t kDecodeDimAlign = 8;
@@ -84,11 +85,11 @@ struct Scratch {
   std::vector<int32_t> g_begin, g_end;
   const float* g_k_rows[kGemmKeyTile];  // K/V row of each tile key: in the cache (fp32) or in g_k/g_v
   const float* g_v_rows[kGemmKeyTile];
-  // AMX GEMM path (bf16): packed query pairs [D/2][R], probabilities [R][<=kGemmKeyTile] as bf16, V as
-  // key-pair words [kGemmKeyTile/2][D], and the tile's key rows [kGemmKeyTile][D].
-  std::vector<uint32_t> g_qp, g_vp;
-  std::vector<uint16_t> g_pb, g_kt;
-  std::vector<uint16_t> zero_row;  // bf16 decode: a value row of zeros (an odd key count's partner)
+  // AMX GEMM path (bf16, kAmxGemmKeyTile keys per tile): the query rows [R][D], probabilities [R][<=tile]
+  // (row-major, as the P V operand), V as key-pair words [tile/2][D], K as VNNI words [tile/16][D/32][16][16].
+  std::vector<uint32_t> g_vp, g_kw;
+  std::vector<uint16_t> g_q16, g_pb;
+  std::vector<uint16_t> zero_row;  // bf16 decode and AMX prefill: a row of zeros (padding keys' K and V)
 
   void reserve(int64_t rows, int64_t head_dim) {
     grow(q, rows * head_dim);
@@ -114,12 +115,13 @@ struct Scratch {
 
   // With 64 bytes to spare in each buffer, so that the kernel can start it on a cache line (aligned64).
   void reserve_gemm_amx(int64_t R, int64_t D) {
-    grow(g_qp, R * D / 2 + 16);
-    grow(g_vp, kGemmKeyTile / 2 * D + 16);
-    grow(g_pb, R * kGemmKeyTile + 32);
-    grow(g_kt, kGemmKeyTile * D + 32);
-    grow(g_st, kGemmKeyTile * R + 16);
+    grow(g_q16, R * D + 32);
+    grow(g_vp, kAmxGemmKeyTile / 2 * D + 16);
+    grow(g_pb, R * kAmxGemmKeyTile + 32);
+    grow(g_kw, kAmxGemmKeyTile / 2 * D + 16);
+    grow(g_st, kAmxGemmKeyTile * R + 16);
     grow(g_acc, R * D + 16);
+    grow(g_v, kAmxGemmKeyTile * D);  // the exact P V's fp32 values
   }
 
  private:
