@@ -350,6 +350,17 @@ py::dict stats_dict(const BlockManager& bm, const BlockManagerStats& s) {
 
 }  // namespace
 
+// Block tables of `ids` as an int32 tensor [len(ids), width], written in place by the core.
+static torch::Tensor block_table_tensor(const BlockManager& bm, const Int64Array& ids, const std::optional<int32_t>& max_blocks,
+                                 int32_t pad, int32_t group) {
+  torch::Tensor tables;
+  bm.block_tables(ids.data, ids.size, max_blocks ? &*max_blocks : nullptr, pad, [&tables, &ids](int32_t width) {
+    tables = cpu_tensor({static_cast<int64_t>(ids.size), width}, torch::kInt32);
+    return tables.data_ptr<int32_t>();
+  }, group);
+  return tables;
+}
+
 // The (seq_ids, starts, ends=None) arguments of slot_mappings and attention_inputs, checked for equal lengths.
 struct PositionRanges {
   Int64Array ids, begin;
@@ -592,10 +603,7 @@ PYBIND11_MODULE(_C, m) {
           [](const BlockManager& bm, const py::object& seq_ids, std::optional<int32_t> max_blocks, int32_t pad,
              int32_t group) {
             Int64Array ids(seq_ids, "seq_ids");
-            std::vector<int32_t> rows;
-            const int32_t width =
-                bm.block_tables(ids.data, ids.size, max_blocks ? &*max_blocks : nullptr, pad, &rows, group);
-            return to_tensor(std::move(rows), {static_cast<int64_t>(ids.size), width}, torch::kInt32);
+            return block_table_tensor(bm, ids, max_blocks, pad, group);
           },
           py::arg("seq_ids"), py::kw_only(), py::arg("max_blocks") = py::none(), py::arg("pad") = 0,
           py::arg("group") = 0,
@@ -647,9 +655,7 @@ PYBIND11_MODULE(_C, m) {
               slots = cpu_tensor({static_cast<int64_t>(total)}, torch::kInt64);
               return slots.data_ptr<int64_t>();
             }, "attention_inputs", group);
-            std::vector<int32_t> rows;
-            const int32_t width =
-                bm.block_tables(ids.data, ids.size, max_blocks ? &*max_blocks : nullptr, pad, &rows, group);
+            const torch::Tensor tables = block_table_tensor(bm, ids, max_blocks, pad, group);
             const auto n = static_cast<int64_t>(ids.size);
             torch::Tensor lens = cpu_tensor({n}, torch::kInt32), starts_out = cpu_tensor({n + 1}, torch::kInt32);
             int32_t* len = lens.data_ptr<int32_t>();
@@ -660,7 +666,7 @@ PYBIND11_MODULE(_C, m) {
               len[i] = static_cast<int32_t>(end);
               qsl[i + 1] = qsl[i] + static_cast<int32_t>(end - begin.data[i]);
             }
-            return py::make_tuple(slots, to_tensor(std::move(rows), {n, width}, torch::kInt32), lens, starts_out);
+            return py::make_tuple(slots, tables, lens, starts_out);
           },
           py::arg("seq_ids"), py::arg("starts"), py::arg("ends") = py::none(), py::kw_only(),
           py::arg("max_blocks") = py::none(), py::arg("pad") = 0, py::arg("group") = 0,

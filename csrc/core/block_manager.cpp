@@ -1040,6 +1040,14 @@ const std::vector<int32_t>& BlockManager::block_table(int64_t seq_id, int32_t gr
 
 int32_t BlockManager::block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
                                    std::vector<int32_t>* out, int32_t group) const {
+  return block_tables(seq_ids, n, max_blocks, pad, [out, n](int32_t width) {
+    out->resize(n * static_cast<size_t>(width));
+    return out->data();
+  }, group);
+}
+
+int32_t BlockManager::block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
+                                   const std::function<int32_t*(int32_t)>& out, int32_t group) const {
   group_arg(group, "block_tables");
   const std::vector<const Sequence*> seqs = resolve(seq_ids, n, "block_tables", /*unique=*/false);
   size_t longest = 0;
@@ -1054,10 +1062,10 @@ int32_t BlockManager::block_tables(const int64_t* seq_ids, size_t n, const int32
   if (width > limit)
     throw ValueError(cat("block_tables: max_blocks=", width, " is longer than any block table can be (", limit,
                          has_windows_ ? " blocks)" : " blocks in the pool)"));
-  out->resize(n * static_cast<size_t>(width));
+  int32_t* rows = out(width);
   for (size_t i = 0; i < n; ++i) {
     const GroupTable& t = seqs[i]->groups[group];
-    int32_t* row = out->data() + i * static_cast<size_t>(width);
+    int32_t* row = rows + i * static_cast<size_t>(width);
     std::fill(row, row + t.released, pad);
     std::copy(t.blocks.begin() + t.released, t.blocks.end(), row + t.released);
     std::fill(row + t.blocks.size(), row + width, pad);

@@ -188,6 +188,10 @@ class BlockManager {
   // `pad` too. Returns the width.
   int32_t block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
                        std::vector<int32_t>* out, int32_t group = 0) const;
+  // The same, written into out(width): a buffer for n rows of `width` entries that the caller allocates
+  // once the arguments are validated (e.g. a tensor's storage, no copy).
+  int32_t block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
+                       const std::function<int32_t*(int32_t)>& out, int32_t group = 0) const;
   void slot_mapping(int64_t seq_id, int64_t start, int64_t end, int64_t* out, int32_t group = 0) const;
   // Concatenated slots of positions [starts[i], ends[i]) (ends null: each sequence's length). Validates
   // every range before it writes (or allocates) anything; a position whose block the window released
