@@ -283,14 +283,6 @@ torch::Tensor cpu_tensor(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::Tensor(at::detail::empty_cpu(sizes, dtype));
 }
 
-// A tensor that takes ownership of the vector's storage (no copy).
-template <typename T>
-torch::Tensor to_tensor(std::vector<T>&& values, at::IntArrayRef sizes, at::ScalarType dtype) {
-  if (values.empty()) return cpu_tensor(sizes, dtype);
-  auto* owned = new std::vector<T>(std::move(values));
-  return torch::from_blob(owned->data(), sizes, [owned](void*) { delete owned; }, torch::dtype(dtype));
-}
-
 // A window in tokens: an int >= 1 (TypeError for anything else but None, which means full attention).
 int64_t window_tokens(const py::handle& obj, const std::string& name) {
   if (obj.is_none()) return BlockManager::kFullAttention;
@@ -348,11 +340,25 @@ py::dict stats_dict(const BlockManager& bm, const BlockManagerStats& s) {
   return d;
 }
 
-}  // namespace
+// Slots of positions [begin[i], end[i]) (end null: each sequence's length) as one int64 tensor, written in
+// place by the core once it has validated every range; more than max_total slots is a ValueError.
+torch::Tensor slot_tensor(const BlockManager& bm, const int64_t* ids, const int64_t* begin, const int64_t* end,
+                          size_t n, const char* what, int32_t group,
+                          size_t max_total = std::numeric_limits<size_t>::max()) {
+  torch::Tensor slots;
+  bm.slot_mappings(ids, begin, end, n, [&](size_t total) {
+    if (total > max_total)
+      throw ValueError(std::string(what) + ": " + std::to_string(total) + " query tokens do not fit the int32 "
+                       "query_start_loc");
+    slots = cpu_tensor({static_cast<int64_t>(total)}, torch::kInt64);
+    return slots.data_ptr<int64_t>();
+  }, what, group);
+  return slots;
+}
 
 // Block tables of `ids` as an int32 tensor [len(ids), width], written in place by the core.
-static torch::Tensor block_table_tensor(const BlockManager& bm, const Int64Array& ids, const std::optional<int32_t>& max_blocks,
-                                 int32_t pad, int32_t group) {
+torch::Tensor block_table_tensor(const BlockManager& bm, const Int64Array& ids, const std::optional<int32_t>& max_blocks,
+                                int32_t pad, int32_t group) {
   torch::Tensor tables;
   bm.block_tables(ids.data, ids.size, max_blocks ? &*max_blocks : nullptr, pad, [&tables, &ids](int32_t width) {
     tables = cpu_tensor({static_cast<int64_t>(ids.size), width}, torch::kInt32);
@@ -360,6 +366,8 @@ static torch::Tensor block_table_tensor(const BlockManager& bm, const Int64Array
   }, group);
   return tables;
 }
+
+}  // namespace
 
 // The (seq_ids, starts, ends=None) arguments of slot_mappings and attention_inputs, checked for equal lengths.
 struct PositionRanges {
@@ -615,10 +623,7 @@ PYBIND11_MODULE(_C, m) {
              int32_t group) {
             const int64_t id = to_int64(seq_id, "seq_id"), begin = to_int64(start, "start");
             const int64_t stop = end.is_none() ? 0 : to_int64(end, "end");
-            std::vector<int64_t> slots;
-            bm.slot_mappings(&id, &begin, end.is_none() ? nullptr : &stop, 1, &slots, "slot_mapping", group);
-            const auto n = static_cast<int64_t>(slots.size());
-            return to_tensor(std::move(slots), {n}, torch::kInt64);
+            return slot_tensor(bm, &id, &begin, end.is_none() ? nullptr : &stop, 1, "slot_mapping", group);
           },
           py::arg("seq_id"), py::arg("start") = 0, py::arg("end") = py::none(), py::kw_only(), py::arg("group") = 0,
           "Slots (int64 tensor) of token positions [start, end) of one sequence.")
@@ -629,12 +634,7 @@ PYBIND11_MODULE(_C, m) {
             const PositionRanges ranges(seq_ids, starts, ends, "slot_mappings");
             const Int64Array &ids = ranges.ids, &begin = ranges.begin;
             const std::optional<Int64Array>& stop = ranges.stop;
-            torch::Tensor slots;
-            bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, [&slots](size_t total) {
-              slots = cpu_tensor({static_cast<int64_t>(total)}, torch::kInt64);
-              return slots.data_ptr<int64_t>();
-            }, "slot_mappings", group);
-            return slots;
+            return slot_tensor(bm, ids.data, begin.data, stop ? stop->data : nullptr, ids.size, "slot_mappings", group);
           },
           py::arg("seq_ids"), py::arg("starts"), py::arg("ends") = py::none(), py::kw_only(), py::arg("group") = 0,
           "Concatenated slots of positions [starts[i], ends[i]) of each sequence (default end: its length); "
@@ -647,14 +647,9 @@ PYBIND11_MODULE(_C, m) {
             const Int64Array &ids = ranges.ids, &begin = ranges.begin;
             const std::optional<Int64Array>& stop = ranges.stop;
             // slot_mappings validates every id and range before it writes anything.
-            torch::Tensor slots;
-            bm.slot_mappings(ids.data, begin.data, stop ? stop->data : nullptr, ids.size, [&slots](size_t total) {
-              if (total > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
-                throw ValueError("attention_inputs: " + std::to_string(total) + " query tokens do not fit the int32 "
-                                 "query_start_loc");
-              slots = cpu_tensor({static_cast<int64_t>(total)}, torch::kInt64);
-              return slots.data_ptr<int64_t>();
-            }, "attention_inputs", group);
+            const torch::Tensor slots = slot_tensor(bm, ids.data, begin.data, stop ? stop->data : nullptr, ids.size,
+                                                    "attention_inputs", group,
+                                                    static_cast<size_t>(std::numeric_limits<int32_t>::max()));
             const torch::Tensor tables = block_table_tensor(bm, ids, max_blocks, pad, group);
             const auto n = static_cast<int64_t>(ids.size);
             torch::Tensor lens = cpu_tensor({n}, torch::kInt32), starts_out = cpu_tensor({n + 1}, torch::kInt32);

@@ -1039,14 +1039,6 @@ const std::vector<int32_t>& BlockManager::block_table(int64_t seq_id, int32_t gr
 }
 
 int32_t BlockManager::block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
-                                   std::vector<int32_t>* out, int32_t group) const {
-  return block_tables(seq_ids, n, max_blocks, pad, [out, n](int32_t width) {
-    out->resize(n * static_cast<size_t>(width));
-    return out->data();
-  }, group);
-}
-
-int32_t BlockManager::block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
                                    const std::function<int32_t*(int32_t)>& out, int32_t group) const {
   group_arg(group, "block_tables");
   const std::vector<const Sequence*> seqs = resolve(seq_ids, n, "block_tables", /*unique=*/false);

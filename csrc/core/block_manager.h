@@ -185,11 +185,8 @@ class BlockManager {
   // Group `group`'s table: released entries hold kPad.
   const std::vector<int32_t>& block_table(int64_t seq_id, int32_t group = 0) const;
   // Rows of block ids padded with `pad` to max_blocks (default: the longest table); released entries are
-  // `pad` too. Returns the width.
-  int32_t block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
-                       std::vector<int32_t>* out, int32_t group = 0) const;
-  // The same, written into out(width): a buffer for n rows of `width` entries that the caller allocates
-  // once the arguments are validated (e.g. a tensor's storage, no copy).
+  // `pad` too. Returns the width; the rows go into out(width), a buffer for n rows of `width` entries that
+  // the caller allocates once the arguments are validated (e.g. a tensor's storage, no copy).
   int32_t block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
                        const std::function<int32_t*(int32_t)>& out, int32_t group = 0) const;
   void slot_mapping(int64_t seq_id, int64_t start, int64_t end, int64_t* out, int32_t group = 0) const;

@@ -109,18 +109,18 @@ void run_work_items(Isa isa, const AttentionParams& a, const std::vector<WorkIte
 
 // Work items. A decode sequence is one item over all its KV heads (a block's rows for those heads are
 // adjacent in memory); a prefill sequence gives one item per (KV head, chunk of queries; micro-GEMM
-// chunks of gemm_rows_per_item rows, larger for the AMX kernel, which shares packed K/V over them). With fewer
+// chunks of kGemmRowsPerItem rows, whose row blocks share each staged K/V tile). With fewer
 // items than kItemsPerThread (decode: kDecodeItemsPerThread) per thread, long key ranges are split into
 // partitions merged afterwards (split-K), and decode sequences too short to split are divided over
 // their KV heads instead.
 std::vector<WorkItem> plan_work(const AttentionShape& shape, const int32_t* seq_lens, const int32_t* qsl,
-                                int64_t sliding_window, int64_t gemm_rows_per_item, int64_t* num_partial_rows) {
+                                int64_t sliding_window, int64_t* num_partial_rows) {
   const int64_t G = shape.num_q_heads / shape.num_kv_heads, Hkv = shape.num_kv_heads;
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < shape.num_seqs; ++b) {
     const int64_t q_len = qsl[b + 1] - qsl[b];
     const bool gemm = cpu::use_gemm_path(q_len, G);
-    const int64_t q_chunk = std::max<int64_t>(1, (gemm ? gemm_rows_per_item : cpu::kRowsPerItem) / G);
+    const int64_t q_chunk = std::max<int64_t>(1, (gemm ? cpu::kGemmRowsPerItem : cpu::kRowsPerItem) / G);
     for (int64_t q0 = 0; q0 < q_len; q0 += q_chunk) {
       const int64_t q_count = std::min(q_chunk, q_len - q0);
       const KeyRange keys{visible_keys(query_position(seq_lens[b], q_len, q0), sliding_window).begin,
@@ -218,14 +218,10 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
   const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
   if (shape.num_tokens == 0) return;
 
-  const Isa isa = active_isa();
-  // The AMX prefill kernel re-packs each key tile's values once per item: larger items share it.
-  const bool amx_prefill = isa == Isa::kAmx && query.scalar_type() == at::kBFloat16 &&
-                           key_cache.scalar_type() == at::kBFloat16 && shape.head_dim % 32 == 0;
   int64_t num_partial_rows = 0;
   const std::vector<WorkItem> items =
       plan_work(shape, seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), sliding_window,
-                amx_prefill ? cpu::kAmxGemmRowsPerItem : cpu::kGemmRowsPerItem, &num_partial_rows);
+                &num_partial_rows);
   std::vector<float> partial_out(num_partial_rows * shape.head_dim), partial_lse(num_partial_rows);
 
   AttentionParams args = attention_params(shape, query, key_cache, value_cache, block_tables, seq_lens,
@@ -235,6 +231,7 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
   args.k_scale = k_scale;
   args.v_scale = v_scale;
 
+  const Isa isa = active_isa();
   dispatch_float(query.scalar_type(), [&](auto type) {
     using scalar_t = decltype(type);
     if (is_fp8(key_cache.scalar_type())) {

@@ -34,10 +34,11 @@ constexpr int64_t kRowsPerItem = 32;
 // run register-tiled micro-GEMMs (Q K^T and P V over fp32 tiles of kGemmKeyTile keys).
 constexpr int64_t kGemmMinRows = 16;
 constexpr int64_t kGemmKeyTile = 128;
-constexpr int64_t kGemmRowsPerItem = 512;  // in blocks of kGemmRowBlock rows, which share each K/V tile
+// Rows per micro-GEMM item, computed in row blocks that share each staged K/V tile: blocks of
+// kGemmRowBlock rows in prefill_gemm.inc, of 32 rows over kAmxGemmKeyTile-key tiles in prefill_amx.inc.
+constexpr int64_t kGemmRowsPerItem = 512;
 constexpr int64_t kGemmRowBlock = 64;
-constexpr int64_t kAmxGemmRowsPerItem = 512;  // the AMX bf16 kernel (prefill_amx.inc): blocks of 32 rows
-constexpr int64_t kAmxGemmKeyTile = 256;       // and tiles of this many keys
+constexpr int64_t kAmxGemmKeyTile = 256;
 constexpr int64_t kGemmRowAlign = 16;  // rows and head_dim padded to a multiple of this in the GEMM path
 // Single-query (decode) kernel: head_dim must be a multiple of this.
 constexpr int64_t kDecodeDimAlign = 8;
