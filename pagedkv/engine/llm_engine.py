@@ -20,7 +20,8 @@ from .config import EngineConfig
 from .cpu_linear import pack_wide_linears
 from .kv_events import KVEventPublisher, require_packages as require_kv_events_packages
 from .kv_quant import cache_salt, kv_cache_dtype
-from .loader import load_model
+from .chat import conversation_list
+from .loader import load_model, open_checkpoint
 from .metrics import PrometheusExporter, require_prometheus
 from .model_runner import ModelRunner, kv_cache_block_bytes
 from .sampling import SamplingParams, check_bool, check_int, token_id_list
@@ -89,7 +90,8 @@ class LLM:
             raise
         self.scheduler = Scheduler(self.bm, self.config, self.model_config.eos_token_ids, self.max_model_len)
         self._update_cache_salt()
-        self.tokenizer = self._load_tokenizer(model_path)
+        self.tokenizer = self.checkpoint.tokenizer()
+        self.chat_template = self.checkpoint.chat_template()
         # The last history_size steps (blocks used / cached, batch shape), for plots; 0 keeps none.
         self.history: deque[dict] = deque(maxlen=history_size)
         self.num_steps = 0
@@ -112,7 +114,8 @@ class LLM:
         """Model, block manager and runner. On a tensor-parallel worker rank it serves rank 0's steps and
         exits the process (SystemExit) when rank 0 closes."""
         self.device = self.config.device
-        self.model = load_model(model_path, self.device, self.config.dtype, self.tp)
+        self.checkpoint = open_checkpoint(model_path)
+        self.model = load_model(self.checkpoint, self.device, self.config.dtype, self.tp)
         if pack_cpu_weights and self.device.type == "cpu":
             pack_wide_linears(self.model, batch_hint=min(self.config.max_num_seqs, 16))
         self.model_config = self.model.config
@@ -157,14 +160,6 @@ class LLM:
         enough = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) * len(self.model_config.group_windows)
         return min(budget // block_bytes, enough)
 
-    @staticmethod
-    def _load_tokenizer(model_path: str):
-        path = os.path.join(model_path, "tokenizer.json")
-        if not os.path.exists(path):
-            return None
-        from tokenizers import Tokenizer
-        return Tokenizer.from_file(path)
-
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None) -> Request:
         """Queues one prompt (a string with a tokenizer, or token ids: a list of ints or a 1-D integer
@@ -178,7 +173,8 @@ class LLM:
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer.json in the model directory")
+                raise ValueError("string prompts need a tokenizer (tokenizer.json in the model directory, or a "
+                                 "GGUF file's tokenizer metadata); pass token ids instead")
             token_ids = self.tokenizer.encode(prompt).ids
         else:
             token_ids = token_id_list("prompt", prompt)
@@ -286,6 +282,27 @@ class LLM:
                 self.abort(r.request_id)
             raise
         return [self._output(r) for r in requests]
+
+    def chat(self, conversations, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Answers one conversation (a list of {"role", "content"} messages) or a list of them: each is
+        rendered with the model's chat template as transformers' apply_chat_template renders it, tokenized
+        without added special tokens (the template writes its own), and generated like generate()'s prompts;
+        generation stops at the model's end-of-turn tokens (its EOS ids) unless ignore_eos. Outputs carry
+        the rendered prompt, prompt_token_ids, token_ids and the decoded text."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template (tokenizer_config.json's chat_template, "
+                             "chat_template.jinja, or a GGUF file's tokenizer.chat_template); use generate()")
+        if self.tokenizer is None:
+            raise ValueError("chat needs the model's tokenizer (tokenizer.json or GGUF tokenizer metadata)")
+        add_generation_prompt = check_bool("add_generation_prompt", add_generation_prompt)
+        prompts = [self.chat_template.render(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversation_list(conversations)]
+        token_ids = [self.tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
+        outputs = self.generate(token_ids, sampling_params, use_tqdm=use_tqdm)
+        for out, prompt in zip(outputs, prompts):
+            out.prompt = prompt
+        return outputs
 
     @staticmethod
     def _prompt_list(prompts) -> list:

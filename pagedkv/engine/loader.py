@@ -1,15 +1,18 @@
-"""Loads a Hugging Face checkpoint (config.json + *.safetensors, sharded or not) into the model its
-`architectures` names (MODELS): every tensor must be one the model has, with exactly its shape, and every
-weight must be there."""
+"""Loads a checkpoint into the model its architecture names (MODELS): a Hugging Face folder (config.json +
+*.safetensors, sharded or not) or a llama-architecture GGUF file (gguf.py). Every tensor must be one the
+model has, with exactly its shape, and every weight must be there."""
 import glob
 import json
 import os
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
+from .chat import ChatTemplate
 from .config import ARCHITECTURES, ModelConfig
 from .gemma2 import Gemma2ForCausalLM
+from .gguf import GGUFFile, is_gguf
 from .llama import LlamaForCausalLM
 
 # The model class of each architecture config.ARCHITECTURES reads: Mistral is Llama whose config gives
@@ -22,6 +25,80 @@ ZERO = "zero"      # parallel.Shard.piece's answer for a tensor this rank holds 
 
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}     # safetensors' names
+
+
+class Checkpoint:
+    """A model on disk: its config, its tensors under Hugging Face names, its tokenizer and chat template."""
+    config: ModelConfig
+
+    def tensors(self):
+        """(name, shape, read) per stored tensor; read(index=None) gives the tensor, or its piece at
+        `index` (a tuple of slices)."""
+        raise NotImplementedError
+
+    def tokenizer(self):
+        """A `tokenizers.Tokenizer`, or None when the checkpoint has none."""
+        raise NotImplementedError
+
+    def chat_template(self) -> ChatTemplate | None:
+        raise NotImplementedError
+
+
+class SafetensorsCheckpoint(Checkpoint):
+    def __init__(self, path: str):
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model_path {path!r} is neither a directory nor a .gguf file")
+        self.path = path
+        self.config = ModelConfig.from_pretrained(path)
+
+    def tensors(self):
+        for file in _safetensors_files(self.path):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    stored = f.get_slice(name)
+                    if stored.get_dtype() not in FLOAT_DTYPES:     # quantized or integer: unusable weights
+                        raise ValueError(f"checkpoint tensor {name!r} is {stored.get_dtype()}; the engine loads "
+                                         f"floating-point weights only ({', '.join(sorted(FLOAT_DTYPES))})")
+
+                    def read(index=None, f=f, name=name, stored=stored):
+                        return f.get_tensor(name) if index is None else stored[index]
+                    yield name, tuple(stored.get_shape()), read
+
+    def tokenizer(self):
+        path = os.path.join(self.path, "tokenizer.json")
+        if not os.path.exists(path):
+            return None
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(path)
+
+    def chat_template(self) -> ChatTemplate | None:
+        return ChatTemplate.from_model_dir(self.path)
+
+
+class GGUFCheckpoint(Checkpoint):
+    def __init__(self, path: str):
+        self.file = GGUFFile(path)
+        self.config = ModelConfig.from_dict(self.file.config)
+
+    def tensors(self):
+        for name, info in tqdm(self.file.tensors.items(), desc="dequantising", unit="tensor", leave=False):
+            def read(index=None, name=name):
+                weight = self.file.read(name)
+                return weight if index is None else weight[index]
+            yield name, info.shape, read
+
+    def tokenizer(self):
+        return self.file.tokenizer()
+
+    def chat_template(self) -> ChatTemplate | None:
+        source = self.file.chat_template
+        return None if source is None else ChatTemplate(source, self.file.special_tokens())
+
+
+def open_checkpoint(model_path) -> Checkpoint:
+    """A Hugging Face folder or a .gguf file, its config read and checked (no weight read yet)."""
+    model_path = os.fspath(model_path)
+    return GGUFCheckpoint(model_path) if is_gguf(model_path) else SafetensorsCheckpoint(model_path)
 
 
 def _safetensors_files(model_path: str) -> list[str]:
@@ -66,45 +143,38 @@ def _target(model, params: dict, name: str) -> tuple[torch.Tensor, str]:
 
 
 @torch.no_grad()
-def load_weights(model: LlamaForCausalLM, model_path: str) -> None:
+def load_weights(model: LlamaForCausalLM, checkpoint: Checkpoint) -> None:
     """Under tensor parallelism (model.tp), each rank reads only its piece of every sharded tensor."""
     params = dict(model.named_parameters())
     shard = None if model.tp is None else model.tp.shard
-    full_config = None if shard is None else ModelConfig.from_pretrained(model_path)
+    full_config = checkpoint.config
     loaded = set()
-    for path in _safetensors_files(model_path):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):     # recomputed from the config
-                    continue
-                if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                    continue
-                target, loaded_name = _target(model, params, name)
-                stored = f.get_slice(name)
-                if stored.get_dtype() not in FLOAT_DTYPES:      # quantized or integer: not weights we can use
-                    raise ValueError(f"checkpoint tensor {name!r} is {stored.get_dtype()}; the engine loads "
-                                     f"floating-point weights only ({', '.join(sorted(FLOAT_DTYPES))})")
-                piece = None if shard is None else shard.piece(name, full_config)
-                expected = list(target.shape)
-                if isinstance(piece, tuple):           # (dim, this rank's range, full length)
-                    expected[piece[0]] = piece[2]
-                shape = tuple(stored.get_shape())
-                if shape != tuple(expected):
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, the model expects "
-                                     f"{expected} (from config.json)")
-                if loaded_name in loaded:
-                    raise ValueError(f"checkpoint tensor {name!r} appears twice")
-                if piece is None:
-                    target.copy_(f.get_tensor(name))
-                elif piece == ZERO:                    # a row-parallel bias: added once, by rank 0
-                    target.zero_()
-                else:
-                    dim, rows, _ = piece
-                    if len(rows) < target.shape[dim]:    # the last rank's rows past the vocabulary
-                        target.zero_()
-                    index = (slice(None),) * dim + (slice(rows.start, rows.stop),)
-                    target.narrow(dim, 0, len(rows)).copy_(stored[index])
-                loaded.add(loaded_name)
+    for name, shape, read in checkpoint.tensors():
+        if name.endswith("rotary_emb.inv_freq"):     # recomputed from the config
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        target, loaded_name = _target(model, params, name)
+        piece = None if shard is None else shard.piece(name, full_config)
+        expected = list(target.shape)
+        if isinstance(piece, tuple):           # (dim, this rank's range, full length)
+            expected[piece[0]] = piece[2]
+        if shape != tuple(expected):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {list(shape)}, the model expects "
+                             f"{expected} (from the checkpoint's config)")
+        if loaded_name in loaded:
+            raise ValueError(f"checkpoint tensor {name!r} appears twice")
+        if piece is None:
+            target.copy_(read())
+        elif piece == ZERO:                    # a row-parallel bias: added once, by rank 0
+            target.zero_()
+        else:
+            dim, rows, _ = piece
+            if len(rows) < target.shape[dim]:    # the last rank's rows past the vocabulary
+                target.zero_()
+            index = (slice(None),) * dim + (slice(rows.start, rows.stop),)
+            target.narrow(dim, 0, len(rows)).copy_(read(index))
+        loaded.add(loaded_name)
     _check_complete(model, params, loaded)
     for module in model.modules():
         if hasattr(module, "after_loading"):     # values derived from weights (Gemma 2's norm gains)
@@ -124,12 +194,11 @@ def _check_complete(model, params, loaded) -> None:
         raise ValueError(f"checkpoint lacks weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
-def load_model(model_path: str, device: torch.device, dtype: torch.dtype | None = None, tp=None) -> LlamaForCausalLM:
+def load_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype | None = None,
+               tp=None) -> LlamaForCausalLM:
     """The checkpoint's model on `device` (this rank's shard of it with a TensorParallel `tp`); dtype
     None means float32 on CPU, the checkpoint's on CUDA."""
-    if not os.path.isdir(model_path):
-        raise FileNotFoundError(f"model_path {model_path!r} is not a directory")
-    cfg = ModelConfig.from_pretrained(model_path)
+    cfg = checkpoint.config
     dtype = dtype or (cfg.dtype if device.type != "cpu" else torch.float32)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)     # parameters are created in their final dtype, on the device
@@ -138,5 +207,5 @@ def load_model(model_path: str, device: torch.device, dtype: torch.dtype | None 
             model = MODELS[cfg.architecture](cfg, tp)
     finally:
         torch.set_default_dtype(previous)
-    load_weights(model, model_path)
+    load_weights(model, checkpoint)
     return model.to(dtype).eval()

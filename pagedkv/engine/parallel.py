@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 from .config import EngineConfig, ModelConfig
 from .llama import AttentionMetadata
-from .loader import ZERO
+from .loader import ZERO, open_checkpoint
 from .model_runner import ModelRunner
 from .scheduler import ScheduledBatch
 
@@ -416,7 +416,7 @@ def join(config: EngineConfig, model_path: str, llm_kwargs: dict) -> TensorParal
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout()))
         processes = ()
     else:
-        Shard(0, size).check(ModelConfig.from_pretrained(model_path))     # before starting anything
+        Shard(0, size).check(open_checkpoint(model_path).config)     # before starting anything
         rank = local_rank = 0
         store, processes = _spawn_workers(size, model_path, llm_kwargs)
     config.device = _rank_device(config.device, local_rank, size)

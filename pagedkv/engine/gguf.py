@@ -1,0 +1,254 @@
+"""GGUF checkpoints (llama.cpp's one-file format) of llama-architecture models: the config, the tokenizer
+and the chat template from the file's metadata, the weights dequantised by the `gguf` package under their
+Hugging Face names. Everything is checked before any weight is read, so a bad file fails fast and clearly."""
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# The tensor types this loader reads: floats and the llama.cpp block quantisations the `gguf` package
+# dequantises (numpy), each turned into the engine's dtype.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# llama.cpp's tensor names -> Hugging Face's (blk.N.* -> model.layers.N.*).
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+
+# Pre-tokenizer splits by `tokenizer.ggml.pre`, as llama.cpp applies them before the byte-level BPE.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {
+    "default": [_GPT2_SPLIT], "gpt2": [_GPT2_SPLIT],
+    # Every digit its own piece first (SmolLM's own tokenizer.json: Digits(individual_digits=True)).
+    "smollm": [r"\p{N}", _GPT2_SPLIT], "starcoder": [r"\p{N}", _GPT2_SPLIT], "refact": [r"\p{N}", _GPT2_SPLIT],
+    "llama-bpe": [_LLAMA3_SPLIT], "llama3": [_LLAMA3_SPLIT], "llama-v3": [_LLAMA3_SPLIT],
+}
+CONTROL_TOKEN, USER_DEFINED_TOKEN = 3, 4     # tokenizer.ggml.token_type values
+
+
+def is_gguf(path) -> bool:
+    return os.path.isfile(path) and str(path).endswith(".gguf")
+
+
+@dataclass
+class TensorInfo:
+    gguf_name: str
+    name: str                 # the Hugging Face name the engine's loader expects
+    shape: tuple              # Hugging Face order: [out, in]
+    qtype: str
+    tensor: object            # the gguf ReaderTensor (memory-mapped)
+
+
+class GGUFFile:
+    """One GGUF file, opened and checked: `config` (a Hugging Face config.json dict), `tensors` (name ->
+    TensorInfo), the tokenizer's metadata and the chat template. Reading it maps the file; no weight is
+    dequantised until `read` asks for it."""
+
+    def __init__(self, path: str):
+        try:
+            from gguf import GGUFReader
+        except ImportError:
+            raise ImportError("reading GGUF files needs the gguf package: pip install gguf "
+                              "(or pagedkv[engine])") from None
+        self.path = os.fspath(path)
+        size = os.path.getsize(self.path)
+        try:
+            self.reader = GGUFReader(self.path)
+        except Exception as e:      # a bad magic, a truncated header, a broken field table
+            raise ValueError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+        self.metadata = {}
+        for key, field in self.reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            self.metadata[key] = field if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                                  "tokenizer.ggml.token_type") else field.contents()
+        arch = self.metadata.get("general.architecture")
+        if arch != "llama":
+            raise ValueError(f"{self.path}: general.architecture is {arch!r}; pagedkv reads llama-architecture "
+                             f"GGUF files (Llama, Mistral, SmolLM, TinyLlama, ... as llama.cpp tags them)")
+        self.config = self._config()
+        self.tensors = self._tensors(size)
+
+    # ---- metadata ----------------------------------------------------------------------------------
+    def _get(self, key: str, default=None, required: bool = True):
+        full = f"llama.{key}"
+        if full in self.metadata:
+            return self.metadata[full]
+        if required and default is None:
+            raise ValueError(f"{self.path}: metadata lacks {full!r}")
+        return default
+
+    def _config(self) -> dict:
+        num_heads = self._get("attention.head_count")
+        if isinstance(num_heads, list):
+            raise ValueError(f"{self.path}: llama.attention.head_count varies per layer; not supported")
+        hidden = self._get("embedding_length")
+        head_dim = self._get("attention.key_length", hidden // num_heads, required=False)
+        rope_dim = self._get("rope.dimension_count", head_dim, required=False)
+        if rope_dim != head_dim:
+            raise ValueError(f"{self.path}: llama.rope.dimension_count={rope_dim} rotates part of each "
+                             f"{head_dim}-wide head; pagedkv rotates whole heads")
+        if self._get("attention.value_length", head_dim, required=False) != head_dim:
+            raise ValueError(f"{self.path}: llama.attention.value_length differs from key_length; not supported")
+        if "llama.expert_count" in self.metadata and self.metadata["llama.expert_count"]:
+            raise ValueError(f"{self.path}: a mixture-of-experts model (llama.expert_count="
+                             f"{self.metadata['llama.expert_count']}); not supported")
+        scaling = self._get("rope.scaling.type", "none", required=False)
+        rope = {}
+        if scaling == "linear":
+            rope = {"rope_scaling": {"rope_type": "linear", "factor": float(self._get("rope.scaling.factor"))}}
+        elif scaling not in ("none", None):
+            raise ValueError(f"{self.path}: llama.rope.scaling.type={scaling!r} is not supported (none, linear are)")
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        vocab = self._get("vocab_size", len(tokens.data) if tokens is not None else None)
+        eos = [self.metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+               if k in self.metadata]
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "num_hidden_layers": self._get("block_count"), "hidden_size": hidden,
+            "intermediate_size": self._get("feed_forward_length"), "num_attention_heads": num_heads,
+            "num_key_value_heads": self._get("attention.head_count_kv", num_heads, required=False),
+            "head_dim": head_dim, "vocab_size": vocab,
+            "max_position_embeddings": self._get("context_length", 2048, required=False),
+            "rms_norm_eps": float(self._get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
+            "rope_theta": float(self._get("rope.freq_base", 10000.0, required=False)),
+            "eos_token_id": sorted(set(eos)), "torch_dtype": "float32", **rope,
+        }
+
+    def _tensors(self, file_size: int) -> dict:
+        cfg = self.config
+        tensors = {}
+        for t in self.reader.tensors:
+            qtype = t.tensor_type.name
+            if qtype not in SUPPORTED_TYPES:
+                raise ValueError(f"{self.path}: tensor {t.name!r} is {qtype}; pagedkv reads "
+                                 f"{', '.join(SUPPORTED_TYPES)}")
+            if t.data_offset + t.n_bytes > file_size:
+                raise ValueError(f"{self.path} is truncated: tensor {t.name!r} ends at byte "
+                                 f"{t.data_offset + t.n_bytes}, the file has {file_size}")
+            name = hf_name(t.name)
+            if name is None:
+                raise ValueError(f"{self.path}: tensor {t.name!r} is not part of a llama model this engine runs")
+            if name in tensors:
+                raise ValueError(f"{self.path}: tensor {t.name!r} appears twice")
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))   # GGUF lists dimensions innermost first
+            tensors[name] = TensorInfo(t.name, name, shape, qtype, t)
+        embed = tensors.get("model.embed_tokens.weight")
+        if embed is None:
+            raise ValueError(f"{self.path}: no token_embd.weight tensor")
+        if embed.shape != (cfg["vocab_size"], cfg["hidden_size"]):
+            raise ValueError(f"{self.path}: token_embd.weight is {list(embed.shape)}, the metadata says "
+                             f"[{cfg['vocab_size']}, {cfg['hidden_size']}] (vocab_size, embedding_length)")
+        cfg["tie_word_embeddings"] = "lm_head.weight" not in tensors
+        cfg["attention_bias"] = any(n.endswith("q_proj.bias") for n in tensors)
+        cfg["mlp_bias"] = any(n.endswith("gate_proj.bias") for n in tensors)
+        return tensors
+
+    # ---- weights -----------------------------------------------------------------------------------
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor `name` (Hugging Face name) in float32, Hugging Face layout: dequantised by the gguf
+        package, and for q_proj / k_proj with llama.cpp's rope row order undone."""
+        from gguf.quants import dequantize
+
+        info = self.tensors[name]
+        t = info.tensor
+        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(info.shape)
+        weight = torch.from_numpy(np.array(values))       # a copy: the map stays read-only
+        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            weight = unpermute_rope_rows(weight, self.config["num_attention_heads"])
+        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            weight = unpermute_rope_rows(weight, self.config["num_key_value_heads"])
+        return weight
+
+    # ---- tokenizer and chat ------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> str | None:
+        return self.metadata.get("tokenizer.chat_template")
+
+    def special_tokens(self) -> dict:
+        """bos_token / eos_token / unk_token / pad_token as strings (None when the file names none)."""
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        out = {}
+        for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                          ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+            token_id = self.metadata.get(f"tokenizer.ggml.{key}")
+            out[name] = None if tokens is None or token_id is None else str(tokens.contents(token_id))
+        return out
+
+    def tokenizer(self):
+        """The file's byte-level BPE tokenizer (`tokenizers.Tokenizer`): vocabulary and merges from the
+        metadata, control tokens as special tokens, the pre-tokenizer split `tokenizer.ggml.pre` names,
+        BOS added to plain prompts when `tokenizer.ggml.add_bos_token` says so."""
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+        kind = self.metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"{self.path}: tokenizer.ggml.model={kind!r}; pagedkv builds byte-level BPE "
+                             f"('gpt2') tokenizers from GGUF files")
+        tokens = [str(t) for t in self.metadata["tokenizer.ggml.tokens"].contents()]
+        merges_field = self.metadata.get("tokenizer.ggml.merges")
+        if merges_field is None:
+            raise ValueError(f"{self.path}: a byte-level BPE tokenizer without tokenizer.ggml.merges")
+        merges = [tuple(m.split(" ", 1)) for m in merges_field.contents()]
+        types_field = self.metadata.get("tokenizer.ggml.token_type")
+        types = list(types_field.contents()) if types_field is not None else [1] * len(tokens)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            raise ValueError(f"{self.path}: tokenizer.ggml.tokens lists a token twice")
+        tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        pre = self.metadata.get("tokenizer.ggml.pre", "default")
+        splits = PRE_TOKENIZER_SPLITS.get(pre)
+        if splits is None:
+            import warnings
+            warnings.warn(f"{self.path}: tokenizer.ggml.pre={pre!r} is not one pagedkv knows; text is split "
+                          f"as GPT-2 splits it", stacklevel=2)
+            splits = PRE_TOKENIZER_SPLITS["default"]
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind in zip(tokens, types) if kind == CONTROL_TOKEN])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, kind in zip(tokens, types) if kind == USER_DEFINED_TOKEN])
+        bos = self.special_tokens()["bos_token"]
+        if self.metadata.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+            bos_id = self.metadata["tokenizer.ggml.bos_token_id"]
+            tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                               special_tokens=[(bos, bos_id)])
+        return tok
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name, or None for one a llama model does not have."""
+    stem, _, kind = gguf_name.rpartition(".")
+    if kind not in ("weight", "bias"):
+        return None
+    if stem in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[stem]}.{kind}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{LAYER_NAMES[parts[2]]}.{kind}"
+    return None
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter reorders each head's q/k rows from the half-split rotation of Hugging Face
+    (first half, second half) to interleaved pairs (row 2i, 2i + 1) for its own rope; this puts them back."""
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    return (weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).transpose(1, 2)
+            .reshape(weight.shape).contiguous())
+
+
+def permute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's order from Hugging Face's (the converter's permutation; unpermute_rope_rows inverts it)."""
+    head_dim = weight.shape[0] // num_heads
+    return (weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:]).transpose(1, 2)
+            .reshape(weight.shape).contiguous())
