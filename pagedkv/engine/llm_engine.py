@@ -12,7 +12,7 @@ from collections import deque
 import torch
 from tqdm.auto import tqdm
 
-from pagedkv import BlockManager
+from pagedkv import AllocStatus, BlockManager
 from pagedkv._threads import ThreadTuner, available_cpus
 
 from . import parallel
@@ -303,6 +303,38 @@ class LLM:
         for out, prompt in zip(outputs, prompts):
             out.prompt = prompt
         return outputs
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids, *, chunk_size: int = 512) -> torch.Tensor:
+        """float32 logits [len(token_ids), vocab] of every position of a text (row i scores token i + 1),
+        computed as the engine computes a prompt: prefilled chunk by chunk (`chunk_size` tokens) over the
+        paged KV cache, each chunk attending to the cached chunks before it. For log-likelihoods and for
+        comparing cache dtypes under teacher forcing. Runs between generate() calls, on one process; uses
+        blocks of the pool for the text (no prefix-cache hits, nothing cached afterwards)."""
+        ids = token_id_list("token_ids", token_ids)
+        chunk_size = check_int("chunk_size", chunk_size, minimum=1)
+        vocab = self.model_config.vocab_size
+        if not 1 <= len(ids) <= self.max_model_len or any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"token_ids must be 1 to {self.max_model_len} ids in [0, {vocab})")
+        if self.tp is not None:
+            raise ValueError("prompt_logits runs on one process; this engine has tensor_parallel_size > 1")
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("prompt_logits runs between generate() calls; requests are unfinished")
+        seq_id = self.scheduler.next_seq_id
+        self.scheduler.next_seq_id += 1
+        salt = os.urandom(16)       # a salt no block has: no hit, and no block of it is ever shared
+        if self.bm.can_allocate(ids, cache_salt=salt) != AllocStatus.OK:
+            raise ValueError(f"{len(ids)} tokens do not fit in the free KV blocks; raise num_blocks or "
+                             f"kv_cache_bytes")
+        self.bm.allocate(seq_id, ids, cache_salt=salt)
+        try:
+            rows = []
+            for start in range(0, len(ids), chunk_size):
+                end = min(start + chunk_size, len(ids))
+                rows.append(self.runner.forward_chunk(ids[start:end], start, self.bm, seq_id))
+            return torch.cat(rows).float()
+        finally:
+            self.bm.free(seq_id)
 
     @staticmethod
     def _prompt_list(prompts) -> list:

@@ -56,6 +56,24 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         return self._sample(logits, batch)
 
+    @torch.inference_mode()
+    def forward_chunk(self, token_ids: list[int], start: int, bm: BlockManager, seq_id: int) -> torch.Tensor:
+        """Logits of every token of positions [start, start + len(token_ids)) of sequence `seq_id`, whose
+        KV before `start` is in the cache (LLM.prompt_logits)."""
+        end = start + len(token_ids)
+        dev, n = self.device, len(token_ids)
+        other_groups = tuple((bm.slot_mappings([seq_id], [start], [end], group=g).to(dev),
+                              bm.block_tables([seq_id], group=g).to(dev)) for g in range(1, self.num_groups))
+        meta = AttentionMetadata(
+            slot_mapping=bm.slot_mapping(seq_id, start, end).to(dev),
+            block_tables=bm.block_tables([seq_id]).to(dev),
+            seq_lens=torch.tensor([end], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            max_seq_len=end, logits_indices=torch.arange(n, device=dev), other_groups=other_groups)
+        hidden = self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev),
+                            torch.arange(start, end, device=dev), self.layer_caches, meta)
+        return self.model.compute_logits(hidden)
+
     def _move_blocks(self, batch: ScheduledBatch) -> None:
         # The scheduler swaps in before it preempts, so this order is the order of its decisions: a group
         # swapped in may be swapped out again at once, and blocks freed by a swap-out may be the

@@ -1,0 +1,247 @@
+"""GGUF checkpoints on small files written here with the gguf package's own writer: the loaded model equals
+its safetensors twin token for token, q/k rows come back in Hugging Face order, quantised tensors equal
+the gguf package's dequantisation, the tokenizer is built from the metadata, and bad files fail clearly
+before any weight is read."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from engine_fixtures import save_tiny_llama  # noqa: E402
+from pagedkv.engine import LLM, SamplingParams  # noqa: E402
+from pagedkv.engine.gguf import GGUFFile, permute_rope_rows, unpermute_rope_rows  # noqa: E402
+from pagedkv.engine.loader import open_checkpoint  # noqa: E402
+
+LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_level_vocab(size: int):
+    """A byte-level BPE vocabulary of `size` tokens: the 256 byte symbols, a few merges, three control
+    tokens, filler tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = list(bytes_to_unicode().values())
+    letters = "etaoinsrh"
+    merges = [f"{a} {b}" for a in letters for b in letters] + ["Ġ t", "Ġ a", "Ġt h", "Ġth e"]
+    tokens += [m.replace(" ", "") for m in merges]
+    types = [1] * len(tokens)
+    tokens += ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    types += [3, 3, 3]
+    while len(tokens) < size:
+        tokens.append(f"<filler{len(tokens)}>")
+        types.append(5)
+    return tokens, types, merges
+
+
+def write_gguf(path, state: dict, cfg: dict, *, quant: dict | None = None, arch="llama", vocab=None,
+               drop=(), extra_tensors=None, metadata_vocab=None):
+    """Writes the Hugging Face state dict `state` (config `cfg`) as llama.cpp would: tensor names, q/k
+    rows permuted for its rope, tensors of `quant` (gguf name -> type) quantised by the gguf package."""
+    quant = quant or {}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
+    writer.add_vocab_size(metadata_vocab or cfg["vocab_size"])
+    tokens, types, merges = vocab or byte_level_vocab(cfg["vocab_size"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|im_start|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(TEMPLATE)
+    for name, tensor in state.items():
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{LAYER[module]}.{kind}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        if gname in drop:
+            continue
+        w = tensor.float()
+        if ".attn_q." in gname:
+            w = permute_rope_rows(w, cfg["num_attention_heads"])
+        elif ".attn_k." in gname:
+            w = permute_rope_rows(w, cfg["num_key_value_heads"])
+        w = w.numpy()
+        qtype = quant.get(gname)
+        if qtype is None:
+            writer.add_tensor(gname, w)
+        else:
+            data = gguf.quants.quantize(w, qtype)
+            writer.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
+    for gname, (data, qtype) in (extra_tensors or {}).items():
+        writer.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random Llama saved as safetensors and as an all-float32 GGUF file."""
+    folder = tmp_path_factory.mktemp("tiny")
+    model = save_tiny_llama(folder, vocab_size=512)
+    state = {k: v for k, v in model.state_dict().items()}
+    cfg = model.config.to_dict()
+    path = folder / "tiny.gguf"
+    write_gguf(path, state, cfg)
+    return folder, path, state, cfg
+
+
+def test_rope_row_permutation_round_trips():
+    w = torch.randn(4 * 16, 24)
+    assert torch.equal(unpermute_rope_rows(permute_rope_rows(w, 4), 4), w)
+    assert not torch.equal(permute_rope_rows(w, 4), w)
+
+
+def test_gguf_weights_equal_the_checkpoint(tiny):
+    folder, path, state, cfg = tiny
+    ckpt = open_checkpoint(path)
+    read = {name: r() for name, _, r in ckpt.tensors()}
+    assert read.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(read[name], tensor), name       # q/k rows back in Hugging Face order
+    assert ckpt.config.num_heads == cfg["num_attention_heads"] and ckpt.config.num_kv_heads == 2
+    assert ckpt.config.tie_word_embeddings is False
+
+
+def test_gguf_engine_equals_safetensors_engine(tiny):
+    folder, path, _, _ = tiny
+    prompts = [[5, 17, 300, 42, 8], list(range(40, 75))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(folder).generate(prompts, params)]
+    assert [o.token_ids for o in LLM(path).generate(prompts, params)] == expected
+
+
+def test_without_the_unpermutation_the_model_differs(tiny, tmp_path):
+    """The q/k rows must be put back: a file whose rows were not permuted loads a different model."""
+    folder, _, state, cfg = tiny
+    unpermuted = dict(state)
+    for name in state:
+        if "q_proj" in name:
+            unpermuted[name] = unpermute_rope_rows(state[name], cfg["num_attention_heads"])
+        elif "k_proj" in name:
+            unpermuted[name] = unpermute_rope_rows(state[name], cfg["num_key_value_heads"])
+    path = tmp_path / "wrong.gguf"
+    write_gguf(path, unpermuted, cfg)       # the writer permutes: the loader's unpermute gives `unpermuted`
+    prompts = [list(range(40, 75))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert LLM(path).generate(prompts, params)[0].token_ids != LLM(folder).generate(prompts, params)[0].token_ids
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16"])
+def test_quantised_tensors_equal_the_gguf_dequantisation(tiny, tmp_path, qtype):
+    _, _, state, cfg = tiny
+    q = getattr(gguf.GGMLQuantizationType, qtype)
+    path = tmp_path / f"{qtype}.gguf"
+    write_gguf(path, state, cfg, quant={"blk.0.ffn_up.weight": q, "blk.1.attn_k.weight": q})
+    reader = gguf.GGUFReader(str(path))
+    stored = {t.name: t for t in reader.tensors}
+    read = {name: r() for name, _, r in open_checkpoint(path).tensors()}
+    up = stored["blk.0.ffn_up.weight"]
+    assert up.tensor_type == q
+    expected = torch.from_numpy(gguf.quants.dequantize(up.data, up.tensor_type).copy())
+    assert torch.equal(read["model.layers.0.mlp.up_proj.weight"], expected)
+    k = stored["blk.1.attn_k.weight"]
+    expected_k = unpermute_rope_rows(torch.from_numpy(gguf.quants.dequantize(k.data, k.tensor_type).copy()), 2)
+    assert torch.equal(read["model.layers.1.self_attn.k_proj.weight"], expected_k)
+    if qtype != "BF16":
+        assert not torch.equal(expected, state["model.layers.0.mlp.up_proj.weight"])   # it was quantised
+    assert torch.allclose(expected, state["model.layers.0.mlp.up_proj.weight"], atol=0.1)
+
+
+def test_tokenizer_and_template_from_the_metadata(tiny):
+    _, path, _, _ = tiny
+    ckpt = open_checkpoint(path)
+    tok = ckpt.tokenizer()
+    text = "the heat 123 <|im_end|>"
+    enc = tok.encode(text)
+    assert tok.decode(enc.ids, skip_special_tokens=False) == text
+    assert "<|im_end|>" in enc.tokens and "1" in enc.tokens and "2" in enc.tokens     # digits one by one
+    assert enc.tokens[:5] == ["th", "e", "Ġ", "h", "ea"]      # the merges, in their rank order
+    rendered = ckpt.chat_template().render([{"role": "user", "content": "hi"}])
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ckpt.config.eos_token_ids == [tok.token_to_id("<|im_end|>")]
+
+
+def test_chat_on_a_gguf_model_stops_at_the_end_of_turn(tiny):
+    _, path, _, _ = tiny
+    llm = LLM(path)
+    eos = llm.tokenizer.token_to_id("<|im_end|>")
+    out = llm.chat([{"role": "user", "content": "hi there"}], SamplingParams(max_tokens=8))[0]
+    assert out.prompt.endswith("<|im_start|>assistant\n")
+    assert out.prompt_token_ids == llm.tokenizer.encode(out.prompt, add_special_tokens=False).ids
+    assert eos not in out.token_ids[:-1]
+    with pytest.raises(ValueError, match="content"):
+        llm.chat([{"role": "user"}])
+    with pytest.raises(TypeError, match="conversation"):
+        llm.chat("hello")
+
+
+def _bad(tmp_path, tiny, **kwargs):
+    _, _, state, cfg = tiny
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, state, cfg, **kwargs)
+    return path
+
+
+def test_other_architectures_are_refused(tmp_path, tiny):
+    with pytest.raises(ValueError, match="general.architecture is 'qwen2'"):
+        open_checkpoint(_bad(tmp_path, tiny, arch="qwen2"))
+
+
+def test_unknown_quantisation_types_are_refused(tmp_path, tiny):
+    blob = np.zeros((4, 66), dtype=np.uint8)       # 4 rows of one IQ2_XXS block (256 values, 66 bytes)
+    path = _bad(tmp_path, tiny, extra_tensors={"blk.0.ffn_extra.weight": (blob, gguf.GGMLQuantizationType.IQ2_XXS)})
+    with pytest.raises(ValueError, match="is IQ2_XXS; pagedkv reads"):
+        open_checkpoint(path)
+
+
+def test_a_truncated_file_is_refused(tmp_path, tiny):
+    path = _bad(tmp_path, tiny)
+    size = os.path.getsize(path)
+    for keep in (size - 100, size // 2, 64):
+        cut = tmp_path / f"cut{keep}.gguf"
+        cut.write_bytes(path.read_bytes()[:keep])
+        with pytest.raises(ValueError, match="truncated|not a readable GGUF"):
+            open_checkpoint(cut)
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        (tmp_path / "text.gguf").write_text("hello")
+        open_checkpoint(tmp_path / "text.gguf")
+
+
+def test_metadata_that_disagrees_with_the_tensors_is_refused(tmp_path, tiny):
+    with pytest.raises(ValueError, match="token_embd.weight is .*metadata says"):
+        open_checkpoint(_bad(tmp_path, tiny, metadata_vocab=1000))
+    with pytest.raises(ValueError, match="lacks weights"):
+        LLM(_bad(tmp_path, tiny, drop=("blk.1.ffn_down.weight",)))
+
+
+def test_the_file_is_checked_before_weights_are_read(tmp_path, tiny, monkeypatch):
+    """A bad tensor type anywhere in the file fails before any tensor is dequantised."""
+    calls = []
+    monkeypatch.setattr(GGUFFile, "read", lambda self, name: calls.append(name))
+    blob = np.zeros((4, 66), dtype=np.uint8)
+    path = _bad(tmp_path, tiny, extra_tensors={"blk.0.ffn_extra.weight": (blob, gguf.GGMLQuantizationType.IQ2_XXS)})
+    with pytest.raises(ValueError):
+        LLM(path)
+    assert calls == []
