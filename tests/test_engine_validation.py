@@ -165,7 +165,12 @@ BAD_ENGINE = [
     (dict(dtype="fp16"), ValueError, "dtype"),
     (dict(dtype=torch.float64), ValueError, "dtype"),
     (dict(dtype=torch.int32), ValueError, "dtype"),
-    (dict(device="tpu"), ValueError, "device"),
+    (dict(device="tpu"), ValueError, "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    (dict(device="gpu"), ValueError, "device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
+    (dict(device="cuda:x"), ValueError, "device must be 'cpu', 'cuda' or 'cuda:N'"),
+    (dict(cpu_threads="many"), TypeError, "cpu_threads must be 'auto' or an int >= 1, got 'many'"),
+    (dict(cpu_threads=0), ValueError, "cpu_threads must be 'auto' or an int >= 1, got 0"),
+    (dict(cpu_threads=2.0), TypeError, "cpu_threads must be 'auto' or an int >= 1"),
     (dict(device="meta"), ValueError, "device"),
     (dict(device=0.5), TypeError, "device"),
     (dict(enable_prefix_caching="no"), TypeError, "enable_prefix_caching"),
@@ -181,6 +186,30 @@ if not torch.cuda.is_available():
 def test_bad_engine_settings_refused_naming_the_argument(tiny, kwargs, error, words):
     with pytest.raises(error, match=words):
         LLM(tiny[0], **kwargs)
+
+
+@pytest.mark.parametrize("model_path, error, words", [
+    (None, TypeError, "model_path must be a str or os.PathLike"),
+    (5, TypeError, "model_path must be a str or os.PathLike"),
+    ("/nonexistent/pagedkv-model", FileNotFoundError, "model_path '/nonexistent/pagedkv-model' is not a directory"),
+])
+def test_bad_model_path_refused_naming_it(model_path, error, words):
+    with pytest.raises(error, match=words):
+        LLM(model_path)
+
+
+def test_a_directory_without_config_json_is_refused_naming_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"model_path '{tmp_path}' has no config.json"):
+        LLM(str(tmp_path))
+
+
+def test_a_bad_item_of_a_sampling_params_list_is_named(tiny, llm, rng):
+    prompts = [random_prompt(rng, 384) for _ in range(2)]
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams or None, got dict"):
+        llm.generate(prompts, [GREEDY, {"max_tokens": 3}])
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        llm.add_request(prompts[0], {"max_tokens": 3})
+    assert_untouched_and_serving(llm, tiny[1], rng)
 
 
 @pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu"), torch.device("cpu", 0)], ids=str)
