@@ -43,7 +43,7 @@ def test_hash_accepts_tensors_and_salts_change_block0_only():
 
 
 def test_salted_block0_hash_follows_the_documented_rule(rng):
-    """README: a salt is block 0's parent, xxh64(b"\\xa5" + salt); a router can recompute it."""
+    """docs/reference.md: a salt is block 0's parent, xxh64(b"\\xa5" + salt); a router can recompute it."""
     block = toks(16, start=rng.randrange(10**6))
     for salt in (b"tenant-a", "t\u00e9nant"):
         raw = salt.encode() if isinstance(salt, str) else salt
