@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 RUN := PYTHONPATH=$(CURDIR) $(PY)
 
-.PHONY: demo simulate test env build test-cpp test-py bench wheel-check clean
+.PHONY: demo simulate test env build test-cpp test-py test-stubs bench wheel-check clean
 
 # The main job: the reference engine chats with SmolLM2-135M-Instruct (its GGUF file; CUDA when available).
 demo: build
@@ -16,7 +16,7 @@ simulate: build
 # make test and the wheel compile the CUDA kernels wherever a toolkit is (no GPU needed), so CI proves
 # they build; make demo / make build compile them only when a GPU is visible (scripts/build.sh).
 test: export PAGEDKV_CUDA ?= auto
-test: build test-cpp test-py
+test: build test-cpp test-stubs test-py
 
 env:
 	scripts/setup_env.sh
@@ -35,6 +35,10 @@ test-cpp: env
 
 test-py: build
 	$(RUN) -m pytest tests
+
+# The type stub pagedkv/_C.pyi against the built module: every member, and only those (mypy's stubtest).
+test-stubs: build
+	$(RUN) -m mypy.stubtest pagedkv._C
 
 bench: build
 	$(RUN) benchmarks/bench_block_manager.py

@@ -82,6 +82,7 @@ setup(
     version="0.1.0",
     description="Paged KV cache for LLM inference: C++ block manager with exact prefix caching, CPU/CUDA kernels",
     packages=find_packages(include=["pagedkv", "pagedkv.*"]),
+    package_data={"pagedkv": ["py.typed", "_C.pyi"]},     # PEP 561: the native module's types
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.11",

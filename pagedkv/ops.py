@@ -172,7 +172,8 @@ def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torc
     """In place: ``residual += input``, then ``input = rms_norm(residual, weight, epsilon)``.
 
     The pre-norm residual stream of a decoder layer in one pass. ``input`` and ``residual`` are
-    contiguous, same shape and dtype, and share no memory with each other or with ``weight``.
+    contiguous, same shape and dtype, and share no memory with each other or with ``weight``: passing
+    one tensor as both raises a ``RuntimeError`` saying they are the same tensor.
 
     Example::
 
@@ -225,10 +226,19 @@ def _check_not_mixed_with_meta(op: str, **tensors) -> None:
                            f"and CUDA tensors (meta only when every tensor is meta)")
 
 
+def _check_not_the_same_tensor(op: str, written: str, a: torch.Tensor, other: str, b: torch.Tensor) -> None:
+    """The kernels' check, for the fake (meta) path too: one tensor passed as two arguments."""
+    if a is b:
+        raise RuntimeError(f"pagedkv.{op}: {written} and {other} are the same tensor (they share memory); "
+                           f"{written} is written in place while {other} is read, so pass two distinct tensors "
+                           "(clone one)")
+
+
 @torch.library.register_fake("pagedkv::reshape_and_cache")
 def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
     _check_not_mixed_with_meta("reshape_and_cache", key=key, value=value, key_cache=key_cache,
                                value_cache=value_cache, slot_mapping=slot_mapping)
+    _check_not_the_same_tensor("reshape_and_cache", "value_cache", value_cache, "key_cache", key_cache)
     return None
 
 
@@ -272,6 +282,7 @@ def _rms_norm_fake(input, weight, epsilon):
 @torch.library.register_fake("pagedkv::fused_add_rms_norm")
 def _fused_add_rms_norm_fake(input, residual, weight, epsilon):
     _check_not_mixed_with_meta("fused_add_rms_norm", input=input, residual=residual, weight=weight)
+    _check_not_the_same_tensor("fused_add_rms_norm", "input", input, "residual", residual)
     return None
 
 

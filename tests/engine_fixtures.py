@@ -71,6 +71,29 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, device="cpu") -> li
     return out[0, len(prompt):].tolist()
 
 
+# Two logits closer than this are a tie that float rounding may settle either way (the engine's logits
+# differ from transformers' by about 1e-5 on the tiny models; half their top-2 gaps exceed 0.3).
+GREEDY_ATOL = 1e-3
+
+
+@torch.no_grad()
+def assert_greedy(model, prompt: list[int], tokens: list[int], expected: list[int] | None = None) -> None:
+    """`tokens` are a greedy continuation of `prompt` under `model`, for any prompt drawn: equal to
+    transformers' greedy output `expected` (computed when not given; same length), or, from the first
+    token where the two part at a near-tie, every token is within GREEDY_ATOL of the best logit given the
+    tokens before it."""
+    tokens, prompt = list(tokens), list(prompt)
+    expected = hf_greedy(model, prompt, len(tokens)) if expected is None else list(expected)
+    assert len(tokens) == len(expected), f"{len(tokens)} tokens {tokens}, transformers' greedy output {expected}"
+    if tokens == expected or not tokens:
+        return
+    logits = model(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    for i, (row, token) in enumerate(zip(logits, tokens)):
+        short = float(row.max() - row[token])
+        assert short <= GREEDY_ATOL, (f"token {i} of {tokens} is {token}, {short:.3g} below the best logit "
+                                      f"(transformers' greedy output: {expected})")
+
+
 def shared_prefix_prompts(vocab_size: int, seed=0, num_systems=2, per_system=3, system_len=37):
     """Prompts built from a few 'system prompts' plus distinct user suffixes of varying length, and one
     exact duplicate, so the prefix cache has full-block hits and partial-block misses."""

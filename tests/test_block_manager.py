@@ -1,5 +1,4 @@
 """BlockManager behaviour by behaviour, through the Python API (DESIGN.md section 1)."""
-import random
 
 import numpy as np
 import pytest
@@ -25,8 +24,7 @@ def seeds_hash(tokens, parent=None):
 
 # --- hashing -----------------------------------------------------------------------------------------
 
-def test_xxh64_chain_is_bit_identical_to_seeds():
-    rng = random.Random()
+def test_xxh64_chain_is_bit_identical_to_seeds(rng):
     parent = None
     for _ in range(20):
         block = [rng.randrange(-(2**40), 2**40) for _ in range(rng.choice([1, 16, 64]))]
@@ -44,14 +42,13 @@ def test_hash_accepts_tensors_and_salts_change_block0_only():
     assert pagedkv.hash_block_tokens(block, 7, cache_salt="x") == seeds_hash(block, 7)
 
 
-def test_salted_block0_hash_follows_the_documented_rule():
-    """README: a salt is block 0's parent, xxh64(b"\\xa5" + salt); a router can recompute it."""
-    rng_start = random.randrange(10**6)
-    block = toks(16, start=rng_start)
+def test_salted_block0_hash_follows_the_documented_rule(rng):
+    """docs/reference.md: a salt is block 0's parent, xxh64(b"\\xa5" + salt); a router can recompute it."""
+    block = toks(16, start=rng.randrange(10**6))
     for salt in (b"tenant-a", "t\u00e9nant"):
         raw = salt.encode() if isinstance(salt, str) else salt
         parent = xxhash.xxh64_intdigest(b"\xa5" + raw)
-        assert pagedkv.hash_block_tokens(block, cache_salt=salt) == seeds_hash(block, parent), rng_start
+        assert pagedkv.hash_block_tokens(block, cache_salt=salt) == seeds_hash(block, parent)
 
 
 @pytest.mark.skipif(not pagedkv._C.sha256_available(), reason="built without OpenSSL")
@@ -99,9 +96,8 @@ def test_slot_mappings_batched_with_and_without_ends():
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 3, 16, 17])
-def test_slot_mappings_match_the_per_token_formula_on_random_ranges(block_size):
+def test_slot_mappings_match_the_per_token_formula_on_random_ranges(block_size, rng):
     """Slots are written a block's run at a time: every start / end alignment against p // bs, p % bs."""
-    rng = random.Random()
     bm = BlockManager(4096, block_size)
     lengths = {i: rng.randrange(1, 6 * block_size + 3) for i in range(12)}
     for i, n in lengths.items():
@@ -123,10 +119,9 @@ def test_slot_mappings_match_the_per_token_formula_on_random_ranges(block_size):
     assert bm.slot_mappings([5], [0]).tolist() == whole
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_attention_inputs_equal_the_separate_calls(window):
+def test_attention_inputs_equal_the_separate_calls(window, rng):
     """attention_inputs = (slot_mappings, block_tables, ends or lengths, cumulative query lengths), on random
     batches (windowed group 1: ranges start past what its window released)."""
-    rng = random.Random()
     block_size = rng.choice([1, 3, 4, 16])
     bm = BlockManager(4096, block_size, group_windows=[None, window])
     lengths = {i: rng.randrange(1, 5 * block_size + 9) for i in range(10)}

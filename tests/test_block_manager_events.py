@@ -1,5 +1,4 @@
 """KV events, cached_blocks() and step statistics of the prefix cache."""
-import random
 from collections import Counter
 
 import pytest
@@ -131,12 +130,11 @@ def test_step_stats_count_since_the_last_call():
 
 
 @pytest.mark.parametrize("algo", ["xxh64", "sha256", "weak8"])
-def test_cached_block_hashes_are_the_chains_of_the_registered_prompts(algo):
+def test_cached_block_hashes_are_the_chains_of_the_registered_prompts(algo, rng):
     """Block hashes are computed by the prefix cache only when asked for (events, cached_blocks): they
     must still be each registered block's chained hash with the manager's algorithm."""
     if algo == "sha256" and not sha256_available():
         pytest.skip("built without OpenSSL")
-    rng = random.Random()
     bs = rng.randrange(2, 6)
     bm = BlockManager(256, bs, hash_algo=algo, enable_events=rng.random() < 0.5)
     systems = [[rng.randrange(50) for _ in range(rng.randrange(bs, 4 * bs))] for _ in range(3)]

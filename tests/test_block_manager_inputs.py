@@ -61,8 +61,8 @@ INT_INPUTS = [
 
 
 @pytest.mark.parametrize("name, make", INT_INPUTS, ids=[n for n, _ in INT_INPUTS])
-def test_every_integer_container_gives_the_same_result(name, make):
-    rng = np.random.default_rng()
+def test_every_integer_container_gives_the_same_result(name, make, seed):
+    rng = np.random.default_rng(seed)
     prompt = [int(x) for x in rng.integers(0, 1000, size=int(rng.integers(3, 30)))]
     ref, bm = BlockManager(32, 4), BlockManager(32, 4)
     assert bm.allocate(7, make(prompt)) == ref.allocate(7, prompt)
@@ -85,8 +85,8 @@ IN_PLACE_INPUTS = [  # read by the bindings without a copy: the core must copy w
 
 
 @pytest.mark.parametrize("name, make", IN_PLACE_INPUTS, ids=[n for n, _ in IN_PLACE_INPUTS])
-def test_mutating_the_callers_array_afterwards_changes_nothing_inside(name, make):
-    rng = np.random.default_rng()
+def test_mutating_the_callers_array_afterwards_changes_nothing_inside(name, make, seed):
+    rng = np.random.default_rng(seed)
     bs = int(rng.integers(2, 9))
     prompt = [int(x) for x in rng.integers(0, 1000, size=int(rng.integers(3 * bs, 8 * bs)))]
     other = [int(x) for x in rng.integers(1000, 2000, size=len(prompt))]
@@ -110,8 +110,8 @@ def test_mutating_the_callers_array_afterwards_changes_nothing_inside(name, make
     bm.check_invariants()
 
 
-def test_a_2d_prompts_tensor_is_copied_before_it_changes():
-    rng = np.random.default_rng()
+def test_a_2d_prompts_tensor_is_copied_before_it_changes(seed):
+    rng = np.random.default_rng(seed)
     prompts = torch.from_numpy(rng.integers(0, 1000, size=(3, 13)))
     expected = prompts.tolist()
     bm = BlockManager(64, 4)
@@ -366,12 +366,12 @@ def test_concurrent_python_threads_keep_the_manager_consistent():
 
 @pytest.mark.parametrize("windows", [[], ["--sliding-window", "0"], ["--groups", "2", "--sliding-window", "4"]],
                          ids=["full", "windows", "hybrid"])
-def test_short_fuzz_run_passes(windows):
+def test_short_fuzz_run_passes(windows, seed):
     """scripts/fuzz_block_manager.py (run with --ops 1000000 before a release) at 20k operations."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run([sys.executable, os.path.join(root, "scripts", "fuzz_block_manager.py"), "--ops", "20000",
-                           *windows], capture_output=True, text=True, env=env, timeout=300)
+                           "--seed", str(seed), *windows], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok: 20,000 operations" in done.stdout
 
@@ -392,9 +392,9 @@ def test_a_pending_copy_source_is_not_reused_before_the_copy_is_taken():
     bm.check_invariants()
 
 
-def test_allocate_batch_takes_a_2d_array_of_prompts():
+def test_allocate_batch_takes_a_2d_array_of_prompts(seed):
     """Rows of a 2-D array are new objects on each access: they must stay alive while being read."""
-    prompts = np.random.default_rng().integers(0, 100, size=(6, 7))
+    prompts = np.random.default_rng(seed).integers(0, 100, size=(6, 7))
     bm, ref = BlockManager(32, 4), BlockManager(32, 4)
     assert bm.allocate_batch(np.arange(6), prompts) == ref.allocate_batch(list(range(6)), prompts.tolist())
     assert [bm.token_ids(i) for i in range(6)] == prompts.tolist()
@@ -411,10 +411,10 @@ HOSTILE = [None, 0, -1, 2, 2 ** 31, 2 ** 63, -(2 ** 63) - 1, 2 ** 64, 1.5, float
            memoryview(b"ab"), {1: 2}, object(), range(3), True]
 
 
-def test_every_method_survives_hostile_arguments():
+def test_every_method_survives_hostile_arguments(seed):
     """Random methods with random junk: each call returns or raises a documented exception, and the
     manager stays consistent (a crash here kills the test run)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     methods = [m for m in dir(BlockManager) if not m.startswith("_") and callable(getattr(BlockManager, m))]
     for _ in range(3000):
         bm = BlockManager(8, 2, num_cpu_blocks=4)

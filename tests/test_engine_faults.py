@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine_fixtures import hf_greedy, save_tiny_llama, shared_prefix_prompts
+from engine_fixtures import assert_greedy, hf_greedy, save_tiny_llama, shared_prefix_prompts
 from pagedkv.engine import LLM, SamplingParams
 
 MAX_TOKENS = 10
@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
             break
     else:
         raise AssertionError("no draw of prompts made the workload swap")
-    return str(path), prompts, [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    return str(path), prompts, [hf_greedy(model, p, MAX_TOKENS) for p in prompts], model
 
 
 class Injector:
@@ -112,10 +112,12 @@ def workload(prompts):
     return prompts, params
 
 
-def check_outputs(outputs, expected, params):
-    for out, exp, sp in zip(outputs, expected, params):
-        assert out.error is None
-        assert [c.token_ids for c in out.outputs] == [exp[:sp.max_tokens]] * sp.n
+def check_outputs(model, prompts, outputs, expected, params):
+    assert len(outputs) == len(prompts) == len(expected) == len(params)
+    for prompt, out, exp, sp in zip(prompts, outputs, expected, params):
+        assert out.error is None and len(out.outputs) == sp.n
+        for completion in out.outputs:
+            assert_greedy(model, prompt, completion.token_ids, exp[:sp.max_tokens])
 
 
 def count_calls(path, prompts, params, point):
@@ -134,7 +136,7 @@ def state(requests):
 @pytest.mark.parametrize("error", [Fault, KeyboardInterrupt])
 @pytest.mark.parametrize("point", POINTS, ids=POINT_IDS)
 def test_failed_step_leaves_no_trace_and_stepping_on_is_exact(tiny, point, error):
-    path, prompts, expected = tiny
+    path, prompts, expected, model = tiny
     prompts, params = workload(prompts)
     at = random.randint(1, count_calls(path, prompts, params, point))
     llm = make_engine(path)
@@ -154,7 +156,7 @@ def test_failed_step_leaves_no_trace_and_stepping_on_is_exact(tiny, point, error
             assert stats["failed_steps"] == 1
             llm.bm.check_invariants()
     assert injector.fired
-    check_outputs([llm._output(r) for r in requests], expected, params)
+    check_outputs(model, prompts, [llm._output(r) for r in requests], expected, params)
     stats = llm.stats()
     assert stats["used_blocks"] == 0 and stats["free_cpu_blocks"] == 40 and not llm.requests
     llm.bm.check_invariants()
@@ -163,7 +165,7 @@ def test_failed_step_leaves_no_trace_and_stepping_on_is_exact(tiny, point, error
 @pytest.mark.parametrize("error", [Fault, KeyboardInterrupt])
 @pytest.mark.parametrize("point", POINTS, ids=POINT_IDS)
 def test_interrupted_generate_aborts_its_requests(tiny, point, error):
-    path, prompts, expected = tiny
+    path, prompts, expected, model = tiny
     prompts, params = workload(prompts)
     at = random.randint(1, count_calls(path, prompts, params, point))
     llm = make_engine(path)
@@ -176,11 +178,11 @@ def test_interrupted_generate_aborts_its_requests(tiny, point, error):
     assert stats["used_blocks"] == 0 and stats["num_seqs"] == 0 and stats["free_cpu_blocks"] == 40
     assert not llm.requests
     llm.bm.check_invariants()
-    check_outputs(llm.generate(prompts, params), expected, params)     # the next call runs only its own
+    check_outputs(model, prompts, llm.generate(prompts, params), expected, params)  # the next call runs only its own
 
 
 def test_abort_frees_blocks_and_keeps_partial_output(tiny):
-    path, prompts, expected = tiny
+    path, prompts, expected, model = tiny
     prompts, params = workload(prompts)
     llm = make_engine(path)
     requests = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -195,7 +197,9 @@ def test_abort_frees_blocks_and_keeps_partial_output(tiny):
     outputs = [llm._output(r) for r in requests]
     aborted = outputs.pop(victim)
     assert aborted.error == "aborted" and all(c.finish_reason in ("abort", "length") for c in aborted.outputs)
-    assert all(c.token_ids == expected[victim][:len(c.token_ids)] for c in aborted.outputs)
-    check_outputs(outputs, expected[:victim] + expected[victim + 1:], params[:victim] + params[victim + 1:])
+    for c in aborted.outputs:
+        assert_greedy(model, prompts[victim], c.token_ids, expected[victim][:len(c.token_ids)])
+    keep = [i for i in range(len(prompts)) if i != victim]
+    check_outputs(model, [prompts[i] for i in keep], outputs, [expected[i] for i in keep], [params[i] for i in keep])
     assert llm.stats()["used_blocks"] == 0 and llm.stats()["free_cpu_blocks"] == 40
     llm.bm.check_invariants()

@@ -1,13 +1,12 @@
 """Requests, sampling parameters and engine settings are checked where they are taken: a bad one raises
 TypeError/ValueError naming it, nothing is queued, and the engine goes on serving valid requests."""
 import math
-import random
 
 import numpy as np
 import pytest
 import torch
 
-from engine_fixtures import hf_greedy, save_tiny_llama
+from engine_fixtures import assert_greedy, hf_greedy, save_tiny_llama
 from pagedkv.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -34,7 +33,7 @@ def assert_untouched_and_serving(llm, model, rng):
     assert not llm.has_unfinished() and not llm.requests
     assert llm.bm.stats()["used_blocks"] == 0 and llm.bm.stats()["num_seqs"] == 0
     prompt = random_prompt(rng, model.config.vocab_size)
-    assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(model, prompt, 6)
+    assert_greedy(model, prompt, llm.generate([prompt], GREEDY)[0].token_ids)
     llm.bm.check_invariants()
 
 
@@ -58,8 +57,7 @@ BAD_PROMPTS = [
 
 
 @pytest.mark.parametrize("prompt, error, words", BAD_PROMPTS, ids=[repr(p)[:30] for p, _, _ in BAD_PROMPTS])
-def test_bad_prompt_refused_before_anything_is_queued(tiny, llm, prompt, error, words):
-    rng = random.Random()
+def test_bad_prompt_refused_before_anything_is_queued(tiny, llm, prompt, error, words, rng):
     good = random_prompt(rng, 384)
     with pytest.raises(error, match=None) as info:
         llm.generate([good, prompt, good], GREEDY)        # the good prompts around it are not queued either
@@ -70,18 +68,19 @@ def test_bad_prompt_refused_before_anything_is_queued(tiny, llm, prompt, error, 
 
 
 @pytest.mark.parametrize("kind", ["list", "numpy", "numpy-uint8", "torch", "torch-int32", "tuple"])
-def test_integer_arrays_and_tensors_are_prompts(tiny, llm, kind):
-    rng = random.Random()
+def test_integer_arrays_and_tensors_are_prompts(tiny, llm, kind, rng):
     prompt = random_prompt(rng, 256)
     as_kind = {"list": list, "numpy": np.array, "numpy-uint8": lambda p: np.array(p, dtype=np.uint8),
                "torch": torch.tensor, "torch-int32": lambda p: torch.tensor(p, dtype=torch.int32),
                "tuple": tuple}[kind]
     expected = hf_greedy(tiny[1], prompt, 6)
-    assert llm.generate([as_kind(prompt)], GREEDY)[0].token_ids == expected
-    assert llm.generate(as_kind(prompt), GREEDY)[0].token_ids == expected      # a single prompt
-    assert llm.generate([np.int64(t) for t in prompt], GREEDY)[0].token_ids == expected
-    out = llm.generate(torch.tensor([prompt, prompt]), GREEDY)                  # 2-D: one prompt per row
-    assert [o.token_ids for o in out] == [expected, expected]
+    outputs = [llm.generate([as_kind(prompt)], GREEDY)[0],
+               llm.generate(as_kind(prompt), GREEDY)[0],                        # a single prompt
+               llm.generate([np.int64(t) for t in prompt], GREEDY)[0],
+               *llm.generate(torch.tensor([prompt, prompt]), GREEDY)]           # 2-D: one prompt per row
+    assert len(outputs) == 5
+    for out in outputs:
+        assert_greedy(tiny[1], prompt, out.token_ids, expected)
     assert llm.bm.stats()["used_blocks"] == 0
 
 
@@ -127,18 +126,18 @@ def test_sampling_params_normalised_and_frozen():
     ({"max_tokens": 3}, TypeError, "SamplingParams"),
     ("greedy", TypeError, "sampling_params"),
 ])
-def test_bad_params_for_this_engine_refused(tiny, llm, params, error, words):
-    rng = random.Random()
+def test_bad_params_for_this_engine_refused(tiny, llm, params, error, words, rng):
     with pytest.raises(error, match=words):
         llm.generate([random_prompt(rng, 384)], params)
     assert_untouched_and_serving(llm, tiny[1], rng)
 
 
-def test_params_tuple_and_count(tiny, llm):
-    rng = random.Random()
+def test_params_tuple_and_count(tiny, llm, rng):
     prompts = [random_prompt(rng, 384) for _ in range(2)]
     out = llm.generate(prompts, (SamplingParams(max_tokens=2, ignore_eos=True), GREEDY))
-    assert [o.token_ids for o in out] == [hf_greedy(tiny[1], prompts[0], 2), hf_greedy(tiny[1], prompts[1], 6)]
+    assert [len(o.token_ids) for o in out] == [2, 6]
+    for prompt, o in zip(prompts, out):
+        assert_greedy(tiny[1], prompt, o.token_ids)
     with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
         llm.generate(prompts, [GREEDY])
     assert_untouched_and_serving(llm, tiny[1], rng)
@@ -166,7 +165,12 @@ BAD_ENGINE = [
     (dict(dtype="fp16"), ValueError, "dtype"),
     (dict(dtype=torch.float64), ValueError, "dtype"),
     (dict(dtype=torch.int32), ValueError, "dtype"),
-    (dict(device="tpu"), ValueError, "device"),
+    (dict(device="tpu"), ValueError, "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    (dict(device="gpu"), ValueError, "device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
+    (dict(device="cuda:x"), ValueError, "device must be 'cpu', 'cuda' or 'cuda:N'"),
+    (dict(cpu_threads="many"), TypeError, "cpu_threads must be 'auto' or an int >= 1, got 'many'"),
+    (dict(cpu_threads=0), ValueError, "cpu_threads must be 'auto' or an int >= 1, got 0"),
+    (dict(cpu_threads=2.0), TypeError, "cpu_threads must be 'auto' or an int >= 1"),
     (dict(device="meta"), ValueError, "device"),
     (dict(device=0.5), TypeError, "device"),
     (dict(enable_prefix_caching="no"), TypeError, "enable_prefix_caching"),
@@ -184,20 +188,43 @@ def test_bad_engine_settings_refused_naming_the_argument(tiny, kwargs, error, wo
         LLM(tiny[0], **kwargs)
 
 
+@pytest.mark.parametrize("model_path, error, words", [
+    (None, TypeError, "model_path must be a str or os.PathLike"),
+    (5, TypeError, "model_path must be a str or os.PathLike"),
+    ("/nonexistent/pagedkv-model", FileNotFoundError, "model_path '/nonexistent/pagedkv-model' is not a directory"),
+])
+def test_bad_model_path_refused_naming_it(model_path, error, words):
+    with pytest.raises(error, match=words):
+        LLM(model_path)
+
+
+def test_a_directory_without_config_json_is_refused_naming_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"model_path '{tmp_path}' has no config.json"):
+        LLM(str(tmp_path))
+
+
+def test_a_bad_item_of_a_sampling_params_list_is_named(tiny, llm, rng):
+    prompts = [random_prompt(rng, 384) for _ in range(2)]
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams or None, got dict"):
+        llm.generate(prompts, [GREEDY, {"max_tokens": 3}])
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        llm.add_request(prompts[0], {"max_tokens": 3})
+    assert_untouched_and_serving(llm, tiny[1], rng)
+
+
 @pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu"), torch.device("cpu", 0)], ids=str)
-def test_device_spellings_run_like_cpu(tiny, device):
+def test_device_spellings_run_like_cpu(tiny, device, rng):
     """'cpu:0' and torch.device objects get what 'cpu' gets: float32 and packed projections."""
-    rng = random.Random()
     llm = LLM(tiny[0], device=device, block_size=8)
     assert next(llm.model.parameters()).dtype == torch.float32
     assert any(type(m).__name__ == "PackedLinear" for m in llm.model.modules()) == \
         any(type(m).__name__ == "PackedLinear" for m in LLM(tiny[0], block_size=8).model.modules())
     prompts = [random_prompt(rng, 384) for _ in range(3)]
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [hf_greedy(tiny[1], p, 6) for p in prompts]
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+        assert_greedy(tiny[1], prompt, out.token_ids)
 
 
-def test_history_is_opt_in_and_bounded(tiny):
-    rng = random.Random()
+def test_history_is_opt_in_and_bounded(tiny, rng):
     prompts = [random_prompt(rng, 384) for _ in range(3)]
     llm = LLM(tiny[0], block_size=8)
     llm.generate(prompts, GREEDY)

@@ -191,7 +191,7 @@ def _bad_cases():
                                  "residual shape"),
         "fused residual strided": (lambda: ops.fused_add_rms_norm(x.clone(), torch.randn(8, 4).t(), w, 1e-6),
                                    "contiguous"),
-        "fused aliasing": (lambda: ops.fused_add_rms_norm(x, x, w, 1e-6), "share memory"),
+        "fused aliasing": (lambda: ops.fused_add_rms_norm(x, x, w, 1e-6), "input and residual are the same tensor"),
         "silu odd width": (lambda: ops.silu_and_mul(torch.randn(3, 7)), "2 \\* d"),
         "rope odd head_dim": (lambda: ops.rotary_embedding(pos, torch.randn(3, 2, 7), cos_sin_cache(4, 8)), "even"),
         "rope positions dtype": (lambda: ops.rotary_embedding(pos.int(), qk, cache), "int64"),
@@ -223,6 +223,28 @@ def test_fused_add_rms_norm_bad_weight_leaves_inputs_unchanged():
     with pytest.raises(RuntimeError, match="weight must be"):
         ops.fused_add_rms_norm(x, residual, torch.randn(4), 1e-6)
     assert torch.equal(x, x0) and torch.equal(residual, r0)
+
+
+def _same_tensor_calls():
+    x, w = torch.randn(4, 8), torch.randn(8)
+    meta = torch.empty(4, 8, device="meta")
+    return x, {
+        "wrapper": lambda: ops.fused_add_rms_norm(x, x, w, 1e-6),
+        "op": lambda: torch.ops.pagedkv.fused_add_rms_norm(x, x, w, 1e-6),
+        "an equal view": lambda: ops.fused_add_rms_norm(x, x.view(4, 8), w, 1e-6),
+        "meta (the fake)": lambda: ops.fused_add_rms_norm(meta, meta, torch.empty(8, device="meta"), 1e-6),
+        "under torch.compile": lambda: torch.compile(ops.fused_add_rms_norm, fullgraph=True)(x, x, w, 1e-6),
+    }
+
+
+@pytest.mark.parametrize("case", list(_same_tensor_calls()[1]))
+def test_fused_add_rms_norm_says_input_and_residual_are_the_same_tensor(case):
+    """One tensor as both input and residual: a RuntimeError that says so, and nothing written."""
+    x, calls = _same_tensor_calls()
+    before = x.clone()
+    with pytest.raises(RuntimeError, match="input and residual are the same tensor"):
+        calls[case]()
+    assert torch.equal(x, before)
 
 
 def _aliasing_layer_calls():

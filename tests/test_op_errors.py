@@ -175,14 +175,16 @@ def _aliasing_cache_calls():
     key = torch.randn(3, 2, 64)
     slots = torch.tensor([0, 9, 17])
     return buf, {
-        "key_cache is value_cache": (lambda: ops.reshape_and_cache(key, key, kc, kc, slots), "share memory"),
+        "key_cache is value_cache": (lambda: ops.reshape_and_cache(key, key, kc, kc, slots),
+                                     "value_cache and key_cache are the same tensor"),
         "key is a view of key_cache": (lambda: ops.reshape_and_cache(kc[0, :3], key, kc, vc, slots), "share memory"),
         "value is a view of value_cache": (lambda: ops.reshape_and_cache(key, vc[1, 2:5], kc, vc, slots),
                                            "share memory"),
         "overlapping caches": (lambda: ops.reshape_and_cache(key, key, buf[:4], buf[2:6], slots), "share memory"),
         "copy same layer twice": (lambda: ops.copy_blocks([kc, kc], [vc, buf[8:12]], torch.tensor([[0, 1]])),
-                                  "share memory"),
-        "copy key is value": (lambda: ops.copy_blocks([kc], [kc], torch.tensor([[0, 1]])), "share memory"),
+                                  r"key_caches\[0\] and key_caches\[1\] are the same tensor"),
+        "copy key is value": (lambda: ops.copy_blocks([kc], [kc], torch.tensor([[0, 1]])),
+                              r"key_caches\[0\] and value_caches\[0\] are the same tensor"),
         "copy overlapping layers": (lambda: ops.copy_blocks([buf[:4], buf[2:6]], [buf[8:12], buf[12:16]],
                                                             torch.tensor([[0, 1]])), "share memory"),
         "swap partial overlap": (lambda: ops.swap_blocks(buf[:6], buf[3:9], torch.tensor([[0, 1]])), "share memory"),

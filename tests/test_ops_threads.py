@@ -1,7 +1,7 @@
 """Metadata written by another thread while a CPU op runs (block_tables, seq_lens, slot_mapping,
 block mappings): the op must never read outside its tensors, and each call either gives the right
 result or raises a clean error. Each stress runs in a fresh process so that a crash fails the test
-instead of the session."""
+instead of killing the whole pytest run."""
 from __future__ import annotations
 
 import os

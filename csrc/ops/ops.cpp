@@ -65,8 +65,17 @@ bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
   return sa.first < sb.second && sb.first < sa.second;
 }
 
+// The same elements in the same order: one tensor passed twice, or a view that equals it.
+bool same_tensor(const at::Tensor& a, const at::Tensor& b) {
+  return a.is_same(b) || (a.numel() > 0 && a.is_alias_of(b) && a.data_ptr() == b.data_ptr() &&
+                          a.sizes() == b.sizes() && a.strides() == b.strides());
+}
+
 void check_no_overlap(const at::Tensor& written, const std::string& written_name, const at::Tensor& other,
                       const std::string& other_name) {
+  TORCH_CHECK(!same_tensor(written, other), written_name, " and ", other_name, " are the same tensor (they share "
+              "memory); ", written_name, " is written in place while ", other_name, " is read, so pass two distinct "
+              "tensors (clone one)");
   TORCH_CHECK(!may_overlap(written, other), written_name, " and ", other_name,
               " share memory; ", written_name, " is written in place, so they must not overlap (clone one)");
 }
@@ -249,6 +258,9 @@ void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vec
   std::sort(spans.begin(), spans.end());
   auto name = [](size_t i) { return (i % 2 == 0 ? "key_caches[" : "value_caches[") + std::to_string(i / 2) + "]"; };
   for (size_t i = 1; i < spans.size(); ++i) {
+    TORCH_CHECK(spans[i].first != spans[i - 1].first, name(spans[i - 1].second), " and ", name(spans[i].second),
+                " are the same tensor (they share memory); every cache is written in place, so each must be a "
+                "distinct tensor");
     TORCH_CHECK(spans[i].first.first >= spans[i - 1].first.second, name(spans[i - 1].second), " and ",
                 name(spans[i].second), " share memory; every cache is written in place, so they must be distinct");
   }

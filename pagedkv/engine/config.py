@@ -77,15 +77,16 @@ def parse_device(device) -> torch.device:
         raise TypeError(f"device must be a str or torch.device, got {device!r}")
     try:
         dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device {device!r} is not a device: {e}") from None
+    except RuntimeError:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available")
+            raise ValueError(f"device {device!r}: CUDA is not available (device='cpu' runs on the CPU)")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA devices")
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA devices "
+                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     elif dev.type != "cpu":
-        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     return dev
 
 
@@ -196,7 +197,8 @@ class ModelConfig:
         eos = eos_source.get("eos_token_id")
         eos = [] if eos is None else [eos] if isinstance(eos, int) else eos
         if not isinstance(eos, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in eos):
-            raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos_source['eos_token_id']!r}")
+            raise ValueError(f"{'generation_config.json' if eos_source is generation else 'config.json'}: eos_token_id "
+                             f"must be an int or a list of ints, got {eos_source['eos_token_id']!r}")
         dtype_name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         if dtype_name not in DTYPES:
             raise ValueError(f"config.json: dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
@@ -226,7 +228,11 @@ class ModelConfig:
     def from_pretrained(cls, model_path: str) -> "ModelConfig":
         generation_path = os.path.join(model_path, "generation_config.json")
         generation = _read_json(generation_path) if os.path.exists(generation_path) else None
-        return cls.from_dict(_read_json(os.path.join(model_path, "config.json")), generation)
+        config_path = os.path.join(model_path, "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"model_path {model_path!r} has no config.json (a Hugging Face checkpoint "
+                                    "directory holds config.json and *.safetensors)")
+        return cls.from_dict(_read_json(config_path), generation)
 
 
 def _read_json(path: str) -> dict:

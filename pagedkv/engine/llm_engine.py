@@ -43,7 +43,7 @@ class LLM:
                  metrics_addr: str = "127.0.0.1", cpu_threads: int | str = "auto", kv_cache_dtype: str = "auto",
                  kv_scale: str | float = "dynamic"):
         if not isinstance(model_path, (str, os.PathLike)):
-            raise TypeError(f"model_path must be a path, got {model_path!r}")
+            raise TypeError(f"model_path must be a str or os.PathLike (a checkpoint directory), got {model_path!r}")
         self.config = EngineConfig(device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                                    num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -53,7 +53,10 @@ class LLM:
                                    prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
                                    kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale)
         if cpu_threads != "auto":
-            cpu_threads = check_int("cpu_threads", cpu_threads, minimum=1)
+            try:
+                cpu_threads = check_int("cpu_threads", cpu_threads, minimum=1)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"cpu_threads must be 'auto' or an int >= 1, got {cpu_threads!r}") from None
         self.thread_tuner = None
         if self.config.device.type == "cpu":
             if cpu_threads != "auto":
@@ -170,7 +173,7 @@ class LLM:
     def _check_request(self, prompt, params) -> tuple[list[int], SamplingParams]:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"params must be a SamplingParams (or None: the defaults), got {type(params).__name__}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer (tokenizer.json in the model directory, or a "
@@ -220,7 +223,8 @@ class LLM:
         try:
             batch = self.scheduler.schedule()
             if batch.empty:
-                raise RuntimeError("scheduler made no progress: the KV pool is too small for any waiting sequence")
+                raise RuntimeError("scheduler made no progress: the KV pool is too small for any waiting sequence "
+                                   "(raise num_blocks or kv_cache_bytes)")
             if self.thread_tuner is not None:
                 threads = self.thread_tuner.threads
                 if torch.get_num_threads() != threads:
@@ -260,6 +264,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+            for i, sp in enumerate(params):
+                if sp is not None and not isinstance(sp, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}] must be a SamplingParams or None, got {type(sp).__name__}")
         else:
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
                             f"{type(sampling_params).__name__}")

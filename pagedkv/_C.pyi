@@ -1,0 +1,435 @@
+"""Type stub of pagedkv._C, the native module: the block manager (csrc/core, bound in csrc/bindings.cpp),
+block hashing, and the build's facts. Importing it also registers the torch.ops.pagedkv operators.
+
+Token ids and sequence ids are taken as lists or tuples of ints (numpy integers included), 1-D integer
+tensors (CPU or CUDA), or any 1-D integer buffer (numpy arrays of any integer dtype, array.array,
+memoryview); batched results come back as CPU tensors. Errors: an unknown sequence id or a double free is
+a KeyError; a malformed argument a ValueError; running out of blocks a RuntimeError; a wrong type (a
+float, a bool, a str) a TypeError; an integer outside int64 an OverflowError. A call that raises leaves
+the manager as it was.
+"""
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal, Protocol, SupportsIndex, TypeAlias, TypedDict, type_check_only
+
+import torch
+from typing_extensions import Buffer
+
+
+@type_check_only
+class _ArrayLike(Protocol):
+    """A numpy array (whose stubs declare the buffer protocol only from Python 3.12)."""
+    def __array__(self) -> Any: ...
+
+
+# 1-D integers: a list or tuple of ints, a 1-D integer tensor, a numpy array, array.array, memoryview.
+_Ints: TypeAlias = Sequence[SupportsIndex] | torch.Tensor | Buffer | _ArrayLike
+_IdOrIds: TypeAlias = SupportsIndex | _Ints   # one sequence id, or several
+_Salt: TypeAlias = bytes | str | None
+_HashAlgo: TypeAlias = Literal["xxh64", "sha256", "weak8"]
+# (start, end, priority) or (start, end, priority, duration): token positions [start, end) (end None: to
+# the end, decode tokens included), priority 0-100, duration in clock units after the block is freed
+# (None: for ever).
+_RetentionRange: TypeAlias = (tuple[SupportsIndex, SupportsIndex | None, SupportsIndex]
+                              | tuple[SupportsIndex, SupportsIndex | None, SupportsIndex, float | None])
+_Retention: TypeAlias = Sequence[_RetentionRange] | None
+
+
+class _Stats(TypedDict):
+    """stats() / take_step_stats(): counters (since construction, or since the previous take_step_stats)
+    and gauges (current values)."""
+    queries: int               # prompt tokens looked up in the prefix cache
+    hits: int                  # of them, tokens whose KV was cached
+    hit_rate: float            # hits / queries (0.0 before any query)
+    query_blocks: int          # the same in blocks, every group's table entries
+    hit_blocks: int
+    hit_blocks_in_use: int     # hits on blocks another sequence holds
+    hit_blocks_revived: int    # hits on free blocks taken back from the free list
+    events_dropped: int        # KV events dropped on overflow of max_pending_events
+    evictions: int             # cached blocks reused for other content
+    cow_copies: int            # copy-on-write copies queued
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    num_blocks: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int         # blocks whose KV the prefix cache holds (in use or free), every group
+    cached_free_blocks: int
+    num_seqs: int
+    num_swapped_seqs: int
+    num_cpu_blocks: int
+    free_cpu_blocks: int
+    pinned_blocks: int
+
+
+class _KvEvent(TypedDict):
+    """One KV event of take_events()."""
+    seq: int                                        # consecutive; a jump means events were dropped
+    kind: Literal["stored", "removed", "cleared"]
+    block_hashes: list[int]
+    parent_block_hash: int | None                   # stored: the first block's parent (None for block 0)
+    token_ids: list[int] | None                     # stored: the blocks' tokens
+    cache_salt: bytes | None                        # stored from block 0: the salt
+    block_size: int
+    medium: str                                     # "GPU"
+
+
+@type_check_only
+class _pybind11_type(type):
+    """The metaclass pybind11 gives the classes it binds (pybind11_builtins.pybind11_type)."""
+
+
+built_with_cuda: bool   # whether this build compiled the CUDA kernels (PAGEDKV_CUDA)
+
+
+def hash_block_tokens(token_ids: _Ints, parent_hash: SupportsIndex | None = None, *, algo: _HashAlgo = "xxh64",
+                      cache_salt: _Salt = None) -> int:
+    """Hash of one block: xxh64(seed=0, parent as 8 little-endian bytes + tokens as int64 little-endian).
+
+    Block 0 (parent_hash None) hashes its tokens alone, unless cache_salt is given: the salt then acts as
+    the parent, xxh64(b"\\xa5" + salt), so salted and unsalted blocks never share a hash. algo "sha256"
+    keeps the first 8 bytes of SHA-256 (little-endian); "weak8" keeps 8 bits of xxh64 (tests that force
+    collisions). These are the hashes of KV events and cached_blocks().
+    """
+
+
+def sha256_available() -> bool:
+    """Whether this build has OpenSSL, and so hash_algo="sha256"."""
+
+
+def _set_cpu_attention_isa(isa: str) -> None:
+    """Testing hook: 'avx512', 'avx2' or 'baseline' caps the CPU attention kernel copy, 'auto' picks the fastest."""
+
+
+def _cpu_attention_isa() -> str:
+    """The CPU attention kernel copy in use: 'avx512', 'avx2' or 'baseline'."""
+
+
+def _cpu_attention_isas() -> list[str]:
+    """The CPU attention kernel copies this CPU runs, best first."""
+
+
+class AllocStatus(metaclass=_pybind11_type):
+    """Result of can_allocate / can_swap_in.
+
+    Members:
+
+      OK : fits now
+
+      LATER : does not fit now; may after other sequences finish
+
+      NEVER : can never fit in this pool
+    """
+    OK: ClassVar[AllocStatus]
+    LATER: ClassVar[AllocStatus]
+    NEVER: ClassVar[AllocStatus]
+    __members__: ClassVar[dict[str, AllocStatus]]
+
+    def __init__(self, value: SupportsIndex) -> None:
+        """The member whose value is `value` (0: OK, 1: LATER, 2: NEVER)."""
+
+    def __eq__(self, other: object) -> bool: ...
+    def __ne__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __index__(self) -> int: ...
+    def __int__(self) -> int: ...
+
+    @property
+    def name(self) -> str:
+        """'OK', 'LATER' or 'NEVER'."""
+
+    @property
+    def value(self) -> int:
+        """The member's integer value."""
+
+
+class BlockManager(metaclass=_pybind11_type):
+    """Where every token's KV lives: a pool of num_blocks GPU blocks of block_size tokens (and
+    num_cpu_blocks for swapping), a block table per sequence, an exact prefix cache, LRU eviction by
+    retention priority, copy-on-write, fork, swap, and sliding-window groups of layers.
+
+    The slot of token position p of a sequence is block_table[p // block_size] * block_size +
+    p % block_size. Every call validates all its arguments before it changes anything.
+    """
+
+    def __init__(self, num_blocks: SupportsIndex, block_size: SupportsIndex, *, num_cpu_blocks: SupportsIndex = 0,
+                 enable_prefix_caching: bool = True, watermark: float = 0.0, hash_algo: _HashAlgo = "xxh64",
+                 enable_events: bool = False, max_pending_events: SupportsIndex = 65536,
+                 default_priority: SupportsIndex = 35, decode_priority: SupportsIndex | None = None,
+                 max_pinned_fraction: float = 0.5, sliding_window: SupportsIndex | None = None,
+                 group_windows: Sequence[SupportsIndex | None] | None = None) -> None:
+        """A manager of num_blocks GPU blocks of block_size tokens; every block is usable.
+
+        num_cpu_blocks: CPU blocks for swap_out / swap_in (0: no swapping). watermark: the fraction of
+        the pool that admission keeps free (can_allocate says LATER rather than go below it).
+        hash_algo: the block hash of events and cached_blocks() ("xxh64", "sha256", "weak8"); hits are
+        exact whatever it is. enable_events: record KV events for take_events(), at most
+        max_pending_events (the oldest are dropped on overflow). default_priority / decode_priority
+        (None: the default): the retention priority (0-100) of prompt / decode blocks no retention range
+        covers. max_pinned_fraction: the most of the pool pins may hold. sliding_window: one group, every
+        layer windowed (tokens); group_windows: one window per group of layers (None: full attention);
+        give one or neither. A second call on a live manager is a TypeError.
+        """
+
+    def can_allocate(self, token_ids: _Ints, *, cache_salt: _Salt = None,
+                     num_new_tokens: SupportsIndex | None = None) -> AllocStatus:
+        """Whether the prompt's blocks fit: OK now, LATER after others finish, NEVER in this pool.
+
+        Cached blocks in use cost no free block. With num_new_tokens (chunked prefill), NEVER only when the
+        most the sequence holds over a prefill in chunks of that size cannot fit.
+        """
+
+    def allocate(self, seq_id: SupportsIndex, token_ids: _Ints, *, cache_salt: _Salt = None,
+                 retention: _Retention = None, num_new_tokens: SupportsIndex | None = None) -> int:
+        """Allocates the prompt's blocks; returns the number of leading tokens whose KV is already cached.
+
+        At most ceil(len / block_size) - 1 blocks hit: the last block is always computed. cache_salt
+        (bytes or str) is mixed into block 0, so different salts never share blocks.
+        retention: [(start, end, priority[, duration])] token ranges whose blocks are evicted later (priority
+        0-100, default 35; end None: to the end; duration: clock units after the block is freed).
+        num_new_tokens: blocks only for the cached tokens and the next num_new_tokens (chunked prefill;
+        reserve() the later chunks).
+        """
+
+    def allocate_batch(self, seq_ids: _Ints, prompts: Sequence[_Ints] | torch.Tensor | Buffer | _ArrayLike, *,
+                       cache_salts: Sequence[_Salt] | None = None,
+                       retentions: Sequence[_Retention] | None = None) -> list[int]:
+        """Admits prompts in order while can_allocate says OK, in one call; returns the cached-token count of
+        each admitted prompt (its length is the number admitted: seq_ids[:len(result)]).
+
+        prompts: a list of prompts, or a 2-D integer array or tensor (one prompt per row). cache_salts and
+        retentions: one entry per prompt. The whole batch is validated before the first prompt is admitted.
+        """
+
+    def can_reserve(self, seq_ids: _IdOrIds, num_tokens: _IdOrIds) -> bool:
+        """Whether the free blocks suffice for reserve(seq_ids, num_tokens)."""
+
+    def reserve(self, seq_ids: _IdOrIds, num_tokens: _IdOrIds) -> None:
+        """Chunked prefill: gives each sequence the blocks of its first num_tokens tokens in every group
+        (after mark_computed of the previous chunk, so that a window has released what it no longer reads).
+        """
+
+    def num_allocated_tokens(self, seq_id: SupportsIndex) -> int:
+        """Tokens of the sequence that have blocks (its length once its whole prompt is reserved)."""
+
+    def mark_computed(self, seq_ids: _IdOrIds, num_tokens: _IdOrIds | None = None) -> None:
+        """The KV of the first num_tokens (default: all) tokens of each sequence is written: its full blocks
+        enter the prefix cache, and a sliding window releases the blocks no future query reads.
+
+        seq_ids: one id or several (distinct); num_tokens: one count for all, or one per sequence.
+        """
+
+    def can_append(self, seq_ids: _IdOrIds, num_lookahead_slots: SupportsIndex = 0) -> bool:
+        """Whether every sequence can append 1 + num_lookahead_slots tokens now."""
+
+    def append_token(self, seq_id: SupportsIndex, token_id: SupportsIndex) -> int:
+        """Appends one token; returns the slot for its KV (group 0's).
+
+        A token that starts a block gets a new block; a shared last block (after fork) is copied on write,
+        the copy queued for take_copies(). RuntimeError when no block is free.
+        """
+
+    def append_tokens(self, seq_ids: _Ints, token_ids: _Ints, counts: _Ints | None = None) -> torch.Tensor:
+        """Batched decode step: appends one token per sequence, or counts[i] tokens to sequence i (its input
+        and draft tokens, concatenated in token_ids); returns each token's slot (int64 tensor).
+        """
+
+    def truncate(self, seq_ids: _IdOrIds, num_tokens: _IdOrIds) -> None:
+        """Rolls sequences back to their first num_tokens tokens (rejected draft tokens); blocks past them are
+        released (cached ones stay cached).
+        """
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Drains the queued copy-on-write copies, (src, dst) GPU block pairs, to perform before the next
+        KV write (copy_blocks). Until taken, a copy's source is never handed out again.
+        """
+
+    def free(self, seq_id: SupportsIndex) -> None:
+        """Releases the sequence's blocks, tail first; blocks with cached KV stay cached until reused.
+        KeyError for an unknown id (a double free).
+        """
+
+    def fork(self, parent_seq_id: SupportsIndex, child_seq_id: SupportsIndex) -> None:
+        """The child shares every block of the parent (reference counts); the first write into a shared
+        block copies it (copy-on-write).
+        """
+
+    def can_swap_out(self, seq_ids: _IdOrIds) -> bool:
+        """Whether enough CPU blocks are free to swap the sequences out."""
+
+    def swap_out(self, seq_ids: _IdOrIds) -> list[tuple[int, int]]:
+        """Moves the sequences to CPU blocks; returns (gpu_block, cpu_block) copies to perform."""
+
+    def can_swap_in(self, seq_ids: _IdOrIds, num_lookahead_slots: SupportsIndex = 0) -> AllocStatus:
+        """Whether the swapped-out sequences fit back (with room for num_lookahead_slots more tokens each)."""
+
+    def swap_in(self, seq_ids: _IdOrIds) -> list[tuple[int, int]]:
+        """Moves the sequences back to GPU blocks; returns (cpu_block, gpu_block) copies to perform."""
+
+    def block_table(self, seq_id: SupportsIndex, *, group: int = 0) -> list[int]:
+        """The sequence's block table in `group`; entries its sliding window released hold block 0 (a pad)."""
+
+    def block_tables(self, seq_ids: _Ints, *, max_blocks: int | None = None, pad: int = 0,
+                     group: int = 0) -> torch.Tensor:
+        """Block tables of `group` as an int32 tensor [len(seq_ids), max_blocks], rows padded with `pad`
+        (entries released by a sliding window too).
+        """
+
+    def slot_mapping(self, seq_id: SupportsIndex, start: SupportsIndex = 0, end: SupportsIndex | None = None, *,
+                     group: int = 0) -> torch.Tensor:
+        """Slots (int64 tensor) of token positions [start, end) of one sequence (default end: its length)."""
+
+    def slot_mappings(self, seq_ids: _Ints, starts: _Ints, ends: _Ints | None = None, *,
+                      group: int = 0) -> torch.Tensor:
+        """Concatenated slots of positions [starts[i], ends[i]) of each sequence (default end: its length); a
+        prefill batch's slot mapping, chunked or not.
+        """
+
+    def attention_inputs(self, seq_ids: _Ints, starts: _Ints, ends: _Ints | None = None, *,
+                         max_blocks: int | None = None, pad: int = 0,
+                         group: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What paged attention needs for a step whose sequence i has queries at positions [starts[i], ends[i])
+        (default end: its length), in one call: (slot_mapping int64 [total], block_tables int32 [n, width],
+        seq_lens int32 [n] (= ends), query_start_loc int32 [n + 1]). The same as slot_mappings, block_tables and
+        seq_lens, and the cumulative query lengths, without a Python crossing for each.
+        """
+
+    def seq_lens(self, seq_ids: _Ints, *, group: int = 0) -> torch.Tensor:
+        """Token counts (int32 tensor) of the sequences: the KV length attention takes, the same in every group."""
+
+    def num_released_blocks(self, seq_id: SupportsIndex, *, group: int = 0) -> int:
+        """Leading entries of the sequence's table in `group` that its sliding window released."""
+
+    def blocks_held(self, num_tokens: SupportsIndex, num_computed: SupportsIndex = 0) -> int:
+        """Blocks a sequence of num_tokens tokens, the first num_computed computed, holds over all groups."""
+
+    @property
+    def num_groups(self) -> int:
+        """The number of groups of layers (each with its own block table per sequence)."""
+
+    @property
+    def group_windows(self) -> list[int | None]:
+        """One window (tokens; None: full attention) per group of layers."""
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of a one-group manager (None: full attention)."""
+
+    def num_tokens(self, seq_id: SupportsIndex) -> int:
+        """The sequence's length in tokens (prompt and appended tokens)."""
+
+    def num_computed_tokens(self, seq_id: SupportsIndex) -> int:
+        """Tokens whose KV is written (mark_computed, or prefix hits)."""
+
+    def token_ids(self, seq_id: SupportsIndex) -> list[int]:
+        """The sequence's tokens."""
+
+    def is_swapped(self, seq_id: SupportsIndex) -> bool:
+        """Whether the sequence is swapped out to CPU blocks."""
+
+    def __contains__(self, seq_id: SupportsIndex, /) -> bool:
+        """Whether the manager holds a sequence with this id."""
+
+    @property
+    def num_blocks(self) -> int:
+        """GPU blocks in the pool."""
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        """CPU blocks for swapping."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+
+    @property
+    def watermark_blocks(self) -> int:
+        """Blocks admission keeps free (watermark * num_blocks)."""
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """Whether computed blocks are registered in the prefix cache."""
+
+    @property
+    def hash_algo(self) -> str:
+        """The block hash of events and cached_blocks(): 'xxh64', 'sha256' or 'weak8'."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        """GPU blocks no sequence holds (cached or not)."""
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        """CPU blocks no swapped-out sequence holds."""
+
+    def stats(self) -> _Stats:
+        """Cumulative counters (queries and hits in tokens and blocks, evictions, copies, swaps, dropped
+        events) and gauges (used / free / cached blocks, sequences).
+        """
+
+    def take_step_stats(self) -> _Stats:
+        """Like stats(), but the counters count only what happened since the previous call."""
+
+    def take_events(self) -> list[_KvEvent]:
+        """Drains the KV events recorded since the previous call, in order (enable_events=True): dicts with
+        seq, kind ('stored' | 'removed' | 'cleared'), block_hashes, parent_block_hash, token_ids and
+        cache_salt (stored), block_size, medium ('GPU').
+        """
+
+    def cached_blocks(self) -> list[tuple[int, int | None]]:
+        """(block_hash, parent_block_hash) of every block whose KV the prefix cache holds now; replaying every
+        KV event gives the same multiset.
+        """
+
+    def set_time(self, now: float) -> None:
+        """Advances the manager's clock (the unit of retention durations; it starts at 0 and is never read
+        from the wall): free blocks whose priority duration has run out fall back to the default.
+        """
+
+    @property
+    def now(self) -> float:
+        """The manager's clock (set_time)."""
+
+    def pin(self, seq_id: SupportsIndex) -> int:
+        """Keeps the sequence's full cached blocks cached after free() until unpin(); returns how many
+        blocks the pin holds. RuntimeError if it would pin more than max_pinned_blocks.
+        """
+
+    def unpin(self, seq_id: SupportsIndex) -> None:
+        """Lets the sequence's pin go (also after free()); its blocks then age like any freed block.
+        KeyError unless the sequence is pinned.
+        """
+
+    def is_pinned(self, seq_id: SupportsIndex) -> bool:
+        """Whether the sequence holds a pin."""
+
+    def pinned_blocks(self, seq_id: SupportsIndex) -> list[int]:
+        """The blocks the sequence's pin holds."""
+
+    def block_priority(self, block: SupportsIndex) -> int:
+        """The eviction priority GPU block `block` has now."""
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks held by pins."""
+
+    @property
+    def max_pinned_blocks(self) -> int:
+        """The most blocks pins may hold (max_pinned_fraction of the pool)."""
+
+    @property
+    def default_priority(self) -> int:
+        """Retention priority of prompt blocks no range covers."""
+
+    @property
+    def decode_priority(self) -> int:
+        """Retention priority of decode blocks no range covers."""
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every registration (live sequences re-register on their next mark_computed), lets every
+        pin go, and puts free blocks back at the default priority.
+        """
+
+    def check_invariants(self) -> None:
+        """Checks the manager's internal consistency; RuntimeError naming the first violation."""
+
+    def __repr__(self) -> str: ...
