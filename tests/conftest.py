@@ -1,9 +1,11 @@
-"""pytest configuration: every test runs under one seed for `random`, numpy and torch (drawn per test, or
-$PAGEDKV_TEST_SEED), and a failing test's report says how to replay it; the run ends with one line that
+"""pytest configuration: every test runs under one seed for `random`, numpy and torch (derived from the
+test's name, so a run is reproducible; $PAGEDKV_TEST_SEED=N fixes it, =random draws a fresh one per test),
+and a failing test's report says how to replay it; the run ends with one line that
 says why CUDA tests were skipped, if they were. Shared helpers live in tests/ops_reference.py (ops) and
 tests/bm_model.py (block manager); pytest puts tests/ on sys.path."""
 import os
 import random
+import zlib
 
 import numpy as np
 import pytest
@@ -12,20 +14,22 @@ import torch
 SEED_VARIABLE = "PAGEDKV_TEST_SEED"
 
 
-def _draw_seed() -> int:
+def _draw_seed(nodeid: str) -> int:
     fixed = os.environ.get(SEED_VARIABLE)
+    if fixed == "random":
+        return random.SystemRandom().randrange(2**32)
     if fixed:
         try:
             return int(fixed, 0)
         except ValueError:
-            raise pytest.UsageError(f"{SEED_VARIABLE} must be an integer, got {fixed!r}") from None
-    return random.SystemRandom().randrange(2**32)
+            raise pytest.UsageError(f"{SEED_VARIABLE} must be an integer or 'random', got {fixed!r}") from None
+    return zlib.crc32(nodeid.encode())
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Seeds before any fixture of the test is set up, so module fixtures that draw are replayable too."""
-    seed = _draw_seed()
+    seed = _draw_seed(item.nodeid)
     item.pagedkv_seed = seed
     random.seed(seed)
     np.random.seed(seed)
