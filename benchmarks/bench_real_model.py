@@ -15,6 +15,7 @@ folder this script writes from the GGUF file (dequantised, fp32 safetensors), in
 
     python benchmarks/bench_real_model.py [--conversations 64] [--system-prompts 8] [--max-tokens 64]
         [--dtypes float32,bfloat16] [--engines pagedkv,hf-generate,hf-batch,vllm] [--rounds 2]
+    python benchmarks/bench_real_model.py --profile 1     # where pagedkv's decode step spends its time
 """
 import argparse
 import json
@@ -125,6 +126,49 @@ def run_hf_batch(model, prompts, max_tokens, dtype):
     return run
 
 
+PROFILE_CATEGORIES = [("attention (paged_attention)", ("paged_attention",)),
+                      ("KV writes (reshape_and_cache)", ("reshape_and_cache",)),
+                      ("GEMMs (projections, LM head)", ("addmm", "aten::mm", "matmul", "linear", "mkldnn", "bmm")),
+                      ("norms, rope, activation", ("rms_norm", "rotary", "silu_and_mul")),
+                      ("sampling", ("argmax", "softmax", "sort", "multinomial"))]
+
+
+def profile_decode(model, prompts, dtype, threads, steps=10):
+    """Where a pagedkv decode step at the workload's batch size spends its time (torch.profiler, self CPU
+    time per category; the rest is other ops, the scheduler, the block manager and Python)."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedkv.engine import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, max_num_seqs=len(prompts), cpu_threads=threads)
+    for p in prompts:
+        llm.add_request(p, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(4):          # the prefill, then a few decodes
+        llm.step()
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            start = time.perf_counter()
+            llm.step()
+            walls.append(time.perf_counter() - start)
+    per_step = sum(walls) / steps * 1e3
+    totals = collections.Counter()
+    for event in prof.key_averages():
+        name = event.key.lower()
+        for category, keys in PROFILE_CATEGORIES:
+            if any(k in name for k in keys):
+                totals[category] += event.self_cpu_time_total / 1e3 / steps
+                break
+    print(f"\npagedkv decode step, batch {len(prompts)}, {dtype}, {threads} thread(s): {per_step:.1f} ms per step")
+    print("| part | ms per step | share |\n|---|---|---|")
+    for category, _ in PROFILE_CATEGORIES:
+        print(f"| {category} | {totals[category]:.1f} | {totals[category] / per_step:.1%} |")
+    rest = per_step - sum(totals.values())
+    print(f"| other ops, scheduler, block manager, Python | {rest:.1f} | {rest / per_step:.1%} |")
+
+
 def export_folder(model: str, folder: str) -> None:
     """The GGUF model as a Hugging Face folder (fp32 safetensors + config.json) for vLLM."""
     from safetensors.torch import save_file
@@ -207,6 +251,8 @@ def main() -> int:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--engines", default="pagedkv,hf-generate,hf-batch,vllm")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--profile", type=int, metavar="THREADS", default=None,
+                   help="instead: profile pagedkv's decode step with THREADS threads (per --dtypes)")
     p.add_argument("--vllm-worker", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.vllm_worker:
@@ -227,6 +273,10 @@ def main() -> int:
     template, tokenizer = ckpt.chat_template(), ckpt.tokenizer()
     prompts = [tokenizer.encode(template.render(c), add_special_tokens=False).ids
                for c in conversations(args.conversations, args.system_prompts)]
+    if args.profile:
+        for dtype in args.dtypes.split(","):
+            profile_decode(model, prompts, dtype, args.profile)
+        return 0
     engines = args.engines.split(",")
     if "vllm" in engines and vllm_python() is None:
         print("vLLM venv not found (scripts/setup_vllm_venv.sh /work/vllm-venv): vLLM skipped")
