@@ -191,7 +191,9 @@ def test_bad_engine_settings_refused_naming_the_argument(tiny, kwargs, error, wo
 @pytest.mark.parametrize("model_path, error, words", [
     (None, TypeError, "model_path must be a str or os.PathLike"),
     (5, TypeError, "model_path must be a str or os.PathLike"),
-    ("/nonexistent/pagedkv-model", FileNotFoundError, "model_path '/nonexistent/pagedkv-model' is not a directory"),
+    ("/nonexistent/pagedkv-model", FileNotFoundError,
+     "model_path '/nonexistent/pagedkv-model' is neither a directory nor a .gguf file"),
+    ("/nonexistent/model.gguf", FileNotFoundError, "model_path '/nonexistent/model.gguf' is neither a directory"),
 ])
 def test_bad_model_path_refused_naming_it(model_path, error, words):
     with pytest.raises(error, match=words):
