@@ -7,11 +7,11 @@ rendered with the model's chat template; every engine gets the same prompt token
 --max-tokens greedy tokens per chat (EOS ignored, so every engine does the same work), with a cold prefix
 cache. Per engine and dtype: generated tokens/s, time to first token (TTFT, from the common start: every
 request arrives at once) p50 / p99, inter-token latency (ITL) p50 / p99, and how many answers equal
-pagedkv's token for token. Engines run one after another, --rounds times, alternating; the best round of
-each is reported, with ratios against pagedkv.
+pagedkv's token for token. Each engine runs in a fresh process of its own (load, warm-up, one timed
+run), engines alternating, --rounds times; the best round of each is reported, with ratios against pagedkv.
 
 vLLM runs in its own venv (scripts/setup_vllm_venv.sh; VLLM_VENV or /work/vllm-venv) from a Hugging Face
-folder this script writes from the GGUF file (dequantised, fp32 safetensors), in a subprocess.
+folder this script writes from the GGUF file (dequantised, fp32 safetensors).
 
     python benchmarks/bench_real_model.py [--conversations 64] [--system-prompts 8] [--max-tokens 64]
         [--dtypes float32,bfloat16] [--engines pagedkv,hf-generate,hf-batch,vllm] [--rounds 2]
@@ -183,21 +183,19 @@ def export_folder(model: str, folder: str) -> None:
         json.dump(config, f, indent=1)
 
 
-def vllm_worker(folder, prompts_path, out_path, max_tokens, dtype, rounds):
-    """Runs inside the vLLM venv: the same workload through vLLM's engine, step by step."""
+def vllm_runner(folder, prompts, max_tokens, dtype):
+    """vLLM's engine (inside its venv) on the same workload, step by step."""
     from vllm import LLM as VLLM
     from vllm import SamplingParams as VParams
     from vllm.inputs import TokensPrompt
 
-    with open(prompts_path) as f:
-        prompts = json.load(f)
     llm = VLLM(model=folder, skip_tokenizer_init=True, dtype=dtype, block_size=32, enable_prefix_caching=True,
                max_num_seqs=len(prompts), max_model_len=2048, enforce_eager=True, seed=0)
     params = VParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], VParams(max_tokens=2, detokenize=False), use_tqdm=False)
     engine = llm.llm_engine
-    results = []
-    for _ in range(rounds):
+
+    def run():
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
@@ -214,9 +212,22 @@ def vllm_worker(folder, prompts_path, out_path, max_tokens, dtype, rounds):
                     tokens = answers[i] + tokens
                 times[i].extend([now] * (len(tokens) - len(times[i])))
                 answers[i] = tokens
-        results.append(dict(answers=answers, times=times, t0=t0, seconds=time.perf_counter() - t0))
+        return answers, times, t0
+    return run
+
+
+def worker(engine, model, prompts_path, out_path, max_tokens, dtype):
+    """One engine in a process of its own: load, warm up, one timed run; the result as JSON."""
+    with open(prompts_path) as f:
+        prompts = json.load(f)
+    makers = {"pagedkv": run_pagedkv, "hf-generate": run_hf_generate, "hf-batch": run_hf_batch,
+              "vllm": vllm_runner}
+    run = makers[engine](model, prompts, max_tokens, dtype)
+    start = time.perf_counter()
+    answers, times, t0 = run()
+    seconds = time.perf_counter() - start
     with open(out_path, "w") as f:
-        json.dump(results, f)
+        json.dump(dict(answers=answers, times=times, t0=t0, seconds=seconds), f)
 
 
 def vllm_python() -> str | None:
@@ -226,21 +237,23 @@ def vllm_python() -> str | None:
     return None
 
 
-def run_vllm(model, prompts, max_tokens, dtype, rounds, tmp):
-    python = vllm_python()
-    folder = os.path.join(tmp, "hf")
-    if not os.path.exists(folder):
-        os.makedirs(folder)
-        export_folder(model, folder)
-    prompts_path, out_path = os.path.join(tmp, "prompts.json"), os.path.join(tmp, "vllm.json")
+def run_worker(engine, model, prompts, max_tokens, dtype, tmp) -> dict:
+    python = sys.executable
+    if engine == "vllm":
+        python, folder = vllm_python(), os.path.join(tmp, "hf")
+        if not os.path.exists(folder):
+            os.makedirs(folder)
+            export_folder(model, folder)
+        model = folder
+    prompts_path, out_path = os.path.join(tmp, "prompts.json"), os.path.join(tmp, f"{engine}.json")
     with open(prompts_path, "w") as f:
         json.dump(prompts, f)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               VLLM_LOGGING_LEVEL="ERROR")
-    subprocess.run([python, os.path.abspath(__file__), "--vllm-worker", folder, prompts_path, out_path,
-                    str(max_tokens), dtype, str(rounds)], check=True, env=env, cwd=tmp)
+               VLLM_LOGGING_LEVEL="ERROR", PYTHONPATH=os.path.dirname(HERE))
+    subprocess.run([python, os.path.abspath(__file__), "--worker", engine, model, prompts_path, out_path,
+                    str(max_tokens), dtype], check=True, env=env, cwd=tmp, stderr=subprocess.DEVNULL)
     with open(out_path) as f:
-        return f.read()
+        return json.load(f)
 
 
 def main() -> int:
@@ -253,11 +266,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--profile", type=int, metavar="THREADS", default=None,
                    help="instead: profile pagedkv's decode step with THREADS threads (per --dtypes)")
-    p.add_argument("--vllm-worker", nargs=6, help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.vllm_worker:
-        folder, prompts_path, out_path, max_tokens, dtype, rounds = args.vllm_worker
-        vllm_worker(folder, prompts_path, out_path, int(max_tokens), dtype, int(rounds))
+    if args.worker:
+        engine, model, prompts_path, out_path, max_tokens, dtype = args.worker
+        worker(engine, model, prompts_path, out_path, int(max_tokens), dtype)
         return 0
 
     import torch
@@ -286,32 +299,24 @@ def main() -> int:
     print(f"machine: {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{len(prompts)} chats over {args.system_prompts} system prompts, prompts "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} new tokens each")
-    makers = {"pagedkv": run_pagedkv, "hf-generate": run_hf_generate, "hf-batch": run_hf_batch}
     names = {"pagedkv": "pagedkv", "hf-generate": "transformers generate (batches of 8, sdpa)",
              "hf-batch": "transformers generate_batch (sdpa)", "vllm": "vLLM CPU engine (vllm-cpu)"}
     table = []
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes.split(","):
-            best, reference = {}, None
-            runners = {e: makers[e](model, prompts, args.max_tokens, dtype) for e in engines if e in makers}
-            for _ in range(args.rounds):
-                for engine, run in runners.items():
-                    start = time.perf_counter()
-                    answers, times, t0 = run()
-                    seconds = time.perf_counter() - start
-                    if engine == "pagedkv":
-                        reference = answers
-                    if engine not in best or seconds < best[engine][0]:
-                        best[engine] = (seconds, answers, latencies(t0, times))
-            if "vllm" in engines:
-                for r in json.loads(run_vllm(model, prompts, args.max_tokens, dtype, args.rounds, tmp)):
-                    if "vllm" not in best or r["seconds"] < best["vllm"][0]:
-                        best["vllm"] = (r["seconds"], r["answers"], latencies(r["t0"], r["times"]))
+            best = {}
+            for _ in range(args.rounds):          # each engine in a fresh process, engines alternating
+                for engine in engines:
+                    r = run_worker(engine, model, prompts, args.max_tokens, dtype, tmp)
+                    if engine not in best or r["seconds"] < best[engine]["seconds"]:
+                        best[engine] = r
+            reference = best["pagedkv"]["answers"] if "pagedkv" in best else None
             for engine in engines:
-                seconds, answers, lat = best[engine]
-                tokens = sum(map(len, answers))
-                same = sum(a == b for a, b in zip(answers, reference)) if reference else 0
-                table.append((dtype, names[engine], tokens / seconds, lat, same, len(prompts), engine))
+                r = best[engine]
+                tokens = sum(map(len, r["answers"]))
+                same = sum(a == b for a, b in zip(r["answers"], reference)) if reference else 0
+                table.append((dtype, names[engine], tokens / r["seconds"], latencies(r["t0"], r["times"]), same,
+                              len(prompts), engine))
     pk = {d: t for d, _, t, *_, e in table if e == "pagedkv"}
     print("\n| dtype | engine | tok/s | pagedkv / it | TTFT p50 / p99 ms | ITL p50 / p99 ms | answers = pagedkv's |")
     print("|---|---|---|---|---|---|---|")
