@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pagedkv.chat_workload import SMOLLM2_INSTALL, conversations, license_text, smollm2_path  # noqa: E402
 from pagedkv.engine import LLM, SamplingParams  # noqa: E402
+from pagedkv.engine.loader import open_checkpoint  # noqa: E402
 
 CONFIGS = [
     ("fp32 weights, fp32 KV (reference)", dict(), None),
@@ -145,7 +146,7 @@ def main() -> int:
     convs = conversations(args.chats, args.num_system_prompts)
     text_ids = None
     if args.diagnose:
-        diagnose(model, LLM(model, num_blocks=8).tokenizer.encode(license_text()).ids, args.chunk_size)
+        diagnose(model, open_checkpoint(model).tokenizer().encode(license_text()).ids, args.chunk_size)
         return 0
     rows = []
     reference = None
@@ -154,7 +155,7 @@ def main() -> int:
             continue
         start = time.perf_counter()
         if text_ids is None:
-            text_ids = LLM(model, num_blocks=8).tokenizer.encode(license_text()).ids
+            text_ids = open_checkpoint(model).tokenizer().encode(license_text()).ids
         result = run_config(model, kwargs, round_to, convs, text_ids, args, reference)
         if reference is None:
             reference = result

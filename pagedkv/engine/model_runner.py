@@ -62,14 +62,12 @@ class ModelRunner:
         KV before `start` is in the cache (LLM.prompt_logits)."""
         end = start + len(token_ids)
         dev, n = self.device, len(token_ids)
-        other_groups = tuple((bm.slot_mappings([seq_id], [start], [end], group=g).to(dev),
-                              bm.block_tables([seq_id], group=g).to(dev)) for g in range(1, self.num_groups))
-        meta = AttentionMetadata(
-            slot_mapping=bm.slot_mapping(seq_id, start, end).to(dev),
-            block_tables=bm.block_tables([seq_id]).to(dev),
-            seq_lens=torch.tensor([end], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            max_seq_len=end, logits_indices=torch.arange(n, device=dev), other_groups=other_groups)
+        slots, tables, seq_lens, query_start_loc = (t.to(dev) for t in bm.attention_inputs([seq_id], [start], [end]))
+        other_groups = tuple((slots_g.to(dev), tables_g.to(dev)) for slots_g, tables_g, _, _ in
+                             (bm.attention_inputs([seq_id], [start], [end], group=g) for g in range(1, self.num_groups)))
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
+                                 query_start_loc=query_start_loc, max_seq_len=end,
+                                 logits_indices=torch.arange(n, device=dev), other_groups=other_groups)
         hidden = self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev),
                             torch.arange(start, end, device=dev), self.layer_caches, meta)
         return self.model.compute_logits(hidden)
