@@ -2,6 +2,7 @@
 single-process engine and transformers token for token, through prefix caching, preemption by swap and
 by recompute, n > 1 and chunked prefill, with KV heads split or replicated; a worker that raises or dies
 makes generate() raise its error; close, garbage collection and Ctrl-C leave no process behind."""
+import dataclasses
 import gc
 import json
 import os
@@ -15,10 +16,11 @@ import torch
 
 from engine_fixtures import hf_greedy, save_tiny_llama, shared_prefix_prompts
 from pagedkv.engine import LLM, SamplingParams
-from pagedkv.engine import parallel
 from pagedkv.engine.config import ModelConfig
 from pagedkv.engine.model_runner import kv_cache_block_bytes
-from pagedkv.engine.parallel import HEADER, Shard, TensorParallelError
+from pagedkv.engine.tp.collectives import TensorParallelError
+from pagedkv.engine.tp.shard import Shard
+from pagedkv.engine.tp.step_message import StepMessage
 
 MAX_TOKENS = 12
 # Six query heads and one KV head (replicated over 2 or 3 ranks), an MLP and a vocabulary that no rank
@@ -29,7 +31,7 @@ ODD = dict(hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key
 
 
 def spawned_workers() -> list[int]:
-    """Live processes below this one that multiprocessing spawned (the resource tracker excepted)."""
+    """Live tensor-parallel worker processes below this one."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -50,7 +52,7 @@ def spawned_workers() -> list[int]:
                 zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
         except OSError:
             continue
-        if b"spawn_main" in cmdline and not zombie:
+        if b"pagedkv.engine.worker" in cmdline and not zombie:
             found.append(pid)
     return found
 
@@ -191,17 +193,16 @@ def test_worker_that_raises_mid_run_fails_generate_with_its_error(tiny, monkeypa
     path, prompts, expected = tiny
     llm = LLM(path, tensor_parallel_size=2, block_size=8)
     assert outputs(llm, prompts[:2], 1) == [[e] for e in expected[:2]]
-    real = parallel.TensorParallel._broadcast
+    real = StepMessage.pack
     sent = []
 
-    def corrupt(self, packed):       # the 4th step hands the worker a slot outside its cache
+    def corrupt(self):               # the 4th step hands the worker a slot outside its cache
         sent.append(1)
         if len(sent) == 4:
-            packed = packed.clone()
-            num_tokens = int(packed[1])
-            packed[HEADER + 2 * num_tokens] = 10 ** 9
-        real(self, packed)
-    monkeypatch.setattr(parallel.TensorParallel, "_broadcast", corrupt)
+            self = dataclasses.replace(self, slot_mappings=[s.clone() for s in self.slot_mappings])
+            self.slot_mappings[0][0] = 10 ** 9
+        return real(self)
+    monkeypatch.setattr(StepMessage, "pack", corrupt)
     start = time.monotonic()
     error = r"worker rank 1 failed: RuntimeError: slot_mapping\[0\] = 1000000000 is out of range"
     with pytest.raises(TensorParallelError, match=error) as info:

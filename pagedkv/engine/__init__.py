@@ -10,7 +10,8 @@ Files: config (model and engine settings, the architectures read), llama (the mo
 torch.ops.pagedkv; Mistral is Llama with windows), gemma2 (Gemma 2 from llama's pieces), loader
 (safetensors, the model class of each architecture), sampling, sequence (sequences, requests, outputs),
 scheduler (queues and block-manager decisions), model_runner (block moves, attention inputs, forward,
-sampling), llm_engine (the LLM API).
+sampling), llm_engine (the LLM API), tp/ (tensor parallelism) and worker (a tensor-parallel worker's
+entry point).
 """
 from .llm_engine import LLM
 from .sampling import SamplingParams

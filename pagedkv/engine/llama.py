@@ -168,12 +168,29 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(h), residual
 
 
+class VocabParallelEmbedding(nn.Module):
+    """Tensor parallel: this rank's rows of the embedding; tokens outside them embed to zero and an
+    all-reduce sums the ranks' rows (exactly: every token has one non-zero term)."""
+
+    def __init__(self, cfg: ModelConfig, tp):
+        super().__init__()
+        vocab = tp.shard.vocab(cfg)
+        self.start, self.stop, self.tp = vocab.start, vocab.stop, tp
+        self.weight = nn.Parameter(torch.zeros(tp.shard.vocab_rows(cfg), cfg.hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        outside = (input_ids < self.start) | (input_ids >= self.stop)
+        h = F.embedding((input_ids - self.start).masked_fill_(outside, 0), self.weight)
+        return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0.0))
+
+
 class LlamaModel(nn.Module):
     decoder_layer, norm_class = DecoderLayer, RMSNorm     # what a variant (gemma2.py) replaces
 
     def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None else tp.embedding(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None else \
+            VocabParallelEmbedding(cfg, tp)
         self.layers = nn.ModuleList(self.decoder_layer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
@@ -204,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, tp=None):
-        """tp: a pagedkv.engine.parallel.TensorParallel to build this rank's shard (config then holds the
+        """tp: a pagedkv.engine.tp.collectives.TensorParallel to build this rank's shard (config then holds the
         shard's head and MLP sizes; embedding and LM head hold its rows of the vocabulary)."""
         super().__init__()
         self.tp = tp

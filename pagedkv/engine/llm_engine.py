@@ -15,18 +15,18 @@ from tqdm.auto import tqdm
 from pagedkv import AllocStatus, BlockManager
 from pagedkv._threads import ThreadTuner, available_cpus
 
-from . import parallel
-from .config import EngineConfig
-from .cpu_linear import pack_wide_linears
-from .kv_events import KVEventPublisher, require_packages as require_kv_events_packages
-from .kv_quant import cache_salt, kv_cache_dtype
 from .chat import conversation_list
-from .loader import load_model, open_checkpoint
+from .config import EngineConfig
+from .kv_events import KVEventPublisher, require_packages as require_kv_events_packages
+from .kv_quant import cache_salt
+from .loader import open_checkpoint
 from .metrics import PrometheusExporter, require_prometheus
-from .model_runner import ModelRunner, kv_cache_block_bytes
+from .model_runner import ModelRunner, load_rank_model, pool_size
 from .sampling import SamplingParams, check_bool, check_int, token_id_list
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, Request, RequestOutput
+from .tp import group
+from .tp.runners import DriverRunner, serve_rank
 
 
 class LLM:
@@ -80,15 +80,17 @@ class LLM:
         if metrics_port is not None:
             require_prometheus()
         model_path = os.fspath(model_path)
-        # Tensor parallelism: rank 0 spawns its workers here (each builds its shard with these arguments).
-        self.tp = parallel.join(self.config, model_path,
-                                dict(vars(self.config), seed=seed, pack_cpu_weights=pack_cpu_weights))
-        if self.tp is not None and self.tp.rank == 0:
+        # Tensor parallelism: rank 0 starts its workers here (each builds its shard with these settings);
+        # under torchrun, the other ranks serve rank 0 from here and exit their process when it closes.
+        self.tp = group.join(self.config, model_path, seed, pack_cpu_weights)
+        if self.tp is not None and self.tp.rank:
+            serve_rank(self.tp, self.config, model_path, seed, pack_cpu_weights)      # never returns
+        if self.tp is not None:
             weakref.finalize(self, self.tp.close)      # garbage collection and exit stop the workers
         try:
             self._build(model_path, seed, pack_cpu_weights, enable_events=kv_events_endpoint is not None)
         except BaseException:
-            if self.tp is not None and self.tp.rank == 0:
+            if self.tp is not None:
                 self.tp.close(stop_workers=False)
             raise
         self.scheduler = Scheduler(self.bm, self.config, self.model_config.eos_token_ids, self.max_model_len)
@@ -114,25 +116,15 @@ class LLM:
                 raise
 
     def _build(self, model_path: str, seed: int, pack_cpu_weights: bool, enable_events: bool) -> None:
-        """Model, block manager and runner. On a tensor-parallel worker rank it serves rank 0's steps and
-        exits the process (SystemExit) when rank 0 closes."""
+        """Model, block manager and runner (rank 0's under tensor parallelism)."""
         self.device = self.config.device
         self.checkpoint = open_checkpoint(model_path)
-        self.model = load_model(self.checkpoint, self.device, self.config.dtype, self.tp)
-        if pack_cpu_weights and self.device.type == "cpu":
-            pack_wide_linears(self.model, batch_hint=min(self.config.max_num_seqs, 16))
+        self.model = load_rank_model(self.checkpoint, self.config, pack_cpu_weights=pack_cpu_weights, tp=self.tp)
         self.model_config = self.model.config
         self.max_model_len = self.model_config.max_position_embeddings
-        self.num_blocks = self.config.num_blocks or self._num_blocks_from_budget()
-        if self.tp is not None:
-            self.num_blocks = self.tp.min_over_ranks(self.num_blocks)      # one pool size for every rank
+        self.num_blocks = pool_size(self.model, self.config, self.tp)
         runner_args = (self.model, self.config, self.num_blocks, self.config.num_cpu_blocks, seed)
-        if self.tp is None:
-            self.runner = ModelRunner(*runner_args)
-        elif self.tp.rank:
-            parallel.serve(ModelRunner(*runner_args), self.tp)      # never returns
-        else:
-            self.runner = parallel.DriverRunner(*runner_args, self.tp)
+        self.runner = ModelRunner(*runner_args) if self.tp is None else DriverRunner(*runner_args, self.tp)
         # Windowed layers hold only their window's blocks: one windowed group (Mistral) or a group per window
         # beside the full-attention one (Gemma 2), all in one pool.
         groups = self.model_config.group_windows
@@ -146,22 +138,6 @@ class LLM:
         tensor parallelism), so blocks written under other scales never hit."""
         if self.scheduler.cache_salt is None or self.scheduler.cache_salt.endswith(b":unset"):
             self.scheduler.cache_salt = cache_salt(self.config.kv_cache_dtype, self.runner.kv_scales)
-
-    def _num_blocks_from_budget(self) -> int:
-        cfg = self.config
-        block_bytes = kv_cache_block_bytes(self.model, cfg.block_size,
-                                           kv_cache_dtype(cfg.kv_cache_dtype, next(self.model.parameters()).dtype))
-        if cfg.device.type == "cuda":
-            budget = int(torch.cuda.mem_get_info(cfg.device)[0] * cfg.gpu_memory_utilization)
-            what = f"gpu_memory_utilization={cfg.gpu_memory_utilization} of the free GPU memory ({budget} bytes)"
-        else:
-            budget = cfg.kv_cache_bytes
-            what = f"kv_cache_bytes={budget}"
-        if budget < block_bytes:
-            raise ValueError(f"{what} holds no KV block ({block_bytes} bytes each); raise it or pass num_blocks")
-        # More is never used: every sequence at full length, admitted with its blocks in every KV group.
-        enough = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) * len(self.model_config.group_windows)
-        return min(budget // block_bytes, enough)
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None) -> Request:
@@ -397,7 +373,7 @@ class LLM:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
-        if self.tp is not None and self.tp.rank == 0:
+        if self.tp is not None:
             self.tp.close()
 
     def __enter__(self) -> "LLM":

@@ -14,15 +14,13 @@ from .config import ARCHITECTURES, ModelConfig
 from .gemma2 import Gemma2ForCausalLM
 from .gguf import GGUFFile, is_gguf
 from .llama import LlamaForCausalLM
+from .tp.shard import ZERO
 
 # The model class of each architecture config.ARCHITECTURES reads: Mistral is Llama whose config gives
 # every layer a sliding window.
 MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
           "Gemma2ForCausalLM": Gemma2ForCausalLM}
 assert MODELS.keys() == ARCHITECTURES.keys()
-
-ZERO = "zero"      # parallel.Shard.piece's answer for a tensor this rank holds as zeros
-
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}     # safetensors' names
 

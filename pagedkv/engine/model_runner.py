@@ -6,8 +6,10 @@ from pagedkv import BlockManager
 from pagedkv.cache import allocate_kv_cache, block_bytes
 
 from .config import EngineConfig
+from .cpu_linear import pack_wide_linears
 from .kv_quant import attach_kv_scales, kv_cache_dtype
 from .llama import AttentionMetadata, LlamaForCausalLM
+from .loader import Checkpoint, load_model
 from .sampling import sample, sampling_probs
 from .scheduler import ScheduledBatch
 from .speculative import accept_greedy, accept_sampled
@@ -24,6 +26,40 @@ def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.
     cfg = model.config
     return block_bytes(num_layers=num_cache_tensors(model), block_size=block_size, num_kv_heads=cfg.num_kv_heads,
                        head_dim=cfg.head_dim, dtype=dtype)
+
+
+def load_rank_model(checkpoint: Checkpoint, config: EngineConfig, *, pack_cpu_weights: bool,
+                    tp=None) -> LlamaForCausalLM:
+    """The checkpoint's model (this rank's shard of it under tensor parallelism) on config.device, its
+    wide CPU projections packed when asked."""
+    model = load_model(checkpoint, config.device, config.dtype, tp)
+    if pack_cpu_weights and config.device.type == "cpu":
+        pack_wide_linears(model, batch_hint=min(config.max_num_seqs, 16))
+    return model
+
+
+def pool_size(model: LlamaForCausalLM, config: EngineConfig, tp=None) -> int:
+    """KV blocks in the pool: config.num_blocks, or what the memory budget holds (never more than every
+    sequence at full length needs); under tensor parallelism the smallest rank's, so every rank has one."""
+    num_blocks = config.num_blocks or _num_blocks_for_budget(model, config)
+    return num_blocks if tp is None else tp.min_over_ranks(num_blocks)
+
+
+def _num_blocks_for_budget(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    block_bytes = kv_cache_block_bytes(model, config.block_size,
+                                       kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype))
+    if config.device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(config.device)[0] * config.gpu_memory_utilization)
+        what = f"gpu_memory_utilization={config.gpu_memory_utilization} of the free GPU memory ({budget} bytes)"
+    else:
+        budget = config.kv_cache_bytes
+        what = f"kv_cache_bytes={budget}"
+    if budget < block_bytes:
+        raise ValueError(f"{what} holds no KV block ({block_bytes} bytes each); raise it or pass num_blocks")
+    # More is never used: every sequence at full length, admitted with its blocks in every KV group.
+    cfg = model.config
+    enough = config.max_num_seqs * -(-cfg.max_position_embeddings // config.block_size) * len(cfg.group_windows)
+    return min(budget // block_bytes, enough)
 
 
 class ModelRunner:
@@ -48,7 +84,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, bm: BlockManager) -> list[list[int]]:
-        self._move_blocks(batch)
+        self._move_blocks(batch.swap_in, batch.swap_out, batch.copies)
         if not batch.seqs:
             return []
         input_ids, positions, meta = self._prepare(batch, bm)
@@ -72,20 +108,22 @@ class ModelRunner:
                             torch.arange(start, end, device=dev), self.layer_caches, meta)
         return self.model.compute_logits(hidden)
 
-    def _move_blocks(self, batch: ScheduledBatch) -> None:
+    def _move_blocks(self, swap_in, swap_out, copies) -> None:
+        """Block pairs (lists of (a, b) or [n, 2] tensors): swap-ins (cpu, gpu), swap-outs (gpu, cpu) and
+        copy-on-write copies (src, dst)."""
         # The scheduler swaps in before it preempts, so this order is the order of its decisions: a group
         # swapped in may be swapped out again at once, and blocks freed by a swap-out may be the
         # destination of a copy or of this step's new KV.
-        for mapping, to_cpu in ((batch.swap_in, False), (batch.swap_out, True)):
-            if not mapping:
+        for mapping, to_cpu in ((swap_in, False), (swap_out, True)):
+            if not len(mapping):
                 continue
-            pairs = torch.tensor(mapping, dtype=torch.int64)
+            pairs = torch.as_tensor(mapping, dtype=torch.int64).view(-1, 2).cpu()
             for gpu, cpu in zip(self.kv_caches, self.cpu_kv_caches):
                 for g, c in zip(gpu, cpu):
                     src, dst = (g, c) if to_cpu else (c, g)
                     torch.ops.pagedkv.swap_blocks(src, dst, pairs)
-        if batch.copies:
-            pairs = torch.tensor(batch.copies, dtype=torch.int64, device=self.device)
+        if len(copies):
+            pairs = torch.as_tensor(copies, dtype=torch.int64).view(-1, 2).to(self.device)
             torch.ops.pagedkv.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
 
     def _prepare(self, batch: ScheduledBatch, bm: BlockManager):

@@ -1,0 +1,65 @@
+"""What each rank runs: rank 0's DriverRunner schedules nothing itself but broadcasts every step the
+engine gives it before running its shard; every other rank builds its shard and replays those steps
+(serve_rank) until rank 0 closes."""
+import traceback
+
+import torch
+
+from ..config import EngineConfig
+from ..loader import open_checkpoint
+from ..model_runner import ModelRunner, load_rank_model, pool_size
+from ..scheduler import ScheduledBatch
+from .step_message import StepMessage
+from .workers import report_failure
+
+
+class DriverRunner(ModelRunner):
+    """Rank 0's model runner: broadcasts each step, runs its shard, samples from the gathered logits.
+    A failure once the step is sent leaves the ranks out of step, so it shuts the group down; one before
+    (building the step's inputs) leaves them in step, and the engine rolls the step back as usual."""
+
+    def __init__(self, model, config: EngineConfig, num_blocks: int, num_cpu_blocks: int, seed: int, tp):
+        super().__init__(model, config, num_blocks, num_cpu_blocks, seed)
+        self.tp = tp
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, bm) -> list[list[int]]:
+        self.tp.check_open()
+        step = self._prepare(batch, bm) if batch.seqs else None
+        message = StepMessage.of(batch.swap_in, batch.swap_out, batch.copies, step)
+        try:
+            self.tp.send(message.pack())
+            self._move_blocks(message.swap_in, message.swap_out, message.copies)
+            if step is None:
+                return []
+            input_ids, positions, meta = step
+            logits = self.model.compute_logits(self.model(input_ids, positions, self.layer_caches, meta))
+        except BaseException:
+            self.tp.close(stop_workers=False)
+            raise
+        return self._sample(logits, batch)
+
+
+@torch.inference_mode()
+def serve(runner: ModelRunner, tp) -> None:
+    """Replays rank 0's steps until it closes."""
+    while (packed := tp.receive()) is not None:
+        message = StepMessage.unpack(packed, runner.device)
+        runner._move_blocks(message.swap_in, message.swap_out, message.copies)
+        step = message.step()
+        if step is not None:
+            input_ids, positions, meta = step
+            runner.model.compute_logits(runner.model(input_ids, positions, runner.layer_caches, meta))
+
+
+def serve_rank(tp, config: EngineConfig, model_path: str, seed: int, pack_cpu_weights: bool):
+    """A rank other than 0: builds its shard and its runner, serves rank 0 until it closes, then exits the
+    process (SystemExit(0)). A failure is left in the store for rank 0 and re-raised."""
+    try:
+        model = load_rank_model(open_checkpoint(model_path), config, pack_cpu_weights=pack_cpu_weights, tp=tp)
+        runner = ModelRunner(model, config, pool_size(model, config, tp), config.num_cpu_blocks, seed)
+        serve(runner, tp)
+    except BaseException:
+        report_failure(tp.store, tp.rank, traceback.format_exc())
+        raise
+    raise SystemExit(0)

@@ -1,0 +1,105 @@
+"""pagedkv's modules import each other without a cycle. The graph is read from the source with `ast`:
+an edge A -> B for every `import` of a pagedkv module B in module A (`from X import name` names the
+submodule X.name when there is one, else X; the compiled pagedkv._C is a leaf). Two graphs are checked: the imports that run when A is
+imported (module level, including under `if` and `try`), which decide whether importing works in every
+order; and those plus the imports inside functions, so that deferring an import cannot hide a cycle
+between two modules that need each other."""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = "pagedkv"
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, pathlib.Path]:
+    return {module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+
+
+def extension_modules() -> set[str]:
+    """Compiled modules (pagedkv._C, known by its stub): leaves of the graph."""
+    return {module_name(p) for p in (ROOT / PACKAGE).rglob("*.pyi")}
+
+
+def imports(path: pathlib.Path, name: str, known: set[str], function_level: bool) -> set[str]:
+    """The pagedkv modules that module `name` (at `path`) imports."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+
+    def visit(node, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and (function_level or not in_function):
+                found.update(targets(child))
+            visit(child, nested)
+
+    def targets(node):
+        if isinstance(node, ast.Import):
+            return {alias.name for alias in node.names if alias.name in known}
+        base = package
+        for _ in range(node.level - 1):
+            base = base.rpartition(".")[0]
+        source = ".".join(filter(None, [base if node.level else "", node.module or ""]))
+        out = set()
+        for alias in node.names:
+            sub = f"{source}.{alias.name}"
+            out.add(sub if sub in known else source)
+        return {m for m in out if m in known}
+
+    visit(tree, False)
+    found.discard(name)
+    return found
+
+
+def graph(function_level: bool) -> dict[str, set[str]]:
+    found = modules()
+    known = set(found) | extension_modules()
+    return {name: imports(path, name, known, function_level) for name, path in found.items()}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """A cycle as [m0, m1, ..., m0], or None (depth-first search, three colours)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_graph_is_read():
+    edges = graph(function_level=False)
+    assert len(edges) > 20
+    assert "pagedkv.engine.tp.runners" in edges["pagedkv.engine.llm_engine"]
+    assert "pagedkv.engine.config" in edges["pagedkv.engine.tp.shard"]          # a relative `from ..x import`
+    assert "pagedkv" in edges["pagedkv.engine.scheduler"]                       # `from pagedkv import ...`
+
+
+@pytest.mark.parametrize("function_level", [False, True], ids=["module-level", "with-function-level"])
+def test_no_import_cycle(function_level):
+    cycle = find_cycle(graph(function_level))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_a_cycle_is_found_and_printed():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
