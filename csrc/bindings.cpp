@@ -18,6 +18,7 @@
 #include "core/block_manager.h"
 #include "core/errors.h"
 #include "core/hashing.h"
+#include "core/validation.h"
 #include "ops/ops.h"
 
 // pybind11 hands a method called on an instance whose __init__ never ran (BlockManager.__new__(...))
@@ -313,30 +314,15 @@ py::list pairs_to_list(const std::vector<BlockPair>& pairs) {
   return out;
 }
 
-py::dict stats_dict(const BlockManager& bm, const BlockManagerStats& s) {
+py::dict stats_dict(const BlockManagerStats& s) {
   py::dict d;
-  d["queries"] = s.queries;
-  d["hits"] = s.hits;
-  d["hit_rate"] = s.queries ? double(s.hits) / double(s.queries) : 0.0;
-  d["query_blocks"] = s.query_blocks;
-  d["hit_blocks"] = s.hit_blocks;
-  d["hit_blocks_in_use"] = s.hit_blocks_in_use;
-  d["hit_blocks_revived"] = s.hit_blocks_revived;
-  d["events_dropped"] = s.events_dropped;
-  d["evictions"] = s.evictions;
-  d["cow_copies"] = s.cow_copies;
-  d["swapped_out_blocks"] = s.swapped_out_blocks;
-  d["swapped_in_blocks"] = s.swapped_in_blocks;
-  d["num_blocks"] = bm.num_blocks();
-  d["used_blocks"] = s.used_blocks;
-  d["free_blocks"] = s.free_blocks;
-  d["cached_blocks"] = s.cached_blocks;
-  d["cached_free_blocks"] = s.cached_free_blocks;
-  d["num_seqs"] = s.num_seqs;
-  d["num_swapped_seqs"] = s.num_swapped_seqs;
-  d["num_cpu_blocks"] = bm.num_cpu_blocks();
-  d["free_cpu_blocks"] = s.free_cpu_blocks;
-  d["pinned_blocks"] = s.pinned_blocks;
+#define PAGEDKV_DICT_STAT(name) d[#name] = s.name;
+#define PAGEDKV_DICT_GAUGE(type, name) d[#name] = s.name;
+#define PAGEDKV_DICT_RATIO(name, num, den) d[#name] = s.den ? double(s.num) / double(s.den) : 0.0;
+  PAGEDKV_BLOCK_MANAGER_STATS(PAGEDKV_DICT_STAT, PAGEDKV_DICT_GAUGE, PAGEDKV_DICT_RATIO)
+#undef PAGEDKV_DICT_STAT
+#undef PAGEDKV_DICT_GAUGE
+#undef PAGEDKV_DICT_RATIO
   return d;
 }
 
@@ -435,10 +421,20 @@ PYBIND11_MODULE(_C, m) {
                        double watermark, const std::string& hash_algo, bool enable_events, int64_t max_pending_events,
                        int32_t default_priority, std::optional<int32_t> decode_priority, double max_pinned_fraction,
                        const py::object& sliding_window, const py::object& group_windows) {
-             return new BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, watermark,
-                                     parse_hash_algo(hash_algo), enable_events, max_pending_events, default_priority,
-                                     decode_priority.value_or(default_priority), max_pinned_fraction,
-                                     group_windows_arg(sliding_window, group_windows));
+             BlockManagerConfig config;
+             config.num_blocks = num_blocks;
+             config.block_size = block_size;
+             config.num_cpu_blocks = num_cpu_blocks;
+             config.enable_prefix_caching = enable_prefix_caching;
+             config.watermark = watermark;
+             config.hash_algo = parse_hash_algo(hash_algo);
+             config.enable_events = enable_events;
+             config.max_pending_events = max_pending_events;
+             config.default_priority = default_priority;
+             config.decode_priority = decode_priority.value_or(default_priority);
+             config.max_pinned_fraction = max_pinned_fraction;
+             config.group_windows = group_windows_arg(sliding_window, group_windows);
+             return new BlockManager(std::move(config));
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(), py::arg("num_cpu_blocks") = 0,
            py::arg("enable_prefix_caching") = true, py::arg("watermark") = 0.0, py::arg("hash_algo") = "xxh64",
@@ -568,7 +564,7 @@ PYBIND11_MODULE(_C, m) {
               if (per_seq->size != ids.size)
                 throw ValueError("append_tokens: " + std::to_string(ids.size) + " seq_ids but " +
                                  std::to_string(per_seq->size) + " counts");
-              total = bm.append_count_total(per_seq->data, per_seq->size);
+              total = append_count_total(per_seq->data, per_seq->size);
             }
             if (tokens.size != total)
               throw ValueError("append_tokens: " + std::to_string(total) + (per_seq ? " tokens to append" : " seq_ids") +
@@ -714,10 +710,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("hash_algo", [](const BlockManager& bm) { return hash_algo_name(bm.hash_algo()); })
       .def_property_readonly("num_free_blocks", &BlockManager::num_free_blocks)
       .def_property_readonly("num_free_cpu_blocks", &BlockManager::num_free_cpu_blocks)
-      .def("stats", [](const BlockManager& bm) { return stats_dict(bm, bm.stats()); },
+      .def("stats", [](const BlockManager& bm) { return stats_dict(bm.stats()); },
            "Cumulative counters (queries and hits in tokens and blocks, evictions, copies, swaps, dropped\n"
            "events) and gauges (used / free / cached blocks, sequences).")
-      .def("take_step_stats", [](BlockManager& bm) { return stats_dict(bm, bm.take_step_stats()); },
+      .def("take_step_stats", [](BlockManager& bm) { return stats_dict(bm.take_step_stats()); },
            "Like stats(), but the counters count only what happened since the previous call.")
       .def(
           "take_events",

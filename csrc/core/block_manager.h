@@ -1,12 +1,13 @@
-// The block manager: which physical block holds every token's KV. Owns the GPU block pool (with the
-// prefix cache and its LRU free list), the CPU block pool used for swapping, and each sequence's block
-// table. Every public call validates its arguments before changing anything, so an exception leaves the
-// manager exactly as it was.
+// The block manager: which physical block holds every token's KV. A thin sequence manager over its parts:
+// the GPU block pool (block_pool.h: reference counts, free list, retention, content tags), the CPU pool
+// used for swapping, the prefix cache (prefix_cache.h), pins (pins.h), pending copy-on-write copies
+// (pending_copies.h) and the KV event log (kv_event_log.h). It owns each sequence's block tables (one per
+// group of layers), admission, registration of computed blocks and swapping. Every public call validates
+// its arguments before changing anything, so an exception leaves the manager exactly as it was.
 #pragma once
+#include <algorithm>
 #include <cstdint>
-#include <deque>
 #include <functional>
-#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -14,15 +15,20 @@
 #include <utility>
 #include <vector>
 
-#include "core/free_list.h"
+#include "core/block_manager_stats.h"
+#include "core/block_pool.h"
 #include "core/hashing.h"
+#include "core/kv_event_log.h"
+#include "core/pending_copies.h"
+#include "core/pins.h"
 #include "core/prefix_cache.h"
+#include "core/retention.h"
+#include "core/util.h"
+#include "core/validation.h"
 
 namespace pagedkv {
 
 enum class AllocStatus { kOk = 0, kLater = 1, kNever = 2 };
-
-using BlockPair = std::pair<int32_t, int32_t>;  // (src block, dst block)
 
 // A borrowed run of token ids (a prompt).
 struct TokenSpan {
@@ -30,77 +36,45 @@ struct TokenSpan {
   size_t size = 0;
 };
 
-// A change of what the prefix cache can hit, for consumers that mirror it (cache-aware routers).
-// Replaying every event from the first (stored adds each hash, removed deletes one, cleared empties)
-// gives exactly cached_blocks(), as a multiset, at any moment.
-struct KvEvent {
-  enum class Kind { kStored, kRemoved, kCleared };
-  uint64_t seq = 0;                       // consecutive; a gap means events were dropped (buffer full)
-  Kind kind = Kind::kStored;
-  std::vector<uint64_t> block_hashes;     // consecutive blocks of one sequence (stored), or one (removed)
-  std::optional<uint64_t> parent_hash;    // stored: the hash of the block before the first one
-  std::vector<int64_t> token_ids;         // stored: the blocks' tokens
-  std::string salt;                       // stored from block 0: the cache salt
-};
+// Everything a BlockManager is made with; the constructor validates it.
+struct BlockManagerConfig {
+  static constexpr int64_t kDefaultMaxPendingEvents = 1 << 16;
+  static constexpr int64_t kFullAttention = 0;  // a group without a window
+  static constexpr int32_t kMaxGroups = 64;
+  static constexpr double kDefaultMaxPinnedFraction = 0.5;
 
-// Retention: how long a token range's blocks keep their cached KV once no sequence uses them. Free blocks
-// are evicted lowest priority first, least recently freed first within a priority.
-constexpr int32_t kMinPriority = 0;
-constexpr int32_t kMaxPriority = 100;
-constexpr int32_t kDefaultPriority = 35;  // blocks no range covers (as TensorRT-LLM)
-constexpr double kForever = std::numeric_limits<double>::infinity();
-constexpr int64_t kToTheEnd = std::numeric_limits<int64_t>::max();
-
-// Tokens [start, end) of a sequence. A block takes the priority of the ranges that overlap it (the
-// highest wins); `duration` (of the manager's clock, from the moment the block is freed) later it falls
-// back to the default priority. end = kToTheEnd covers every later token, decode tokens included.
-struct RetentionRange {
-  int64_t start = 0;
-  int64_t end = kToTheEnd;
-  int64_t priority = kDefaultPriority;
-  double duration = kForever;
-};
-
-struct BlockManagerStats {
-  int64_t queries = 0;      // prompt tokens looked up in the prefix cache
-  int64_t hits = 0;         // of those, tokens whose KV was already cached
-  int64_t query_blocks = 0;        // prompt blocks looked up
-  int64_t hit_blocks = 0;          // of those, blocks hit ...
-  int64_t hit_blocks_in_use = 0;   // ... that another sequence was using
-  int64_t hit_blocks_revived = 0;  // ... taken back from the free list
-  int64_t events_dropped = 0;      // KV events lost to a full buffer
-  int64_t evictions = 0;    // cached blocks reused for other content
-  int64_t cow_copies = 0;   // copy-on-write block copies queued
-  int64_t swapped_out_blocks = 0;
-  int64_t swapped_in_blocks = 0;
-  int32_t used_blocks = 0;  // GPU blocks referenced by a sequence
-  int32_t free_blocks = 0;
-  int32_t cached_blocks = 0;       // GPU blocks registered in the prefix cache (used or free)
-  int32_t cached_free_blocks = 0;  // free blocks that still hold reusable cached KV
-  int32_t num_seqs = 0;
-  int32_t num_swapped_seqs = 0;
-  int32_t free_cpu_blocks = 0;
-  int32_t pinned_blocks = 0;       // GPU blocks held by pins
+  int32_t num_blocks = 0;                    // GPU blocks, all usable (> 0)
+  int32_t block_size = 0;                    // tokens per block (> 0)
+  int32_t num_cpu_blocks = 0;                // swap space (>= 0)
+  bool enable_prefix_caching = true;
+  double watermark = 0.0;                    // fraction of num_blocks admission leaves free, in [0, 1)
+  HashAlgo hash_algo = HashAlgo::kXXH64;     // the block hashes of events and cached_blocks()
+  bool enable_events = false;
+  int64_t max_pending_events = kDefaultMaxPendingEvents;  // events kept until taken (>= 1)
+  int32_t default_priority = kDefaultPriority;  // retention of prompt blocks no range covers
+  int32_t decode_priority = kDefaultPriority;   // ... and of blocks past the prompt
+  double max_pinned_fraction = kDefaultMaxPinnedFraction;  // of num_blocks, in [0, 1)
+  std::vector<int64_t> group_windows = {kFullAttention};  // one window (tokens) per group of layers
 };
 
 class BlockManager {
  public:
-  BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks = 0,
-               bool enable_prefix_caching = true, double watermark = 0.0,
-               HashAlgo hash_algo = HashAlgo::kXXH64, bool enable_events = false,
-               int64_t max_pending_events = kDefaultMaxPendingEvents, int32_t default_priority = kDefaultPriority,
-               int32_t decode_priority = kDefaultPriority, double max_pinned_fraction = kDefaultMaxPinnedFraction,
-               std::vector<int64_t> group_windows = {kFullAttention});
-  static constexpr int64_t kDefaultMaxPendingEvents = 1 << 16;
+  explicit BlockManager(BlockManagerConfig config);  // ValueError naming the first bad field
+  // A manager with the defaults of everything else.
+  BlockManager(int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks = 0);
+  // Parts point at each other: a manager stays where it was made.
+  BlockManager(const BlockManager&) = delete;
+  BlockManager& operator=(const BlockManager&) = delete;
+  static constexpr int64_t kDefaultMaxPendingEvents = BlockManagerConfig::kDefaultMaxPendingEvents;
   // Groups of layers (hybrid models): each has its own block table per sequence and a window in tokens
   // (kFullAttention: none). The token at position p attends to positions (p - window, p], so once the
   // KV of the first n tokens is computed, the leading max(0, n - window + 1) / block_size blocks of a
   // windowed group are never read again: mark_computed releases them from its table, which keeps a pad
   // (kPad) in their place.
-  static constexpr int64_t kFullAttention = 0;
+  static constexpr int64_t kFullAttention = BlockManagerConfig::kFullAttention;
   static constexpr int32_t kPad = 0;
-  static constexpr int32_t kMaxGroups = 64;
-  static constexpr double kDefaultMaxPinnedFraction = 0.5;
+  static constexpr int32_t kMaxGroups = BlockManagerConfig::kMaxGroups;
+  static constexpr double kDefaultMaxPinnedFraction = BlockManagerConfig::kDefaultMaxPinnedFraction;
 
   // num_new_tokens (kWholePrompt: all): admit the prompt for its first chunk only, blocks for the cached
   // tokens and the next num_new_tokens; reserve() allocates each later chunk's. NEVER then means the
@@ -127,12 +101,11 @@ class BlockManager {
   std::vector<int64_t> allocate_batch(const std::vector<int64_t>& seq_ids, const std::vector<TokenSpan>& prompts,
                                       const std::vector<std::string>& salts = {},
                                       const std::vector<std::vector<RetentionRange>>& retentions = {});
-  void validate_retention(const std::vector<RetentionRange>& ranges, const char* what) const;
 
   // The manager's clock (any unit, the one of the durations; starts at 0, never read from the wall).
   // Advancing it moves the free blocks whose priority duration has run out to the default priority.
   void set_time(double now);
-  double now() const { return now_; }
+  double now() const { return gpu_.now(); }
 
   // Pinning: pin(seq_id) holds the sequence's full blocks whose KV the prefix cache has now (call it
   // after mark_computed; again to take in more), so that they stay cached after free() until unpin.
@@ -140,12 +113,12 @@ class BlockManager {
   // is refused (OutOfBlocks) and changes nothing. Returns the number of blocks the pin holds.
   int32_t pin(int64_t seq_id);
   void unpin(int64_t seq_id);   // KeyError unless pinned; works after the sequence is freed
-  bool is_pinned(int64_t seq_id) const { return pins_.count(seq_id) != 0; }
-  const std::vector<int32_t>& pinned_blocks(int64_t seq_id) const;
-  int32_t num_pinned_blocks() const { return pinned_blocks_; }
-  int32_t max_pinned_blocks() const { return max_pinned_blocks_; }
-  int32_t default_priority() const { return default_priority_; }
-  int32_t decode_priority() const { return decode_priority_; }
+  bool is_pinned(int64_t seq_id) const { return pins_.is_pinned(seq_id); }
+  const std::vector<int32_t>& pinned_blocks(int64_t seq_id) const { return pins_.blocks(seq_id); }
+  int32_t num_pinned_blocks() const { return pins_.num_pinned(); }
+  int32_t max_pinned_blocks() const { return pins_.max_pinned(); }
+  int32_t default_priority() const { return config_.default_priority; }
+  int32_t decode_priority() const { return config_.decode_priority; }
   // The eviction priority a block has now (tests and check_invariants).
   int32_t block_priority(int32_t block) const;
   // The KV of the first num_tokens[i] (all tokens when num_tokens is null) of each sequence is written:
@@ -161,13 +134,11 @@ class BlockManager {
   // slots_out gets a slot per token, in order. Speculative decoding appends its input and draft tokens.
   void append_tokens(const int64_t* seq_ids, size_t n, const int64_t* token_ids, const int64_t* counts,
                      int64_t* slots_out);
-  // Total of counts (validated: each in [0, kMaxTokensPerAppend]).
-  size_t append_count_total(const int64_t* counts, size_t n) const;
   // Rolls sequence i back to its first num_tokens[i] tokens (rejected draft tokens): blocks past them
   // leave its table (cached ones stay cached); the next append into a block left partial copies it first
   // if it is shared or cached.
   void truncate(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& num_tokens);
-  static constexpr int64_t kMaxTokensPerAppend = 1 << 20;
+  static constexpr int64_t kMaxTokensPerAppend = pagedkv::kMaxTokensPerAppend;
   // Copy-on-write copies queued by append_tokens, to perform before the next KV write; they are
   // independent (no copy reads another's destination). Until they are taken, a copy's source is never
   // handed out again, a copy whose destination is freed (its sequence freed or swapped out) is dropped,
@@ -204,8 +175,8 @@ class BlockManager {
   int32_t num_released_blocks(int64_t seq_id, int32_t group = 0) const;
   // Blocks a sequence of num_tokens tokens, the first num_computed of them computed, holds over all groups.
   int64_t blocks_held(int64_t num_tokens, int64_t num_computed = 0) const;
-  int32_t num_groups() const { return static_cast<int32_t>(windows_.size()); }
-  const std::vector<int64_t>& group_windows() const { return windows_; }
+  int32_t num_groups() const { return static_cast<int32_t>(config_.group_windows.size()); }
+  const std::vector<int64_t>& group_windows() const { return config_.group_windows; }
   bool has_windows() const { return has_windows_; }
   int64_t num_tokens(int64_t seq_id) const;
   int64_t num_computed_tokens(int64_t seq_id) const;
@@ -213,26 +184,28 @@ class BlockManager {
   bool contains(int64_t seq_id) const { return seqs_.count(seq_id) != 0; }
   std::vector<int64_t> token_ids(int64_t seq_id) const;
 
-  int32_t num_blocks() const { return num_blocks_; }
-  int32_t num_cpu_blocks() const { return num_cpu_blocks_; }
+  const BlockManagerConfig& config() const { return config_; }
+  int32_t num_blocks() const { return config_.num_blocks; }
+  int32_t num_cpu_blocks() const { return config_.num_cpu_blocks; }
   int32_t block_size() const { return block_size_; }
   int32_t watermark_blocks() const { return watermark_blocks_; }
-  bool prefix_caching() const { return prefix_caching_; }
-  HashAlgo hash_algo() const { return hash_algo_; }
-  int32_t num_free_blocks() const { return gpu_free_.size(); }
-  int32_t num_free_cpu_blocks() const { return cpu_free_.size(); }
+  bool prefix_caching() const { return config_.enable_prefix_caching; }
+  HashAlgo hash_algo() const { return config_.hash_algo; }
+  int32_t num_free_blocks() const { return gpu_.num_free(); }
+  int32_t num_free_cpu_blocks() const { return cpu_.num_free(); }
 
   BlockManagerStats stats() const;
   // The counters accumulated since the previous call (gauges: current values).
   BlockManagerStats take_step_stats();
 
   // KV events (only with enable_events): drained in order.
-  bool events_enabled() const { return events_enabled_; }
+  bool events_enabled() const { return events_.enabled(); }
   std::vector<KvEvent> take_events();
   // (block hash, parent block hash) of every block the prefix cache holds KV for now.
   std::vector<std::pair<uint64_t, std::optional<uint64_t>>> cached_blocks() const;
   void reset_prefix_cache();
   void check_invariants() const;  // throws InvariantError naming the first violation
+
 
  private:
   // One group's block table of a sequence.
@@ -253,24 +226,10 @@ class BlockManager {
     int64_t prompt_len = 0;
     std::vector<RetentionRange> retention;
   };
-  // The retention a block holds: what it falls back to the default from once free.
-  struct BlockRetention {
-    int32_t priority;
-    double duration;
-  };
   BlockRetention retention_of(const Sequence& seq, int32_t index) const;  // of the seq's index-th block
-  static bool stronger(const BlockRetention& a, const BlockRetention& b) {
-    return a.priority != b.priority ? a.priority > b.priority : a.duration > b.duration;
-  }
-  void keep_stronger_retention(int32_t block, const BlockRetention& r) {
-    if (stronger(r, block_retention_[block])) block_retention_[block] = r;
-  }
-  int32_t free_level(int32_t block) const { return holds_cached_kv(block) ? 1 + block_retention_[block].priority : 0; }
-  void move_to_level(int32_t free_block, int32_t level);  // to the back of that level's list
-  void expire_durations();  // free blocks whose duration ran out fall back to the default priority
-  void drop_pin(std::vector<int32_t>& blocks);
   enum class Where { kResident, kSwapped };
 
+  static BlockManagerConfig validated(BlockManagerConfig config);
   Sequence& get(int64_t seq_id);
   const Sequence& get(int64_t seq_id) const;
   const Sequence& get_resident(int64_t seq_id, const char* what) const;
@@ -286,14 +245,20 @@ class BlockManager {
   static void check_distinct(const int64_t* seq_ids, size_t n, const char* what);
 
   int32_t blocks_for_tokens(int64_t num_tokens) const {
-    return static_cast<int32_t>((num_tokens + block_size_ - 1) / block_size_);
+    return static_cast<int32_t>(ceil_div(num_tokens, block_size_));
+  }
+  // Blocks a windowed group holds at most: its window's, the one being written, and `extra`.
+  int64_t window_blocks(int32_t group, int64_t extra) const {
+    return ceil_div(group_windows()[group] - 1, block_size_) + 1 + extra;
   }
   // Entries of a windowed group's table released once num_computed tokens are computed.
   int64_t released_for(int32_t group, int64_t num_computed) const {
-    const int64_t w = windows_[group];
+    const int64_t w = group_windows()[group];
     if (w == kFullAttention || num_computed < w) return 0;
     return (num_computed - w + 1) / block_size_;
   }
+  // Appends fresh blocks to the table until it has `size` entries (the caller checked they are free).
+  void grow_table(const Sequence& seq, GroupTable& t, size_t size);
   // A prefix-cache hit: the leading num_blocks blocks (at most ceil(n/bs) - 1) are computed, and every
   // group holds the cached blocks its window needs, [released_for(g, num_blocks * bs), num_blocks).
   struct PrefixMatch {
@@ -336,37 +301,34 @@ class BlockManager {
   int32_t blocks_needed_to_append(const Sequence* const* seqs, size_t n, const int64_t* counts, int64_t extra) const;
   bool must_copy_before_write(int32_t block) const;
   int32_t distinct_blocks(const std::vector<int64_t>& seq_ids, const char* what, Where where) const;
-  std::vector<BlockPair> move_blocks(const std::vector<int64_t>& seq_ids, bool to_cpu);  // swap out / in
+  // Swap: moves the sequences' held blocks from one pool to the other (the sequences are in `from`).
+  std::vector<BlockPair> move_blocks(const std::vector<int64_t>& seq_ids, BlockPool& from, BlockPool& to);
   void register_computed_blocks(Sequence& seq, int32_t group);
+  std::optional<uint64_t> parent_hash(PrefixCache::NodeId node) const;
 
-  int32_t take_free_block();         // pops the LRU free block, evicting its cached content
-  void release_block(int32_t block); // drops one reference; at zero the block joins the free list
-  void return_to_free_list(int32_t block);
-  bool holds_cached_kv(int32_t block) const;  // the prefix cache hits this block for its content
-  // Pending copies: a freed destination drops its copy; a freed source stays out of the free list until
-  // take_copies, so that nothing overwrites it before the copy is done.
-  void drop_pending_copies_to(int32_t block);
-  bool is_pending_copy_source(int32_t block) const;
-  int32_t pending_copy_source(int32_t block) const;  // the source of the copy into block, or -1
-  void untag_block(int32_t block);   // forgets the block's prefix-cache content
-  int32_t take_cpu_block();
-  void release_cpu_block(int32_t block);
+  // check_invariants, part by part: one sequence's tables (counting the blocks they hold in uses), the
+  // content chain of one group's registered blocks, and the prefix cache against the blocks' tags.
+  void check_sequence(int64_t id, const Sequence& seq, std::vector<int32_t>* gpu_uses,
+                      std::vector<int32_t>* cpu_uses) const;
+  void check_registered_chain(int64_t id, const Sequence& seq, int32_t group) const;
+  void check_prefix_cache() const;
 
-  int32_t num_blocks_, block_size_, num_cpu_blocks_, watermark_blocks_;
-  std::vector<int64_t> windows_;  // per group, kFullAttention or tokens
+  BlockManagerConfig config_;  // validated
+  int32_t block_size_;
+  int32_t watermark_blocks_;
   bool has_windows_ = false;
-  bool prefix_caching_;
-  HashAlgo hash_algo_;
+  BlockManagerStats counters_;
+  BlockManagerStats step_start_;  // counters_ at the last take_step_stats
 
-  std::vector<int32_t> gpu_ref_;          // block-table entries + pins holding each GPU block
-  std::vector<PrefixCache::NodeId> block_node_;  // content of each GPU block, or kNoNode
-  FreeList gpu_free_;
-  std::vector<int32_t> cpu_ref_;
-  FreeList cpu_free_;
+  // The parts (in construction order: the pools point at the cache, the log and the copies).
   PrefixCache cache_;
+  KvEventLog events_;
+  PendingCopies copies_;
+  BlockPool gpu_;
+  BlockPool cpu_;
+  Pins pins_;
 
   std::unordered_map<int64_t, Sequence> seqs_;
-  std::vector<BlockPair> pending_copies_;
   struct MatchMemo {
     uint64_t cache_version = ~uint64_t(0);
     std::vector<int64_t> tokens;
@@ -375,43 +337,6 @@ class BlockManager {
   };
   mutable MatchMemo memo_;
   PrefixMatch batch_match_;  // allocate_batch's lookup of each prompt (kept for its vectors' capacity)
-  BlockManagerStats counters_;
-  BlockManagerStats step_start_;  // counters_ at the last take_step_stats
-  int32_t cached_free_blocks_ = 0;  // free blocks that still hold cached KV (kept, not counted per call)
-
-  // Retention. Free blocks holding cached KV sit at free-list level 1 + priority (level 0: no reusable
-  // content, handed out first). A free block with a finite duration has an entry in expiries_, a
-  // min-heap on (time, order); an entry is live while its stamp is the block's (bumped whenever the
-  // block enters the free list or changes level), so stale entries are skipped, never searched for.
-  int32_t default_priority_, decode_priority_;
-  double now_ = 0.0;
-  std::vector<BlockRetention> block_retention_;
-  std::vector<uint32_t> block_stamp_;
-  struct Expiry {
-    double time;
-    uint64_t order;
-    int32_t block;
-    uint32_t stamp;
-    bool operator>(const Expiry& o) const { return time != o.time ? time > o.time : order > o.order; }
-  };
-  std::vector<Expiry> expiries_;
-  uint64_t next_expiry_order_ = 0;
-
-  std::unordered_map<int64_t, std::vector<int32_t>> pins_;  // seq id -> the blocks its pin holds
-  std::vector<int32_t> pin_count_;  // pins holding each GPU block
-  int32_t pinned_blocks_ = 0;       // blocks with pin_count_ > 0
-  int32_t max_pinned_blocks_;
-  double max_pinned_fraction_;
-
-  void record_event(KvEvent&& event);
-  void record_stored(PrefixCache::NodeId node, const int64_t* tokens, std::string_view salt);
-  void record_removed(PrefixCache::NodeId node);
-  std::optional<uint64_t> parent_hash(PrefixCache::NodeId node) const;
-  bool events_enabled_;
-  size_t max_pending_events_;
-  std::deque<KvEvent> events_;
-  uint64_t next_event_seq_ = 0;
-  bool stored_run_open_ = false;  // the last event may take the next stored block of the same chain
 };
 
 }  // namespace pagedkv

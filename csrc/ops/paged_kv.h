@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/arith.h"
 #include "ops/host_device.h"
 
 namespace pagedkv {
@@ -94,7 +95,5 @@ struct OnlineSoftmax {
   // Natural-log log-sum-exp of the logits seen so far; -inf when none.
   PAGEDKV_HD float lse() const { return l > 0.f ? m + logf(l) : kNegInf; }
 };
-
-PAGEDKV_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace pagedkv

@@ -20,6 +20,14 @@ std::vector<int64_t> iota_tokens(int64_t n, int64_t start = 0) {
   return v;
 }
 
+// A configuration of num_blocks blocks of block_size tokens, the rest at the defaults.
+BlockManagerConfig sized(int32_t num_blocks, int32_t block_size) {
+  BlockManagerConfig c;
+  c.num_blocks = num_blocks;
+  c.block_size = block_size;
+  return c;
+}
+
 int64_t alloc(BlockManager& bm, int64_t id, const std::vector<int64_t>& t, std::string_view salt = {}) {
   return bm.allocate(id, t.data(), t.size(), salt);
 }
@@ -129,7 +137,9 @@ TEST(BlockManager, ErrorsLeaveStateUnchanged) {
 }
 
 TEST(BlockManager, WatermarkGivesLaterAndNever) {
-  BlockManager bm(10, 4, 0, true, /*watermark=*/0.2);  // 2 blocks held back
+  BlockManagerConfig c = sized(10, 4);
+  c.watermark = 0.2;  // 2 blocks held back
+  BlockManager bm(c);
   auto big = iota_tokens(4 * 9);
   EXPECT_EQ(bm.can_allocate(big.data(), big.size()), AllocStatus::kNever);
   auto fits = iota_tokens(4 * 8);
@@ -151,7 +161,9 @@ TEST(BlockManager, SaltIsolatesTenants) {
 // With an 8-bit hash and a 2-token vocabulary, hashes collide constantly; every hit must still hand out
 // a block whose KV was written for exactly the same prefix.
 TEST(BlockManager, ForcedCollisionsNeverGiveWrongHits) {
-  BlockManager bm(64, 2, 0, true, 0.0, HashAlgo::kWeak8);
+  BlockManagerConfig c = sized(64, 2);
+  c.hash_algo = HashAlgo::kWeak8;
+  BlockManager bm(c);
   std::mt19937 rng(1234);
   std::vector<std::vector<int64_t>> written(64);  // prefix whose KV each physical block holds
   std::vector<int64_t> live;
@@ -302,8 +314,10 @@ TEST(BlockManager, TruncateIntoCachedBlockCopiesOnNextWrite) {
 }
 
 TEST(BlockManager, EventsReplayToCachedBlocks) {
-  BlockManager bm(6, 2, /*num_cpu_blocks=*/0, /*enable_prefix_caching=*/true, 0.0, HashAlgo::kWeak8,
-                  /*enable_events=*/true);
+  BlockManagerConfig c = sized(6, 2);
+  c.hash_algo = HashAlgo::kWeak8;
+  c.enable_events = true;
+  BlockManager bm(c);
   std::map<uint64_t, int> replay;
   auto check = [&] {
     for (const KvEvent& e : bm.take_events()) {
@@ -407,8 +421,10 @@ TEST(Retention, HighestOverlappingRangeWinsAndSharedBlocksKeepTheHighest) {
 }
 
 TEST(Retention, DecodeBlocksTakeTheDecodePriorityOrACoveringRange) {
-  BlockManager bm(16, 2, 0, true, 0.0, HashAlgo::kXXH64, false, BlockManager::kDefaultMaxPendingEvents,
-                  /*default_priority=*/35, /*decode_priority=*/5);
+  BlockManagerConfig c = sized(16, 2);
+  c.default_priority = 35;
+  c.decode_priority = 5;
+  BlockManager bm(c);
   alloc_r(bm, 1, iota_tokens(4), {});
   alloc_r(bm, 2, iota_tokens(4, 10), {{0, kToTheEnd, 70}});
   bm.append_token(1, 9);
@@ -480,15 +496,22 @@ TEST(Retention, BadRangesAreValueErrorsAndChangeNothing) {
     EXPECT_THROW(bm.allocate_batch({1}, spans, {}, {r}), ValueError);
     EXPECT_FALSE(bm.contains(1));
   }
-  EXPECT_THROW(BlockManager(8, 2, 0, true, 0.0, HashAlgo::kXXH64, false, 64, /*default_priority=*/101), ValueError);
-  EXPECT_THROW(BlockManager(8, 2, 0, true, 0.0, HashAlgo::kXXH64, false, 64, 35, /*decode_priority=*/-1), ValueError);
-  EXPECT_THROW(BlockManager(8, 2, 0, true, 0.0, HashAlgo::kXXH64, false, 64, 35, 35, /*max_pinned_fraction=*/1.0),
-               ValueError);
+  BlockManagerConfig c = sized(8, 2);
+  c.default_priority = 101;
+  EXPECT_THROW(BlockManager{c}, ValueError);
+  c = sized(8, 2);
+  c.decode_priority = -1;
+  EXPECT_THROW(BlockManager{c}, ValueError);
+  c = sized(8, 2);
+  c.max_pinned_fraction = 1.0;
+  EXPECT_THROW(BlockManager{c}, ValueError);
   bm.check_invariants();
 }
 
 TEST(Retention, PinnedBlocksStayCachedAfterFreeUntilUnpin) {
-  BlockManager bm(8, 2, 0, true, 0.0, HashAlgo::kXXH64, false, 64, 35, 35, /*max_pinned_fraction=*/0.5);
+  BlockManagerConfig c = sized(8, 2);
+  c.max_pinned_fraction = 0.5;
+  BlockManager bm(c);
   const auto sys = iota_tokens(7, 0);  // 3 full blocks + 1
   alloc(bm, 1, sys);
   EXPECT_EQ(bm.pin(1), 0) << "nothing is cached before mark_computed";
@@ -520,7 +543,9 @@ TEST(Retention, PinnedBlocksStayCachedAfterFreeUntilUnpin) {
 }
 
 TEST(Retention, PinCapIsAClearErrorThatChangesNothing) {
-  BlockManager bm(10, 2, 0, true, 0.0, HashAlgo::kXXH64, false, 64, 35, 35, /*max_pinned_fraction=*/0.5);
+  BlockManagerConfig c = sized(10, 2);
+  c.max_pinned_fraction = 0.5;
+  BlockManager bm(c);
   alloc(bm, 1, iota_tokens(7, 0));    // 3 full blocks
   alloc(bm, 2, iota_tokens(7, 100));  // 3 full blocks (4 + 4 of 10 blocks in use)
   bm.mark_computed({1, 2});
@@ -563,7 +588,9 @@ TEST(Retention, SwapInAndCopyOnWriteCarryTheSequencesPriority) {
 }
 
 TEST(Retention, EvictingAPriorityBlockIsARemovedEvent) {
-  BlockManager bm(4, 2, 0, true, 0.0, HashAlgo::kXXH64, /*enable_events=*/true);
+  BlockManagerConfig c = sized(4, 2);
+  c.enable_events = true;
+  BlockManager bm(c);
   cache_prompt(bm, 1, iota_tokens(3), {{0, 3, 90}});  // 1 cached block at 90
   bm.take_events();
   alloc(bm, 2, iota_tokens(7, 100));  // 4 blocks: the cached one is evicted last but evicted
@@ -603,9 +630,10 @@ TEST(Retention, AnEmptyRangeOverlapsNothing) {
 namespace {
 
 BlockManager windowed(int32_t num_blocks, int32_t bs, std::vector<int64_t> windows, int32_t cpu_blocks = 0) {
-  return BlockManager(num_blocks, bs, cpu_blocks, true, 0.0, HashAlgo::kXXH64, false,
-                      BlockManager::kDefaultMaxPendingEvents, kDefaultPriority, kDefaultPriority,
-                      BlockManager::kDefaultMaxPinnedFraction, std::move(windows));
+  BlockManagerConfig c = sized(num_blocks, bs);
+  c.num_cpu_blocks = cpu_blocks;
+  c.group_windows = std::move(windows);
+  return BlockManager(c);
 }
 
 }  // namespace
