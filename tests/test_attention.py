@@ -282,6 +282,11 @@ DECODE_SHAPES = [
     (128, 4, 64, 8, [1 + int(n) for n in torch.randint(0, 700, (9,))], 100, 0.0, 2),
     (96, 1, 2, 5, [1, 2, 3, 4], -1, 2.0, 2),
     (128, 2, 16, 3, [700, 45], -1, 3.0, 1),  # AMX copy: KV heads scored in pairs, an odd one alone
+    # AVX2 / NEON copies: head dims with a last 8 columns (bf16's 16-column chunks), groups of 3, 6, 7
+    # (row blocks of 4 with 3 / 2 / 3 left over)
+    (40, 3, 3, 2, [1, 19, 260], -1, 0.0, 2),
+    (72, 6, 16, 2, [300, 33], -1, 0.0, 1),
+    (24, 7, 16, 1, [129], 20, 1.5, 2),
 ]
 
 

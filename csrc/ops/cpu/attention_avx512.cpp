@@ -10,5 +10,6 @@
 #define PAGEDKV_CPU_AVX2 1
 #define PAGEDKV_CPU_AVX512 1
 #define PAGEDKV_CPU_AMX 0
+#define PAGEDKV_CPU_NEON 0
 #include "ops/cpu/kernels.inc"
 #endif

@@ -6,4 +6,5 @@
 #define PAGEDKV_CPU_AVX2 0
 #define PAGEDKV_CPU_AVX512 0
 #define PAGEDKV_CPU_AMX 0
+#define PAGEDKV_CPU_NEON 0
 #include "ops/cpu/kernels.inc"

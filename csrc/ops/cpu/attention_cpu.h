@@ -18,6 +18,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>  // used by the x86 copies of the kernels only (PAGEDKV_CPU_AVX2)
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>  // used by the NEON copy only (PAGEDKV_CPU_NEON)
+#endif
 
 #include "ops/attention_plan.h"
 #include "ops/fp8.h"
@@ -78,6 +81,8 @@ struct Scratch {
   std::vector<float> q, acc, k_tile, v_tile, scores;
   std::vector<OnlineSoftmax> state;
   std::vector<KeyRange> row_keys;
+  std::vector<const float*> row_q;  // decode: the query rows and accumulators of one KV head's group
+  std::vector<float*> row_acc;
   int64_t slot_rows[kKeyTile];  // element offset of each tile key's slot (head 0)
   const float* k_rows[kKeyTile];
   const float* v_rows[kKeyTile];
@@ -168,8 +173,17 @@ void write_item_row(const AttentionParams& a, const WorkItem& item, int64_t r, c
 }
 
 // The copies of the kernels, best first; only the first that this CPU runs and that is not above a
-// forced choice is used.
-enum class Isa : int8_t { kAmx, kAvx512, kAvx2, kBaseline };
+// forced choice is used (x86-64: AMX, AVX-512, AVX2; aarch64: NEON; any CPU: the portable one).
+enum class Isa : int8_t { kAmx, kAvx512, kAvx2, kNeon, kBaseline };
+constexpr Isa kAllIsas[] = {Isa::kAmx, Isa::kAvx512, Isa::kAvx2, Isa::kNeon, Isa::kBaseline};
+
+const char* isa_name(Isa isa);
+bool cpu_supports(Isa isa);  // whether this CPU runs the copy (and this build has it)
+Isa best_isa(Isa limit);     // the best copy this CPU runs that is not above limit
+
+// The work items of one call (work_plan.cpp), cut for num_threads threads; split items leave
+// *num_partial_rows partial rows for merge_partitions.
+std::vector<WorkItem> plan_work(const AttentionParams& a, int64_t num_threads, int64_t* num_partial_rows);
 
 // Entry point of each ISA copy: runs items[next++] until none is left (items differ in cost, so the
 // threads pull them from a shared counter). scalar_t: query/output type; cache_t: the cache's (scalar_t
@@ -186,7 +200,46 @@ PAGEDKV_CPU_ATTENTION_ENTRY(avx2)
 PAGEDKV_CPU_ATTENTION_ENTRY(avx512)
 PAGEDKV_CPU_ATTENTION_ENTRY(amx)
 #endif
+#if defined(__aarch64__)
+PAGEDKV_CPU_ATTENTION_ENTRY(neon)
+#endif
 #undef PAGEDKV_CPU_ATTENTION_ENTRY
+
+// Runs items[next++] until none is left in the copy `isa` (one that cpu_supports).
+template <typename scalar_t, typename cache_t>
+void attend_work_items(Isa isa, const AttentionParams& a, const std::vector<WorkItem>& items,
+                       std::atomic<int64_t>& next, Scratch& scratch) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case Isa::kAmx: return amx::attend_work_items<scalar_t, cache_t>(a, items, next, scratch);
+    case Isa::kAvx512: return avx512::attend_work_items<scalar_t, cache_t>(a, items, next, scratch);
+    case Isa::kAvx2: return avx2::attend_work_items<scalar_t, cache_t>(a, items, next, scratch);
+#endif
+#if defined(__aarch64__)
+    case Isa::kNeon: return neon::attend_work_items<scalar_t, cache_t>(a, items, next, scratch);
+#endif
+    default: return baseline::attend_work_items<scalar_t, cache_t>(a, items, next, scratch);
+  }
+}
+
+// Folds the partitions of a split item (its part 0) into the final output (OnlineSoftmax::add_partial);
+// acc holds head_dim floats.
+template <typename scalar_t>
+void merge_partitions(const AttentionParams& a, const WorkItem& item, float* acc) {
+  const int64_t D = a.head_dim, G = a.num_q_heads / a.num_kv_heads, rows = item.rows(G);
+  for (int64_t r = 0; r < rows; ++r) {
+    OnlineSoftmax state;
+    std::fill(acc, acc + D, 0.f);
+    for (int64_t p = 0; p < item.num_parts; ++p) {
+      const int64_t row = item.partial_row + p * rows + r;
+      const SoftmaxStep step = state.add_partial(a.partial_lse[row]);
+      if (step.weight == 0.f) continue;
+      const float* o = a.partial_out + row * D;
+      for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * step.alpha + step.weight * o[d];
+    }
+    write_output_row<scalar_t>(a, item.row_token(a, r, G), item.row_head(r, G), acc, state);
+  }
+}
 
 }  // namespace cpu
 }  // namespace pagedkv
