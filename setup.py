@@ -89,5 +89,6 @@ setup(
     install_requires=["torch>=2.11", "tqdm"],
     extras_require={"engine": ["safetensors", "tokenizers", "matplotlib", "gguf", "jinja2"],
                     "events": ["pyzmq", "msgspec"],          # LLM(kv_events_endpoint=...)
-                    "metrics": ["prometheus_client"]},       # LLM(metrics_port=...)
+                    "metrics": ["prometheus_client"],        # LLM(metrics_port=...)
+                    "transformers": ["transformers>=5.23"]},  # pagedkv.integrations.transformers
 )

@@ -10,16 +10,10 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 def save_tiny_llama(path, seed=0, max_shard_size=None, **overrides):
     """Saves a random LlamaForCausalLM (float32) to `path`; returns it in eval mode on CPU."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(**{**TINY, **overrides})
-    model = LlamaForCausalLM(config).eval()
+    model = build_tiny_model("llama", seed=seed, **overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
-    model.generation_config.eos_token_id = None    # the reference never stops early
-    model.generation_config.pad_token_id = 0
-    return model
+    return never_stop(model)
 
 
 # Windowed models: the window is small against the prompts plus generations; Gemma 2's softcaps and
@@ -30,27 +24,41 @@ TINY_GEMMA2 = dict(TINY, head_dim=16, sliding_window=8, query_pre_attn_scalar=24
                    final_logit_softcapping=4.0, num_hidden_layers=4, tie_word_embeddings=False)
 
 
-def save_tiny_model(path, model_type="llama", seed=0, **overrides):
-    """Saves a random float32 LlamaForCausalLM / MistralForCausalLM / Gemma2ForCausalLM (eager attention:
-    transformers' reference maths) to `path`; returns it in eval mode on CPU. Norm weights are random
-    too, so Gemma 2's (1 + weight) is exercised."""
+def build_tiny_model(model_type="llama", seed=0, **overrides):
+    """A random float32 LlamaForCausalLM / MistralForCausalLM / Gemma2ForCausalLM in eval mode on CPU.
+    Mistral and Gemma 2 use eager attention (transformers' reference maths) and random norm weights too,
+    so Gemma 2's (1 + weight) is exercised."""
     import transformers
 
-    if model_type == "llama":
-        return save_tiny_llama(path, seed=seed, **overrides)
-    base, name = {"mistral": (TINY_MISTRAL, "Mistral"), "gemma2": (TINY_GEMMA2, "Gemma2")}[model_type]
     torch.manual_seed(seed)
-    config = getattr(transformers, f"{name}Config")(**{**base, **overrides})
-    config._attn_implementation = "eager"
-    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if param_name.endswith("norm.weight"):
-                param.normal_(0.0, 0.3)
-    model.save_pretrained(path, safe_serialization=True)
+    if model_type == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, **overrides})).eval()
+    else:
+        base, name = {"mistral": (TINY_MISTRAL, "Mistral"), "gemma2": (TINY_GEMMA2, "Gemma2")}[model_type]
+        config = getattr(transformers, f"{name}Config")(**{**base, **overrides})
+        config._attn_implementation = "eager"
+        model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param_name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
+    return model
+
+
+def never_stop(model):
+    """`model`, its generation config set to never stop early (the reference runs every token)."""
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def save_tiny_model(path, model_type="llama", seed=0, **overrides):
+    """Saves `build_tiny_model(model_type, seed, **overrides)` to `path` and returns it."""
+    if model_type == "llama":
+        return save_tiny_llama(path, seed=seed, **overrides)
+    model = build_tiny_model(model_type, seed=seed, **overrides)
+    model.save_pretrained(path, safe_serialization=True)
+    return never_stop(model)
 
 
 def load_hf_eager(path):

@@ -1,0 +1,7 @@
+"""pagedkv inside other engines. Each integration is a submodule imported only when asked for, so
+importing this package imports none of those engines:
+
+- ``pagedkv.integrations.transformers``: ``enable()`` / ``disable()``; transformers' continuous batching
+  (``model.generate_batch``) computes its attention with ``torch.ops.pagedkv.paged_attention`` on
+  transformers' own cache pages. Needs ``pip install "pagedkv[transformers]"``.
+"""
