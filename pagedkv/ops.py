@@ -213,7 +213,7 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
 def _check_not_mixed_with_meta(op: str, **tensors) -> None:
     """A real meta tensor next to CPU / CUDA ones routes the call here, to a kernel that computes and
     writes nothing: refuse instead. (FakeTensors report the device they stand for, never meta.)"""
-    flat = []
+    flat: list[tuple[str, torch.Tensor]] = []
     for name, t in tensors.items():
         if isinstance(t, (list, tuple)):
             flat.extend((f"{name}[{i}]", x) for i, x in enumerate(t))
