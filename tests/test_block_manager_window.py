@@ -406,8 +406,9 @@ def test_kv_cache_groups_from_layer_windows(rng):
     assert pagedkv.kv_cache_groups([w] * 2) == ([w], [(0, 0), (0, 1)])
     gemma = [w if i % 2 == 0 else None for i in range(6)]  # Gemma 2: sliding, full, sliding, ...
     windows, placement = pagedkv.kv_cache_groups(gemma)
-    assert windows == [w, None]
-    assert placement == [(i % 2, i // 2) for i in range(6)]
+    assert windows == [None, w]                            # full attention first
+    assert placement == [(1 - i % 2, i // 2) for i in range(6)]
+    assert pagedkv.kv_cache_groups([w + 1, w, None, w])[0] == [None, w, w + 1]   # then windows, smallest first
     for layer, (g, _) in enumerate(placement):
         assert windows[g] == gemma[layer]
     BlockManager(8, 4, group_windows=windows)  # the manager takes them as they are
