@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import bench_engine  # noqa: E402
 from pagedkv import ops  # noqa: E402
 from pagedkv.engine import LLM, SamplingParams  # noqa: E402
-from pagedkv.engine.llama import AttentionMetadata  # noqa: E402
+from pagedkv.engine.llama import AttentionMetadata, KVGroupInputs  # noqa: E402
 
 NEW_TOKENS = 64
 KV_FORMATS = [  # (label, kv_cache_dtype, kv_scale, round K/V to bf16)
@@ -92,10 +92,10 @@ def teacher_forced_logits(llm, prompt, continuation):
     out = None
     for start, tokens in ((0, prompt), (len(prompt), continuation[:-1])):
         end = start + len(tokens)
-        meta = AttentionMetadata(slot_mapping=torch.arange(start, end), block_tables=table,
-                                 seq_lens=torch.tensor([end], dtype=torch.int32),
+        meta = AttentionMetadata(seq_lens=torch.tensor([end], dtype=torch.int32),
                                  query_start_loc=torch.tensor([0, len(tokens)], dtype=torch.int32),
-                                 max_seq_len=end, logits_indices=torch.arange(len(tokens)))
+                                 max_seq_len=end, groups=[KVGroupInputs(torch.arange(start, end), table)],
+                                 logits_indices=torch.arange(len(tokens)))
         hidden = model(torch.tensor(tokens), torch.arange(start, end), caches, meta)
         logits = model.compute_logits(hidden)
         out = logits[-1:] if out is None else torch.cat([out, logits])

@@ -588,6 +588,10 @@ PYBIND11_MODULE(_C, m) {
       .def("take_copies", [](BlockManager& bm) { return pairs_to_list(bm.take_copies()); })
       .def("free", &BlockManager::free, py::arg("seq_id"))
       .def("fork", &BlockManager::fork, py::arg("parent_seq_id"), py::arg("child_seq_id"))
+      .def("distinct_blocks", [](const BlockManager& bm, const py::object& ids) { return bm.distinct_blocks(seq_id_list(ids)); },
+           py::arg("seq_ids"),
+           "Distinct blocks the sequences hold over every group (a block they share counts once; entries a window\n"
+           "released excepted): what swap_out / swap_in moves. The sequences are all resident or all swapped out.")
       .def("can_swap_out", [](const BlockManager& bm, const py::object& ids) { return bm.can_swap_out(seq_id_list(ids)); },
            py::arg("seq_ids"))
       .def("swap_out", [](BlockManager& bm, const py::object& ids) { return pairs_to_list(bm.swap_out(seq_id_list(ids))); },

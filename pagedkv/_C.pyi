@@ -253,6 +253,11 @@ class BlockManager(metaclass=_pybind11_type):
         block copies it (copy-on-write).
         """
 
+    def distinct_blocks(self, seq_ids: _IdOrIds) -> int:
+        """Distinct blocks the sequences hold over every group (a block they share counts once; entries a window
+        released excepted): what swap_out / swap_in moves. The sequences are all resident or all swapped out.
+        """
+
     def can_swap_out(self, seq_ids: _IdOrIds) -> bool:
         """Whether enough CPU blocks are free to swap the sequences out."""
 

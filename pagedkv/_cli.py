@@ -1,17 +1,6 @@
-"""Argument parsing shared by the command-line tools (python -m pagedkv.demo / pagedkv.simulate)."""
+"""The help format shared by the command-line tools (python -m pagedkv.demo / pagedkv.simulate); their flags
+are checked by pagedkv.validation."""
 import argparse
-
-
-def int_at_least(minimum):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    return parse
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -1,9 +1,9 @@
 """Allocation and sizing of per-layer paged KV caches ([num_blocks, block_size, num_kv_heads, head_dim])."""
 from __future__ import annotations
 
-import operator
-
 import torch
+
+from .validation import check_int
 
 __all__ = ["allocate_kv_cache", "num_blocks_for", "block_bytes", "kv_cache_groups"]
 
@@ -11,22 +11,9 @@ __all__ = ["allocate_kv_cache", "num_blocks_for", "block_bytes", "kv_cache_group
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-
-def _check_int(name: str, v) -> None:
-    """Python and numpy integers pass; floats, bools and strings raise TypeError."""
-    if isinstance(v, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        operator.index(v)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}") from None
-
-
 def _check_cache_geometry(dtype, **sizes) -> None:
     for name, v in sizes.items():
-        _check_int(name, v)
-        if v <= 0:
-            raise ValueError(f"{name} must be positive, got {v}")
+        check_int(name, v, minimum=1)
     if dtype not in _CACHE_DTYPES:
         raise ValueError("dtype must be torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn or "
                          f"torch.float8_e5m2, got {dtype}")
@@ -43,9 +30,7 @@ def block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim
 def num_blocks_for(memory_bytes: int, *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                    dtype: torch.dtype) -> int:
     """How many blocks fit in ``memory_bytes`` (keys + values of every layer); 0 when not even one."""
-    _check_int("memory_bytes", memory_bytes)
-    if memory_bytes < 0:
-        raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
+    check_int("memory_bytes", memory_bytes, minimum=0)
     per_block = block_bytes(num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads,
                             head_dim=head_dim, dtype=dtype)
     return int(memory_bytes) // per_block
@@ -73,25 +58,22 @@ def kv_cache_groups(layer_windows) -> tuple[list, list[tuple[int, int]]]:
     """Groups of layers for a BlockManager(group_windows=...), from each layer's attention window (tokens;
     None: full attention), e.g. Gemma 2's alternating ``[4096, None, 4096, None, ...]``.
 
-    Returns ``(group_windows, placement)``: one window per group, in order of first appearance, and for
-    each layer ``(group, index)``, its group and its rank among that group's layers. Layers of one group
-    share the group's block tables; when every group has the same number of layers, layer ``index`` of
-    every group can share one cache tensor (a block id belongs to one group at a time), so the cache has
-    ``len(layer_windows) // len(group_windows)`` tensors and a block id costs that many layers' bytes.
+    Returns ``(group_windows, placement)``: one window per group, full attention first (the manager's KV
+    events describe group 0, and a prefix hit needs every block of the full-attention group), then each
+    distinct window, smallest first; and for each layer ``(group, index)``, its group and its rank among
+    that group's layers. Layers of one group share the group's block tables; when every group has the
+    same number of layers, layer ``index`` of every group can share one cache tensor (a block id belongs
+    to one group at a time), so the cache has ``len(layer_windows) // len(group_windows)`` tensors and a
+    block id costs that many layers' bytes.
     """
-    group_windows, placement, sizes = [], [], []
-    for i, w in enumerate(layer_windows):
-        if w is not None:
-            _check_int(f"layer_windows[{i}]", w)
-            if w < 1:
-                raise ValueError(f"layer_windows[{i}] must be >= 1 token (None: full attention), got {w}")
-            w = int(w)
-        if w not in group_windows:
-            group_windows.append(w)
-            sizes.append(0)
+    windows = [w if w is None else check_int(f"layer_windows[{i}] (tokens; None: full attention)", w, minimum=1)
+               for i, w in enumerate(layer_windows)]
+    if not windows:
+        raise ValueError("layer_windows is empty")
+    group_windows = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+    placement, sizes = [], [0] * len(group_windows)
+    for w in windows:
         g = group_windows.index(w)
         placement.append((g, sizes[g]))
         sizes[g] += 1
-    if not placement:
-        raise ValueError("layer_windows is empty")
     return group_windows, placement

@@ -5,7 +5,6 @@ usage. `--model tiny` runs a built-in tiny random Llama on token ids (offline, n
 `--model PATH` any Hugging Face folder or GGUF file."""
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -16,7 +15,8 @@ import torch
 
 from pagedkv.chat_workload import SMOLLM2_INSTALL, conversations, smollm2_path
 from pagedkv.engine import LLM, SamplingParams
-from pagedkv._cli import HelpFormatter, int_at_least
+from pagedkv._cli import HelpFormatter
+from pagedkv.validation import float_at_least, int_at_least
 
 TINY_LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=2048, max_position_embeddings=1024, initializer_range=0.2)
@@ -90,16 +90,6 @@ def plot_history(history: list[dict], num_blocks: int, path: str) -> None:
     plt.close(fig)
 
 
-def temperature(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
 def main(argv=None) -> int:
     """Runs the demo; returns the exit status: 0, or 1 when some request failed."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
@@ -114,7 +104,7 @@ def main(argv=None) -> int:
                    help="distinct system prompts the requests share (what the prefix cache reuses)")
     p.add_argument("--system-len", type=int_at_least(1), default=192, help="system prompt tokens (token-id prompts)")
     p.add_argument("--max-tokens", type=int_at_least(1), default=64, help="tokens generated per request")
-    p.add_argument("--temperature", type=temperature, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--temperature", type=float_at_least(0), default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--block-size", type=int_at_least(1), default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int_at_least(1), default=None,
                    help="KV pool size (default: from a memory budget; 160 for the tiny model, to show eviction)")

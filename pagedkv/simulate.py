@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from pagedkv import AllocStatus, BlockManager
-from pagedkv._cli import HelpFormatter, int_at_least
+from pagedkv._cli import HelpFormatter
+from pagedkv.validation import int_at_least
 
 
 @dataclass

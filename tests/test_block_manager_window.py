@@ -406,11 +406,32 @@ def test_kv_cache_groups_from_layer_windows(rng):
     assert pagedkv.kv_cache_groups([w] * 2) == ([w], [(0, 0), (0, 1)])
     gemma = [w if i % 2 == 0 else None for i in range(6)]  # Gemma 2: sliding, full, sliding, ...
     windows, placement = pagedkv.kv_cache_groups(gemma)
-    assert windows == [w, None]
-    assert placement == [(i % 2, i // 2) for i in range(6)]
+    assert windows == [None, w]                            # full attention first
+    assert placement == [(1 - i % 2, i // 2) for i in range(6)]
+    assert pagedkv.kv_cache_groups([w + 1, w, None, w])[0] == [None, w, w + 1]   # then windows, smallest first
     for layer, (g, _) in enumerate(placement):
         assert windows[g] == gemma[layer]
     BlockManager(8, 4, group_windows=windows)  # the manager takes them as they are
     for bad, error in (([], ValueError), ([4, 0], ValueError), ([2.5], TypeError), ([True], TypeError)):
         with pytest.raises(error):
             pagedkv.kv_cache_groups(bad)
+
+
+def test_distinct_blocks_counts_what_a_swap_moves():
+    bm = BlockManager(16, 2, num_cpu_blocks=16, group_windows=[None, 2])
+    bm.allocate(0, toks(7))
+    bm.mark_computed(0)
+    bm.fork(0, 1)                      # shares every held block of 0
+    bm.allocate(2, toks(3, 50))
+    held = bm.distinct_blocks([0])
+    assert held == 16 - bm.num_free_blocks - bm.distinct_blocks([2])       # released entries excepted
+    assert bm.distinct_blocks([0, 1]) == held and bm.distinct_blocks(1) == held
+    assert bm.distinct_blocks([]) == 0
+    assert len(bm.swap_out([0, 1])) == held
+    assert bm.distinct_blocks([0, 1]) == held == 16 - bm.num_free_cpu_blocks   # swapped: its CPU blocks
+    for bad, error in (([0, 2], ValueError), ([2, 0], ValueError), ([0, 0], ValueError), ([9], KeyError),
+                       (["a"], TypeError)):
+        with pytest.raises(error):
+            bm.distinct_blocks(bad)
+    assert len(bm.swap_in([0, 1])) == held
+    bm.check_invariants()

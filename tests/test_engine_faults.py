@@ -96,7 +96,7 @@ def inject(llm, point, injector):
 
 POINTS = [("bm", "swap_in", True), ("bm", "swap_out", True), ("bm", "append_tokens", False),
           ("bm", "append_tokens", True), ("bm", "take_copies", False), ("bm", "allocate", True),
-          ("bm", "slot_mappings", True), ("runner", "_move_blocks", True), ("model", "mlp", False),
+          ("bm", "attention_inputs", True), ("runner", "_move_blocks", True), ("model", "mlp", False),
           ("runner", "_sample", False), ("runner", "_sample", True), ("bm", "mark_computed", True),
           ("bm", "fork", True)]
 POINT_IDS = [f"{'after' if a else 'before'}-{t}" for _, t, a in POINTS]

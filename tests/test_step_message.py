@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from pagedkv.engine.llama import AttentionMetadata
+from pagedkv.engine.llama import AttentionMetadata, KVGroupInputs
 from pagedkv.engine.tp.step_message import StepMessage
 
 
@@ -33,10 +33,9 @@ def random_step(rng: torch.Generator, num_groups: int, speculative: bool):
                torch.randint(0, 1000, (b, int(torch.randint(1, 7, (), generator=rng))), generator=rng).int())
               for _ in range(num_groups)]
     seq_lens = (query_lens + torch.randint(0, 50, (b,), generator=rng)).int()
-    meta = AttentionMetadata(slot_mapping=groups[0][0], block_tables=groups[0][1], seq_lens=seq_lens,
-                             query_start_loc=starts, max_seq_len=int(seq_lens.max()),
-                             logits_indices=torch.arange(t) if speculative else None,
-                             other_groups=tuple(groups[1:]))
+    meta = AttentionMetadata(seq_lens=seq_lens, query_start_loc=starts, max_seq_len=int(seq_lens.max()),
+                             groups=[KVGroupInputs(slots, tables) for slots, tables in groups],
+                             logits_indices=torch.arange(t) if speculative else None)
     return torch.randint(0, 32000, (t,), generator=rng), torch.arange(t), meta
 
 
@@ -53,7 +52,7 @@ def test_round_trip(seed, num_groups, speculative):
         back = StepMessage.unpack(packed)
         assert_same(message, back)
         ids, positions, meta = back.step()
-        assert len(meta.other_groups) == num_groups - 1
+        assert len(meta.groups) == num_groups
         assert [m.tolist() for m in (back.swap_in, back.swap_out, back.copies)] == moves
 
 

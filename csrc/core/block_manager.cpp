@@ -407,6 +407,12 @@ std::vector<BlockPair> BlockManager::move_blocks(const std::vector<int64_t>& seq
   return mapping;
 }
 
+int32_t BlockManager::distinct_blocks(const std::vector<int64_t>& seq_ids) const {
+  if (seq_ids.empty()) return 0;
+  const Where where = get(seq_ids[0]).swapped ? Where::kSwapped : Where::kResident;
+  return distinct_blocks(seq_ids, "distinct_blocks", where);
+}
+
 bool BlockManager::can_swap_out(const std::vector<int64_t>& seq_ids) const {
   return distinct_blocks(seq_ids, "swap_out", Where::kResident) <= cpu_.num_free();
 }

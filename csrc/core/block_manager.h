@@ -148,6 +148,9 @@ class BlockManager {
   void free(int64_t seq_id);
   void fork(int64_t parent_seq_id, int64_t child_seq_id);
 
+  // Distinct blocks the sequences hold over every group (a block they share counts once; entries a window
+  // released excepted): what swap_out / swap_in moves. The sequences are all resident or all swapped out.
+  int32_t distinct_blocks(const std::vector<int64_t>& seq_ids) const;
   bool can_swap_out(const std::vector<int64_t>& seq_ids) const;
   std::vector<BlockPair> swap_out(const std::vector<int64_t>& seq_ids);  // (gpu, cpu)
   AllocStatus can_swap_in(const std::vector<int64_t>& seq_ids, int64_t num_lookahead_slots = 0) const;

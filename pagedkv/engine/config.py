@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.cache import kv_cache_groups
+from pagedkv.validation import check_bool, check_float, check_int
+
 from .kv_quant import check_kv_cache_dtype, check_kv_scale
-from .sampling import check_bool, check_float, check_int
 from .speculative import check_speculative
 
 INT32_MAX = 2**31 - 1        # the block manager counts blocks and tokens per block in int32
@@ -24,25 +26,29 @@ MATHS_FIELDS = {"hidden_act": "silu", "sliding_window": None, "use_sliding_windo
 
 @dataclass(frozen=True)
 class Architecture:
-    """What the engine reads from the config.json of one Hugging Face architecture."""
+    """One Hugging Face architecture the engine runs: what it reads from config.json, and the model class
+    that runs it."""
     model_type: str
+    model_class: str           # "module.Class" in pagedkv.engine (a name: the model modules import this one)
     fixed: dict                # fields with the only value the engine runs (absent counts as that value)
     defaults: dict             # transformers' class defaults of fields the engine reads, when absent
     read: frozenset = frozenset()   # the architecture's own fields the engine runs (windows, softcaps, ...)
     activation: str = "silu"        # the MLP gate's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
 
 
-# The model registry, keyed by config.json's `architectures` (loader.MODELS holds each one's module).
-# Mistral is Llama with every layer windowed; Gemma 2 alternates windowed and full layers.
+# The model registry, keyed by config.json's `architectures`. Mistral is Llama with every layer windowed;
+# Gemma 2 alternates windowed and full layers.
 ARCHITECTURES = {
-    "LlamaForCausalLM": Architecture("llama", MATHS_FIELDS, {}),
+    "LlamaForCausalLM": Architecture("llama", "llama.LlamaForCausalLM", MATHS_FIELDS, {}),
     "MistralForCausalLM": Architecture(
-        "mistral", {**{k: v for k, v in MATHS_FIELDS.items() if k != "sliding_window"},
-                    "attention_bias": False, "mlp_bias": False},
+        "mistral", "llama.LlamaForCausalLM",
+        {**{k: v for k, v in MATHS_FIELDS.items() if k != "sliding_window"}, "attention_bias": False,
+         "mlp_bias": False},
         {"sliding_window": 4096, "max_position_embeddings": 131072},
         frozenset({"sliding_window"})),
     "Gemma2ForCausalLM": Architecture(
-        "gemma2", {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False,
+        "gemma2", "gemma2.Gemma2ForCausalLM",
+        {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False,
                    "partial_rotary_factor": 1.0, "quantization_config": None, "mlp_bias": False,
                    "qk_norm": False, "use_qk_norm": False, "logits_scaling": None},
         {"sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
@@ -122,30 +128,27 @@ class ModelConfig:
         return None if self.layer_windows is None else self.layer_windows[layer]
 
     @property
+    def kv_cache_groups(self) -> tuple[list, list[tuple[int, int]]]:
+        """pagedkv.kv_cache_groups of the layers' windows: the KV cache's groups of layers (full attention
+        first, then each window, smallest first; one group for Llama ([None]) and Mistral ([window])), and
+        each layer's (group, index among the group's layers)."""
+        return kv_cache_groups([self.window(i) for i in range(self.num_layers)])
+
+    @property
     def group_windows(self) -> list:
-        """The KV cache's groups of layers, by window: full attention (None) first when a layer has it (the
-        manager's KV events describe group 0, and a prefix hit needs the full group's every block), then
-        each distinct window, smallest first. One group for Llama ([None]) and Mistral ([window]). The
-        layout is pagedkv.kv_cache_groups' up to that order."""
-        windows = set(self.layer_windows or [None])
-        return ([None] if None in windows else []) + sorted(w for w in windows if w is not None)
+        """The window of each KV group (None: full attention)."""
+        return self.kv_cache_groups[0]
 
     @property
     def layer_groups(self) -> list[int]:
         """Each layer's index into group_windows."""
-        groups = self.group_windows
-        return [groups.index(self.window(i)) for i in range(self.num_layers)]
+        return [g for g, _ in self.kv_cache_groups[1]]
 
     @property
     def layer_cache_slots(self) -> list[int]:
         """Each layer's KV cache tensor: layer i of every group shares tensor i (a block id belongs to one
         group at a time, so its bytes serve whichever group holds it); max layers per group tensors."""
-        seen = [0] * len(self.group_windows)
-        slots = []
-        for g in self.layer_groups:
-            slots.append(seen[g])
-            seen[g] += 1
-        return slots
+        return [index for _, index in self.kv_cache_groups[1]]
 
     @property
     def attention_scale(self) -> float:

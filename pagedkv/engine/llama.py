@@ -1,7 +1,6 @@
 """Llama-family decoder (RMSNorm, RoPE incl. Llama-3 scaling, GQA, SwiGLU) whose attention reads and
 writes the paged KV cache through torch.ops.pagedkv. Mistral is this model with a sliding window on every
 layer; gemma2.py builds Gemma 2 from these pieces."""
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -15,25 +14,22 @@ from .config import ModelConfig
 
 
 @dataclass
-class AttentionMetadata:
-    """Where this step's tokens live: packed over B sequences (prefill and decode mixed). A model whose
-    layers form several KV groups (Gemma 2: full and windowed) has a block table and slot per token in
-    each group; the fields are group 0's and `group(g)` is group g's view."""
-    slot_mapping: torch.Tensor     # [T] int64, cache slot of each token's K/V
+class KVGroupInputs:
+    """One KV group's part of a step: the cache slot of each token's K/V and each sequence's blocks."""
+    slot_mapping: torch.Tensor     # [T] int64
     block_tables: torch.Tensor     # [B, M] int32
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens live: packed over B sequences (prefill and decode mixed). `groups` holds
+    each KV group's slots and block tables (one group for Llama; Gemma 2 has a full and a windowed one)."""
     seq_lens: torch.Tensor         # [B] int32, KV length including this step's tokens
     query_start_loc: torch.Tensor  # [B+1] int32
     max_seq_len: int
+    groups: list[KVGroupInputs]
     logits_indices: torch.Tensor | None = None   # [R] int64: the tokens whose hidden states are returned
                                                  # (None: each sequence's last token)
-    other_groups: tuple = ()       # groups 1, 2, ...: (slot_mapping [T], block_tables [B, M_g]) each
-
-    def __post_init__(self):
-        self._views = [self] + [dataclasses.replace(self, slot_mapping=slots, block_tables=tables, other_groups=())
-                                for slots, tables in self.other_groups]
-
-    def group(self, g: int) -> "AttentionMetadata":
-        return self._views[g]
 
 
 class RMSNorm(nn.Module):
@@ -106,8 +102,7 @@ class Attention(nn.Module):
         self.kv_scales = None   # float8 KV cache: this layer's kv_quant.LayerKvScales (set by the runner)
 
     def forward(self, positions, x, rope, kv_cache, meta: AttentionMetadata):
-        if self.kv_group:
-            meta = meta.group(self.kv_group)
+        group = meta.groups[self.kv_group]
         qkv = self.qkv_proj.forward(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         rope.forward(positions, qk)                  # in place: queries and keys in one call
@@ -117,8 +112,8 @@ class Attention(nn.Module):
         if self.kv_scales is not None:
             self.kv_scales.observe(k, v)             # dynamic scales: set by the first prefill, then fixed
             k_scale, v_scale = self.kv_scales.k_scale, self.kv_scales.v_scale
-        torch.ops.pagedkv.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
-        out = torch.ops.pagedkv.paged_attention(q, key_cache, value_cache, meta.block_tables,
+        torch.ops.pagedkv.reshape_and_cache(k, v, key_cache, value_cache, group.slot_mapping, k_scale, v_scale)
+        out = torch.ops.pagedkv.paged_attention(q, key_cache, value_cache, group.block_tables,
                                                 meta.seq_lens, meta.query_start_loc, self.scale,
                                                 max_seq_len=meta.max_seq_len, sliding_window=self.sliding_window,
                                                 softcap=self.softcap, k_scale=k_scale, v_scale=v_scale)

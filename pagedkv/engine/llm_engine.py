@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from pagedkv import AllocStatus, BlockManager
 from pagedkv._threads import ThreadTuner, available_cpus
+from pagedkv.validation import check_bool, check_int, token_id_list
 
 from .chat import conversation_list
 from .config import EngineConfig
@@ -22,7 +23,7 @@ from .kv_quant import cache_salt
 from .loader import open_checkpoint
 from .metrics import PrometheusExporter, require_prometheus
 from .model_runner import ModelRunner, load_rank_model, pool_size
-from .sampling import SamplingParams, check_bool, check_int, token_id_list
+from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, Request, RequestOutput
 from .tp import group

@@ -2,6 +2,7 @@
 *.safetensors, sharded or not) or a llama-architecture GGUF file (gguf.py). Every tensor must be one the
 model has, with exactly its shape, and every weight must be there."""
 import glob
+import importlib
 import json
 import os
 
@@ -11,16 +12,18 @@ from tqdm.auto import tqdm
 
 from .chat import ChatTemplate
 from .config import ARCHITECTURES, ModelConfig
-from .gemma2 import Gemma2ForCausalLM
 from .gguf import GGUFFile, is_gguf
 from .llama import LlamaForCausalLM
 from .tp.shard import ZERO
 
-# The model class of each architecture config.ARCHITECTURES reads: Mistral is Llama whose config gives
-# every layer a sliding window.
-MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
-          "Gemma2ForCausalLM": Gemma2ForCausalLM}
-assert MODELS.keys() == ARCHITECTURES.keys()
+
+def _model_class(name: str) -> type:
+    module, cls = name.rsplit(".", 1)
+    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+
+
+# The model class of each architecture of the registry (config.ARCHITECTURES).
+MODELS = {architecture: _model_class(spec.model_class) for architecture, spec in ARCHITECTURES.items()}
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}     # safetensors' names
 

@@ -8,7 +8,7 @@ from pagedkv.cache import allocate_kv_cache, block_bytes
 from .config import EngineConfig
 from .cpu_linear import pack_wide_linears
 from .kv_quant import attach_kv_scales, kv_cache_dtype
-from .llama import AttentionMetadata, LlamaForCausalLM
+from .llama import AttentionMetadata, KVGroupInputs, LlamaForCausalLM
 from .loader import Checkpoint, load_model
 from .sampling import sample, sampling_probs
 from .scheduler import ScheduledBatch
@@ -97,16 +97,23 @@ class ModelRunner:
         """Logits of every token of positions [start, start + len(token_ids)) of sequence `seq_id`, whose
         KV before `start` is in the cache (LLM.prompt_logits)."""
         end = start + len(token_ids)
-        dev, n = self.device, len(token_ids)
-        slots, tables, seq_lens, query_start_loc = (t.to(dev) for t in bm.attention_inputs([seq_id], [start], [end]))
-        other_groups = tuple((slots_g.to(dev), tables_g.to(dev)) for slots_g, tables_g, _, _ in
-                             (bm.attention_inputs([seq_id], [start], [end], group=g) for g in range(1, self.num_groups)))
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
-                                 query_start_loc=query_start_loc, max_seq_len=end,
-                                 logits_indices=torch.arange(n, device=dev), other_groups=other_groups)
-        hidden = self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev),
-                            torch.arange(start, end, device=dev), self.layer_caches, meta)
+        meta = self._attention_metadata(bm, [seq_id], [start], [end])
+        meta.logits_indices = torch.arange(len(token_ids), device=self.device)
+        hidden = self.model(torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+                            torch.arange(start, end, device=self.device), self.layer_caches, meta)
         return self.model.compute_logits(hidden)
+
+    def _attention_metadata(self, bm: BlockManager, seq_ids: list[int], starts: list[int],
+                            ends: list[int]) -> AttentionMetadata:
+        """The paged-attention inputs of a step whose sequence i has queries at positions [starts[i],
+        ends[i]): one bm.attention_inputs call per KV group."""
+        dev, groups = self.device, []
+        for g in range(self.num_groups):
+            slots, tables, seq_lens, query_start_loc = bm.attention_inputs(seq_ids, starts, ends, group=g)
+            groups.append(KVGroupInputs(slots.to(dev, non_blocking=True), tables.to(dev, non_blocking=True)))
+        return AttentionMetadata(seq_lens=seq_lens.to(dev, non_blocking=True),
+                                 query_start_loc=query_start_loc.to(dev, non_blocking=True),
+                                 max_seq_len=max(ends), groups=groups)
 
     def _move_blocks(self, swap_in, swap_out, copies) -> None:
         """Block pairs (lists of (a, b) or [n, 2] tensors): swap-ins (cpu, gpu), swap-outs (gpu, cpu) and
@@ -127,52 +134,26 @@ class ModelRunner:
             torch.ops.pagedkv.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
 
     def _prepare(self, batch: ScheduledBatch, bm: BlockManager):
-        if batch.decode_drafts:     # speculative: each decode's input token, then its drafts
-            input_ids, positions, query_lens = [], [], []
-            for s, draft in zip(batch.decodes, batch.decode_drafts):
-                input_ids += [s.token_ids[-1], *draft]
-                positions += range(len(s) - 1, len(s) + len(draft))
-                query_lens.append(1 + len(draft))
-        else:
-            input_ids = [s.token_ids[-1] for s in batch.decodes]
-            positions = [len(s) - 1 for s in batch.decodes]
-            query_lens = [1] * len(batch.decodes)
-        slots = [batch.decode_slots] if batch.decodes else []
+        """The step's (input_ids, positions, AttentionMetadata): each decode's input token (and its drafts
+        when speculating), then each prefill's chunk."""
+        drafts = batch.decode_drafts or [[]] * len(batch.decodes)
+        input_ids, starts, ends = [], [], []
+        for s, draft in zip(batch.decodes, drafts):
+            input_ids += [s.token_ids[-1], *draft]
+            starts.append(len(s) - 1)
+            ends.append(len(s) + len(draft))
         for seq, start, end in zip(batch.prefills, batch.prefill_starts, batch.prefill_ends):
             input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            query_lens.append(end - start)
-        if batch.prefills:
-            slots.append(bm.slot_mappings([s.seq_id for s in batch.prefills], batch.prefill_starts, batch.prefill_ends))
-        ids = [s.seq_id for s in batch.seqs]
-        seq_lens = [q - 1 + len(s) for q, s in zip(query_lens, batch.decodes)] + batch.prefill_ends
-        query_start_loc = [0]
-        for q in query_lens:
-            query_start_loc.append(query_start_loc[-1] + q)
-        dev = self.device
-        logits_indices = None
+        starts += batch.prefill_starts
+        ends += batch.prefill_ends
+        positions = [p for start, end in zip(starts, ends) for p in range(start, end)]
+        meta = self._attention_metadata(bm, [s.seq_id for s in batch.seqs], starts, ends)
         if batch.decode_drafts:     # every decode token is verified; a prefill samples after its last
-            num_decode_tokens = query_start_loc[len(batch.decodes)]
-            rows = list(range(num_decode_tokens)) + [e - 1 for e in query_start_loc[len(batch.decodes) + 1:]]
-            logits_indices = torch.tensor(rows, dtype=torch.int64, device=dev)
-        other_groups = ()
-        if self.num_groups > 1:     # every group's slots of the step's tokens (decodes first), and tables
-            starts = [len(s) - 1 for s in batch.decodes] + batch.prefill_starts
-            ends = [len(s) + q - 1 for q, s in zip(query_lens, batch.decodes)] + batch.prefill_ends
-            other_groups = tuple((bm.slot_mappings(ids, starts, ends, group=g).to(dev, non_blocking=True),
-                                  bm.block_tables(ids, group=g).to(dev, non_blocking=True))
-                                 for g in range(1, self.num_groups))
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev, non_blocking=True),
-            block_tables=bm.block_tables(ids).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            max_seq_len=max(seq_lens),
-            logits_indices=logits_indices,
-            other_groups=other_groups,
-        )
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+            num_decode_tokens = sum(ends[i] - starts[i] for i in range(len(batch.decodes)))
+            last = meta.query_start_loc[len(batch.decodes) + 1:].long() - 1
+            meta.logits_indices = torch.cat([torch.arange(num_decode_tokens, device=self.device), last])
+        return (torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
 
     def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> list[list[int]]:
         if not batch.decode_drafts:

@@ -3,8 +3,6 @@ the prefix cache, decode appends, preemption (swap or recompute) and forking of 
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedkv import AllocStatus, BlockManager
 
 from .config import EngineConfig
@@ -15,7 +13,6 @@ from .speculative import NgramProposer
 @dataclass
 class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)
-    decode_slots: torch.Tensor | None = None            # each decode's input token and drafts, concatenated
     decode_drafts: list[list[int]] = field(default_factory=list)   # speculative drafts per decode (or [])
     prefills: list[Sequence] = field(default_factory=list)      # new prompts and continued chunks
     prefill_starts: list[int] = field(default_factory=list)   # first position computed in this step
@@ -174,13 +171,14 @@ class Scheduler:
         if batch.decodes:
             ids = [s.seq_id for s in batch.decodes]
             drafts = self._propose(batch.decodes) if self.proposer else []
+            # Each decode's input token (and drafts) gets its blocks in every group; the runner reads their
+            # slots with the step's other attention inputs.
             if drafts:
                 batch.decode_drafts = drafts
-                batch.decode_slots = self.bm.append_tokens(
-                    ids, [t for s, d in zip(batch.decodes, drafts) for t in [s.token_ids[-1], *d]],
-                    counts=[1 + len(d) for d in drafts])
+                self.bm.append_tokens(ids, [t for s, d in zip(batch.decodes, drafts) for t in [s.token_ids[-1], *d]],
+                                      counts=[1 + len(d) for d in drafts])
             else:
-                batch.decode_slots = self.bm.append_tokens(ids, [s.token_ids[-1] for s in batch.decodes])
+                self.bm.append_tokens(ids, [s.token_ids[-1] for s in batch.decodes])
         for seq in self.running:
             if not seq.prefilled:
                 budget = self.config.max_num_batched_tokens - batch.num_tokens
@@ -218,7 +216,7 @@ class Scheduler:
             ids = [s.seq_id for s in group]
             # Room for the group's blocks and for one new block per running sequence after it, so that
             # it is not preempted again at once.
-            need = self._blocks_held(ids) + (len(self.running) + len(group) if self.running else 0)
+            need = self.bm.distinct_blocks(ids) + (len(self.running) + len(group) if self.running else 0)
             if (len(self.running) + len(group) > self.config.max_num_seqs
                     or self.bm.can_swap_in(ids) != AllocStatus.OK or self.bm.num_free_blocks < need):
                 return
@@ -228,12 +226,6 @@ class Scheduler:
                 s.status = SequenceStatus.RUNNING
             self.running = sorted(self.running + group, key=lambda s: (s.arrival, s.seq_id))
             self.stats["swapped_in"] += len(group)
-
-    def _blocks_held(self, seq_ids: list[int]) -> int:
-        """Distinct blocks the sequences hold over every group (entries a window released excepted)."""
-        bm = self.bm
-        return len({b for g in range(bm.num_groups) for i in seq_ids
-                    for b in bm.block_table(i, group=g)[bm.num_released_blocks(i, group=g):]})
 
     def _make_room_for_decodes(self, batch: ScheduledBatch) -> bool:
         """Preempts the newest request's sequences until every decoding sequence can append a token."""

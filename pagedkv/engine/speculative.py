@@ -10,7 +10,7 @@ from array import array
 
 import torch
 
-from .sampling import check_int
+from pagedkv.validation import check_int
 
 SPECULATIVE_METHODS = ("ngram",)
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from ..llama import AttentionMetadata
+from ..llama import AttentionMetadata, KVGroupInputs
 
 # What a field is on the wire (its dataclass metadata).
 INT, TENSOR, TENSOR_LIST = "int", "tensor", "tensor list"
@@ -44,20 +44,18 @@ class StepMessage:
         if step is None:
             return cls(**moves)
         input_ids, positions, meta = step
-        groups = [meta.group(g) for g in range(1 + len(meta.other_groups))]
         return cls(**moves, input_ids=input_ids, positions=positions, seq_lens=meta.seq_lens,
                    query_start_loc=meta.query_start_loc, logits_indices=meta.logits_indices,
-                   max_seq_len=meta.max_seq_len, slot_mappings=[g.slot_mapping for g in groups],
-                   block_tables=[g.block_tables for g in groups])
+                   max_seq_len=meta.max_seq_len, slot_mappings=[g.slot_mapping for g in meta.groups],
+                   block_tables=[g.block_tables for g in meta.groups])
 
     def step(self):
         """The runner's (input_ids, positions, AttentionMetadata), or None when the step moves blocks only."""
         if self.input_ids is None:
             return None
-        meta = AttentionMetadata(slot_mapping=self.slot_mappings[0], block_tables=self.block_tables[0],
-                                 seq_lens=self.seq_lens, query_start_loc=self.query_start_loc,
+        meta = AttentionMetadata(seq_lens=self.seq_lens, query_start_loc=self.query_start_loc,
                                  max_seq_len=self.max_seq_len, logits_indices=self.logits_indices,
-                                 other_groups=tuple(zip(self.slot_mappings[1:], self.block_tables[1:])))
+                                 groups=[KVGroupInputs(s, t) for s, t in zip(self.slot_mappings, self.block_tables)])
         return self.input_ids, self.positions, meta
 
     def pack(self) -> torch.Tensor:
