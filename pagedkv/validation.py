@@ -13,11 +13,12 @@ def check_int(name: str, value, minimum: int | None = None, maximum: int | None 
     maximum]."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value}")
-    return int(value)
+    return value
 
 
 def check_float(name: str, value) -> float:
