@@ -150,16 +150,17 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """transformers' attention-function signature: ``query`` ``[1, Hq, T, D]`` packed over the batch's
     sequences, ``key`` / ``value`` what the cache update returned; returns ``([1, T, Hq, D], None)``. The
     causal and window mask continuous batching builds is not read: ``paged_attention`` applies both."""
+    layer_idx: int = getattr(module, "layer_idx")
     cache = kwargs.pop("cache", None)
     if cache is not None:   # releases whose attention function updates the cache itself (5.23)
-        key, value = _update_for_pagedkv(cache, key, value, module.layer_idx, kwargs)
+        key, value = _update_for_pagedkv(cache, key, value, layer_idx, kwargs)
     layer = kwargs.pop(_LAYER, None)
     if layer is None:       # not continuous batching: transformers' own function
         return _stock_forward()(module, query, key, value, attention_mask, **kwargs)
     scale, window, softcap = _check_supported(module, layer, query, kwargs)
     q = query[0].transpose(0, 1)                                        # [T, Hq, D]
     key_cache, value_cache, block_tables, seq_lens, query_start_loc = _attention_inputs(
-        layer, module.layer_idx, key, value, q.size(0), kwargs)
+        layer, layer_idx, key, value, q.size(0), kwargs)
     out = ops.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                               max_seq_len=max(int(kwargs["max_length_k"]), q.size(0)),
                               sliding_window=window, softcap=softcap)
@@ -167,10 +168,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 
 def _stock_forward() -> Callable[..., Any]:
-    forward = _saved.get("forward")
-    if forward is None:
-        from transformers.integrations.eager_paged import eager_paged_attention_forward as forward
-    return forward
+    if "forward" in _saved:
+        return _saved["forward"]
+    from transformers.integrations.eager_paged import eager_paged_attention_forward
+    return eager_paged_attention_forward
 
 
 def _check_supported(module: torch.nn.Module, layer: Any, query: torch.Tensor,
