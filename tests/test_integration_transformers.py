@@ -180,13 +180,13 @@ def test_attention_pagedkv_cannot_compute_fails_the_requests(what, monkeypatch):
         attention.is_causal = False
         expected = "bidirectionally"
     else:
-        update = hf._update
+        update = hf._update_for_pagedkv
 
-        def update_with_chunks(self, key_states, value_states, layer_idx, kwargs):
+        def update_with_chunks(cache, key_states, value_states, layer_idx, kwargs):
             kwargs["attention_chunk_size"] = 4
-            return update(self, key_states, value_states, layer_idx, kwargs)
+            return update(cache, key_states, value_states, layer_idx, kwargs)
 
-        monkeypatch.setattr(hf, "_update", update_with_chunks)
+        monkeypatch.setattr(hf, "_update_for_pagedkv", update_with_chunks)
         expected = "['attention_chunk_size']"
     hf.enable()
     config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1, pad_token_id=0)

@@ -113,23 +113,34 @@ def enabled() -> bool:
 
 def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
             kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``PagedAttentionCache.update`` while enabled: for ``"paged|eager"`` models it names the layer's
-    allocator to the attention function and, on full-attention layers, writes without reading back."""
-    stock = _saved.get("update") or _api["cache"].__dict__["update"]
+    """``PagedAttentionCache.update`` while enabled: transformers' own for models on other attentions and
+    for the flash block-table path, ``_update_for_pagedkv`` for ``"paged|eager"`` models."""
     if getattr(self.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION or \
             kwargs.get("block_table") is not None:
-        return stock(self, key_states, value_states, layer_idx, kwargs)
-    layer = self.layer_to_allocator[layer_idx]
+        return _stock_update()(self, key_states, value_states, layer_idx, kwargs)
+    return _update_for_pagedkv(self, key_states, value_states, layer_idx, kwargs)
+
+
+def _update_for_pagedkv(cache: Any, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                        kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' cache update, which also names the layer's allocator to the attention function and,
+    on full-attention layers, writes the step's keys and values without reading the history back."""
+    stock = _stock_update()
+    layer = cache.layer_to_allocator[layer_idx]
     kwargs[_LAYER] = layer
     if type(layer) is not _api["full"]:
-        return stock(self, key_states, value_states, layer_idx, kwargs)   # ring buffers: read, then write
+        return stock(cache, key_states, value_states, layer_idx, kwargs)   # ring buffers: read, then write
     # An empty read index is transformers' own write-only path; the attention reads the pages instead.
     read_index = kwargs["read_index"]
     kwargs["read_index"] = [r[:0] if i == layer.index else r for i, r in enumerate(read_index)]
     try:
-        return stock(self, key_states, value_states, layer_idx, kwargs)
+        return stock(cache, key_states, value_states, layer_idx, kwargs)
     finally:
         kwargs["read_index"] = read_index
+
+
+def _stock_update() -> Callable[..., Any]:
+    return _saved.get("update") or _api["cache"].__dict__["update"]
 
 
 @torch.compiler.disable   # transformers' cache views and the op's host-side checks stay out of graphs
@@ -139,16 +150,17 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """transformers' attention-function signature: ``query`` ``[1, Hq, T, D]`` packed over the batch's
     sequences, ``key`` / ``value`` what the cache update returned; returns ``([1, T, Hq, D], None)``. The
     causal and window mask continuous batching builds is not read: ``paged_attention`` applies both."""
+    layer_idx: int = getattr(module, "layer_idx")
     cache = kwargs.pop("cache", None)
     if cache is not None:   # releases whose attention function updates the cache itself (5.23)
-        key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
+        key, value = _update_for_pagedkv(cache, key, value, layer_idx, kwargs)
     layer = kwargs.pop(_LAYER, None)
     if layer is None:       # not continuous batching: transformers' own function
         return _stock_forward()(module, query, key, value, attention_mask, **kwargs)
     scale, window, softcap = _check_supported(module, layer, query, kwargs)
     q = query[0].transpose(0, 1)                                        # [T, Hq, D]
     key_cache, value_cache, block_tables, seq_lens, query_start_loc = _attention_inputs(
-        layer, module.layer_idx, key, value, q.size(0), kwargs)
+        layer, layer_idx, key, value, q.size(0), kwargs)
     out = ops.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                               max_seq_len=max(int(kwargs["max_length_k"]), q.size(0)),
                               sliding_window=window, softcap=softcap)
@@ -156,10 +168,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 
 def _stock_forward() -> Callable[..., Any]:
-    forward = _saved.get("forward")
-    if forward is None:
-        from transformers.integrations.eager_paged import eager_paged_attention_forward as forward
-    return forward
+    if "forward" in _saved:
+        return _saved["forward"]
+    from transformers.integrations.eager_paged import eager_paged_attention_forward
+    return eager_paged_attention_forward
 
 
 def _check_supported(module: torch.nn.Module, layer: Any, query: torch.Tensor,
@@ -227,7 +239,7 @@ def _attention_inputs(layer: Any, layer_idx: int, key: torch.Tensor, value: torc
     else:                   # the slot of each block's first token, as a page of the layer's view
         tables = torch.div(index[rows.clamp_(max=index.numel() - 1)], block_size, rounding_mode="floor")
     tables = torch.cat([tables.int(), torch.zeros(1, width, dtype=torch.int32, device=device)])
-    total = torch.tensor([num_tokens], dtype=torch.int32, device=device)
+    total = torch.full((1,), num_tokens, dtype=torch.int32, device=device)
     seq_lens = torch.cat([(cu_k[1:] - cu_k[:-1]).int(), total - cu_q[-1:].int()])
     query_start_loc = torch.cat([cu_q.int(), total])
     return key_cache, value_cache, tables, seq_lens, query_start_loc
