@@ -15,7 +15,7 @@ import torch
 from . import _C  # noqa: F401  (registers torch.ops.pagedkv.*)
 
 __all__ = ["reshape_and_cache", "paged_attention", "paged_attention_with_lse", "copy_blocks", "swap_blocks",
-           "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]
+           "cpu_attention_isa", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]
 
 _ops = torch.ops.pagedkv
 
@@ -153,6 +153,12 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         swap_blocks(gpu_key_cache, cpu_key_cache, torch.tensor(bm.swap_out([seq_id])).view(-1, 2))
     """
     _ops.swap_blocks(src, dst, block_mapping)
+
+
+def cpu_attention_isa() -> str:
+    """The copy of the CPU attention kernels that runs on this machine: "amx", "avx512", "avx2" (x86-64),
+    "neon" (aarch64) or "baseline" (the portable copy, any CPU), chosen at run time from what the CPU has."""
+    return _C._cpu_attention_isa()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,6 +10,13 @@ missing=()
 [ -f /usr/include/openssl/evp.h ] || missing+=(libssl-dev)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
+# The NEON copy of the CPU kernels is cross-compiled and run under qemu-user on x86-64 (make test-cpp-arm),
+# with GoogleTest built from its Debian source package.
+if [ "$(uname -m)" = x86_64 ]; then
+  command -v aarch64-linux-gnu-g++ >/dev/null || missing+=(g++-aarch64-linux-gnu)
+  command -v qemu-aarch64 >/dev/null || missing+=(qemu-user)
+  [ -f /usr/src/googletest/CMakeLists.txt ] || missing+=(googletest)
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
   echo "setup: the build needs Debian packages: ${missing[*]}; installing them with ${sudo:-root} apt-get"

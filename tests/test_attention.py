@@ -3,6 +3,8 @@
 every CPU ISA copy; CUDA variants are skipped without a GPU."""
 from __future__ import annotations
 
+import os
+
 import hypothesis
 import hypothesis.strategies as st
 import pytest
@@ -231,6 +233,14 @@ def test_paged_attention_random_batches_cpu(data, block_size, num_kv_heads, grou
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(bool(os.environ.get("PAGEDKV_CPU_BASELINE")), reason="PAGEDKV_CPU_BASELINE caps the choice")
+def test_cpu_attention_isa_is_the_best_this_cpu_runs():
+    """With no cap, the copy in use is the first this CPU runs; the portable copy runs everywhere."""
+    assert ops.cpu_attention_isa() == CPU_ISAS[0]
+    assert CPU_ISAS[-1] == "baseline"
+    assert set(CPU_ISAS) <= {"amx", "avx512", "avx2", "neon", "baseline"}
+
+
 @pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("config", ATTENTION_CONFIGS, ids=config_id)
 def test_paged_attention_cpu_each_isa(isa, config):
@@ -238,7 +248,7 @@ def test_paged_attention_cpu_each_isa(isa, config):
     dtype = config[0]
     batch = mixed_batch(config, "cpu")
     with cpu_attention_isa(isa):
-        assert _C._cpu_attention_isa() == isa
+        assert ops.cpu_attention_isa() == isa
         out, lse = ops.paged_attention_with_lse(*batch.args(), softcap=5.0)
     expected, expected_lse = batch.reference(softcap=5.0)
     assert_close(out, expected, dtype, f"{isa} seq_lens={batch.seq_lens_list}")

@@ -1,0 +1,282 @@
+// The CPU paged attention kernels (csrc/ops/cpu/), every ISA copy this CPU runs, without libtorch (c10
+// headers only): the work plan, the kernels on a few threads and the split-K merge against a float64
+// reference. Decode and prefill over cached prefixes, GQA groups 1..20, block sizes that do and do not
+// divide the kernels' tiles, head dims with and without a last 8 columns, sliding window, softcap,
+// fp32 / fp16 / bf16 and float8 caches with per-head scales. Cache rows the kernels must not read (the
+// tail of each sequence's last block, blocks of no sequence) hold NaN and block tables are padded with
+// -1. On x86-64 this runs the AVX2 / AVX-512 / AMX copies where the CPU has them; built for aarch64
+// (make test-cpp-arm) it runs the NEON copy under qemu-user.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ops/cpu/attention_cpu.h"
+
+namespace {
+
+using pagedkv::AttentionParams;
+using pagedkv::KvScale;
+namespace cpu = pagedkv::cpu;
+
+struct Shape {
+  int head_dim, group, block_size, num_kv_heads;
+  std::vector<int> seq_lens, q_lens;  // KV length (this step's tokens included) and queries per sequence
+  int64_t sliding_window;
+  float softcap;
+  int threads;
+};
+
+std::string shape_name(const Shape& s) {
+  std::string lens;
+  for (size_t b = 0; b < s.seq_lens.size(); ++b) lens += "_" + std::to_string(s.seq_lens[b]) + "q" + std::to_string(s.q_lens[b]);
+  return "d" + std::to_string(s.head_dim) + "g" + std::to_string(s.group) + "bs" + std::to_string(s.block_size) + "kv" +
+         std::to_string(s.num_kv_heads) + lens + "w" + std::to_string(s.sliding_window) + "t" + std::to_string(s.threads);
+}
+
+template <typename T>
+constexpr bool is_fp8() {
+  return std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+}
+
+// atol = rtol against the float64 reference (the Python tests' TOLERANCE; float8 caches are compared
+// with the reference of their stored values, so the query dtype decides).
+template <typename T>
+double tolerance() {
+  if constexpr (std::is_same_v<T, float>) return 2e-5;
+  if constexpr (std::is_same_v<T, c10::Half>) return 3e-3;
+  return 2e-2;
+}
+
+// One random batch over a shuffled paged cache, the kernels' inputs and the reference output.
+template <typename scalar_t, typename cache_t>
+struct Batch {
+  Shape s;
+  int num_q_heads, num_tokens, max_blocks, num_blocks;
+  std::vector<int32_t> block_tables, seq_lens, query_start_loc;
+  std::vector<scalar_t> query, out;
+  std::vector<cache_t> key_cache, value_cache;
+  std::vector<float> lse, k_scale, v_scale;
+
+  Batch(const Shape& shape, std::mt19937_64& rng) : s(shape) {
+    const int B = int(s.seq_lens.size()), D = s.head_dim, Hkv = s.num_kv_heads, bs = s.block_size;
+    num_q_heads = Hkv * s.group;
+    query_start_loc.assign(1, 0);
+    for (int b = 0; b < B; ++b) query_start_loc.push_back(query_start_loc.back() + s.q_lens[b]);
+    num_tokens = query_start_loc.back();
+    seq_lens = s.seq_lens;
+    max_blocks = 1;
+    int used_blocks = 0;
+    for (int len : s.seq_lens) max_blocks = std::max(max_blocks, (len + bs - 1) / bs), used_blocks += (len + bs - 1) / bs;
+    num_blocks = used_blocks + 3;  // blocks of no sequence too
+    std::vector<int32_t> ids(num_blocks);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    block_tables.assign(size_t(B) * max_blocks, -1);
+    std::vector<bool> used(size_t(num_blocks) * bs, false);
+    for (int b = 0, next = 0; b < B; ++b) {
+      for (int i = 0; i < (s.seq_lens[b] + bs - 1) / bs; ++i) block_tables[size_t(b) * max_blocks + i] = ids[next++];
+      for (int p = 0; p < s.seq_lens[b]; ++p) used[size_t(block_tables[size_t(b) * max_blocks + p / bs]) * bs + p % bs] = true;
+    }
+    std::normal_distribution<float> normal(0.f, 1.f);
+    std::uniform_real_distribution<float> spread(-1.f, 1.f);
+    // float8: stored values of a few units (within both formats' range) times a scale per KV head.
+    const float stored = is_fp8<cache_t>() ? 8.f : 1.f;
+    for (int h = 0; h < Hkv; ++h) {
+      k_scale.push_back(is_fp8<cache_t>() ? std::pow(10.f, 0.5f * spread(rng)) / stored : 1.f);
+      v_scale.push_back(is_fp8<cache_t>() ? std::pow(10.f, 0.5f * spread(rng)) / stored : 1.f);
+    }
+    query.resize(size_t(num_tokens) * num_q_heads * D);
+    for (auto& x : query) x = scalar_t(normal(rng));
+    const size_t cache_size = size_t(num_blocks) * bs * Hkv * D;
+    key_cache.resize(cache_size);
+    value_cache.resize(cache_size);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (size_t i = 0; i < cache_size; ++i) {
+      const size_t slot = i / (size_t(Hkv) * D);
+      key_cache[i] = cache_t(used[slot] ? normal(rng) * stored : nan);
+      value_cache[i] = cache_t(used[slot] ? normal(rng) * stored : nan);
+    }
+    out.assign(query.size(), scalar_t(nan));
+    lse.assign(size_t(num_tokens) * num_q_heads, nan);
+  }
+
+  AttentionParams params() {
+    AttentionParams a{};
+    a.query = query.data();
+    a.q_stride_token = int64_t(num_q_heads) * s.head_dim;
+    a.q_stride_head = s.head_dim;
+    a.q_stride_dim = 1;
+    a.key_cache = key_cache.data();
+    a.value_cache = value_cache.data();
+    a.block_tables = block_tables.data();
+    a.seq_lens = seq_lens.data();
+    a.query_start_loc = query_start_loc.data();
+    a.out = out.data();
+    a.lse = lse.data();
+    a.num_seqs = int(seq_lens.size());
+    a.num_tokens = num_tokens;
+    a.num_q_heads = num_q_heads;
+    a.num_kv_heads = s.num_kv_heads;
+    a.head_dim = s.head_dim;
+    a.block_size = s.block_size;
+    a.max_blocks = max_blocks;
+    a.num_blocks = num_blocks;
+    a.sliding_window = s.sliding_window;
+    a.scale = float(1.0 / std::sqrt(double(s.head_dim)));
+    a.softcap = s.softcap;
+    if (is_fp8<cache_t>()) a.k_scale = KvScale{k_scale.data(), 1}, a.v_scale = KvScale{v_scale.data(), 1};
+    return a;
+  }
+
+  // The whole call as the torch glue makes it: plan, kernels on s.threads threads, merge.
+  void run(cpu::Isa isa) {
+    AttentionParams a = params();
+    int64_t num_partial_rows = 0;
+    const std::vector<cpu::WorkItem> items = cpu::plan_work(a, s.threads, &num_partial_rows);
+    std::vector<float> partial_out(size_t(num_partial_rows) * s.head_dim), partial_lse(num_partial_rows);
+    a.partial_out = partial_out.data();
+    a.partial_lse = partial_lse.data();
+    std::atomic<int64_t> next{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < s.threads; ++t) {
+      threads.emplace_back([&] {
+        cpu::Scratch scratch;
+        cpu::attend_work_items<scalar_t, cache_t>(isa, a, items, next, scratch);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    std::vector<float> acc(s.head_dim);
+    for (const cpu::WorkItem& item : items) {
+      if (item.num_parts > 1 && item.part == 0) cpu::merge_partitions<scalar_t>(a, item, acc.data());
+    }
+  }
+
+  // Output row (token, head) and its lse in float64, from the stored values times their scales.
+  void reference(int b, int token, int head, std::vector<double>& o, double& lse_out) const {
+    const int D = s.head_dim, Hkv = s.num_kv_heads, kv = head / s.group, bs = s.block_size;
+    const int q_len = s.q_lens[b], j = token - query_start_loc[b];
+    const int64_t pos = pagedkv::query_position(s.seq_lens[b], q_len, j);
+    const pagedkv::KeyRange keys = pagedkv::visible_keys(pos, s.sliding_window);
+    const double scale = 1.0 / std::sqrt(double(D));
+    std::vector<double> logits;
+    for (int64_t p = keys.begin; p < keys.end; ++p) {
+      const size_t row = (size_t(block_tables[size_t(b) * max_blocks + p / bs]) * bs + p % bs) * Hkv * D + size_t(kv) * D;
+      double dot = 0;
+      for (int d = 0; d < D; ++d) {
+        dot += double(float(query[(size_t(token) * num_q_heads + head) * D + d])) * float(key_cache[row + d]) * k_scale[kv];
+      }
+      double x = dot * scale;
+      if (s.softcap > 0) x = s.softcap * std::tanh(x / s.softcap);
+      logits.push_back(x);
+    }
+    const double m = *std::max_element(logits.begin(), logits.end());
+    double sum = 0;
+    for (double& x : logits) sum += (x = std::exp(x - m));
+    o.assign(D, 0.0);
+    for (int64_t p = keys.begin; p < keys.end; ++p) {
+      const size_t row = (size_t(block_tables[size_t(b) * max_blocks + p / bs]) * bs + p % bs) * Hkv * D + size_t(kv) * D;
+      const double w = logits[p - keys.begin] / sum;
+      for (int d = 0; d < D; ++d) o[d] += w * float(value_cache[row + d]) * v_scale[kv];
+    }
+    lse_out = m + std::log(sum);
+  }
+
+  void expect_matches_reference(const char* isa) const {
+    const double tol = tolerance<scalar_t>();
+    std::vector<double> o;
+    double ref_lse = 0;
+    int failures = 0;
+    for (int b = 0; b < int(seq_lens.size()); ++b) {
+      for (int t = query_start_loc[b]; t < query_start_loc[b + 1]; ++t) {
+        for (int h = 0; h < num_q_heads; ++h) {
+          reference(b, t, h, o, ref_lse);
+          const size_t row = size_t(t) * num_q_heads + h;
+          for (int d = 0; d < s.head_dim && failures < 5; ++d) {
+            const double got = float(out[row * s.head_dim + d]);
+            if (!(std::abs(got - o[d]) <= tol + tol * std::abs(o[d]))) {
+              ADD_FAILURE() << isa << " " << shape_name(s) << ": out[token " << t << ", head " << h << ", " << d
+                            << "] = " << got << ", reference " << o[d];
+              ++failures;
+            }
+          }
+          if (failures < 5 && !(std::abs(lse[row] - ref_lse) <= 1e-4 + 1e-4 * std::abs(ref_lse))) {
+            ADD_FAILURE() << isa << " " << shape_name(s) << ": lse[token " << t << ", head " << h << "] = " << lse[row]
+                          << ", reference " << ref_lse;
+            ++failures;
+          }
+        }
+      }
+    }
+  }
+};
+
+std::vector<int> decode(int n) { return std::vector<int>(n, 1); }
+
+// head_dim, group, block_size, KV heads, KV lengths, queries, window, softcap, threads.
+const std::vector<Shape> kShapes = {
+    // decode: single sequences split over the keys (split-K) and over KV heads, many short ones whole
+    {128, 4, 16, 2, {1000, 5}, decode(2), -1, 0.f, 2},
+    {64, 1, 16, 4, {1, 17, 300}, decode(3), -1, 0.f, 2},
+    {128, 8, 32, 1, {2049}, decode(1), -1, 0.f, 3},
+    {40, 3, 3, 2, {1, 19, 260}, decode(3), -1, 0.f, 2},
+    {72, 6, 16, 2, {300, 33}, decode(2), -1, 0.f, 1},
+    {24, 7, 16, 1, {129}, decode(1), 20, 1.5f, 2},
+    {80, 2, 5, 3, {1, 77, 600}, decode(3), 50, 0.f, 2},
+    {48, 16, 16, 1, {531}, decode(1), 7, 0.f, 2},
+    {64, 20, 16, 1, {100, 2}, decode(2), -1, 0.f, 2},
+    {96, 5, 2, 2, {1, 2, 3, 4, 40, 41, 42, 43, 44, 45}, decode(10), -1, 2.f, 2},
+    {256, 4, 8, 2, {33, 129}, decode(2), -1, 5.f, 1},
+    {36, 2, 16, 2, {50, 7}, decode(2), -1, 0.f, 2},  // head_dim % 8 != 0: the per-row kernel
+    // prefill over cached prefixes: per-row (few rows) and micro-GEMM (many) kernels
+    {64, 4, 16, 2, {37, 300}, {3, 40}, -1, 0.f, 2},
+    {128, 1, 16, 2, {700}, {200}, 64, 0.f, 2},
+    {40, 8, 3, 1, {90, 20}, {90, 1}, -1, 3.f, 2},
+    {96, 2, 32, 3, {1, 2, 260}, {1, 2, 7}, -1, 0.f, 1},
+};
+
+std::vector<cpu::Isa> isas() {
+  std::vector<cpu::Isa> out;
+  for (cpu::Isa isa : cpu::kAllIsas) {
+    if (cpu::cpu_supports(isa)) out.push_back(isa);
+  }
+  return out;
+}
+
+template <typename scalar_t, typename cache_t>
+void check_every_isa_and_shape() {
+  std::mt19937_64 rng(std::hash<std::string>{}(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+  for (cpu::Isa isa : isas()) {
+    for (const Shape& shape : kShapes) {
+      Batch<scalar_t, cache_t> batch(shape, rng);
+      batch.run(isa);
+      batch.expect_matches_reference(cpu::isa_name(isa));
+    }
+  }
+}
+
+TEST(CpuAttention, RunsTheCopiesThisCpuHas) {
+  const std::vector<cpu::Isa> found = isas();
+  ASSERT_FALSE(found.empty());
+  EXPECT_EQ(found.back(), cpu::Isa::kBaseline);
+#if defined(__aarch64__)
+  EXPECT_EQ(found.front(), cpu::Isa::kNeon);
+  EXPECT_EQ(cpu::best_isa(cpu::Isa::kAmx), cpu::Isa::kNeon);
+#endif
+  for (cpu::Isa isa : found) std::printf("cpu attention copy: %s\n", cpu::isa_name(isa));
+}
+
+TEST(CpuAttention, Float32) { check_every_isa_and_shape<float, float>(); }
+TEST(CpuAttention, Float16) { check_every_isa_and_shape<c10::Half, c10::Half>(); }
+TEST(CpuAttention, BFloat16) { check_every_isa_and_shape<c10::BFloat16, c10::BFloat16>(); }
+TEST(CpuAttention, Float8E4m3CacheBFloat16Query) { check_every_isa_and_shape<c10::BFloat16, c10::Float8_e4m3fn>(); }
+TEST(CpuAttention, Float8E5m2CacheFloat32Query) { check_every_isa_and_shape<float, c10::Float8_e5m2>(); }
+
+}  // namespace
