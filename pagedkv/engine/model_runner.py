@@ -77,15 +77,14 @@ class ModelRunner:
         # swapped in may be swapped out again at once, and blocks freed by a swap-out may be the
         # destination of a copy or of this step's new KV.
         for mapping, to_cpu in ((batch.swap_in, False), (batch.swap_out, True)):
-            if not mapping:
+            if not len(mapping):
                 continue
-            pairs = torch.tensor(mapping, dtype=torch.int64)
             for gpu, cpu in zip(self.kv_caches, self.cpu_kv_caches):
                 for g, c in zip(gpu, cpu):
                     src, dst = (g, c) if to_cpu else (c, g)
-                    torch.ops.pagedkv.swap_blocks(src, dst, pairs)
-        if batch.copies:
-            pairs = torch.tensor(batch.copies, dtype=torch.int64, device=self.device)
+                    torch.ops.pagedkv.swap_blocks(src, dst, mapping)
+        if len(batch.copies):
+            pairs = batch.copies.to(self.device)
             torch.ops.pagedkv.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
 
     def _prepare(self, batch: ScheduledBatch, bm: BlockManager):

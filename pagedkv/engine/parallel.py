@@ -218,7 +218,7 @@ class TensorParallel:
     # ---- the step message ---------------------------------------------------------------------------
     def send_step(self, batch: ScheduledBatch, step) -> None:
         """Rank 0: broadcasts what the workers need to run `batch` (step: _prepare's tensors or None)."""
-        moves = [torch.tensor(m, dtype=torch.int64).view(-1) for m in (batch.swap_in, batch.swap_out, batch.copies)]
+        moves = [m.reshape(-1) for m in (batch.swap_in, batch.swap_out, batch.copies)]
         num_logits = 0      # rows of hidden states kept: 0 = each sequence's last (else speculative rows)
         if step is None:
             tensors, shape, max_seq_len = [], (0, 0, 0), 0
@@ -274,8 +274,8 @@ class TensorParallel:
             at += 1 + t + b * width
         swap_in, swap_out, copies = data[at:].split([2 * head["num_swap_in"], 2 * head["num_swap_out"],
                                                      2 * head["num_copies"]])
-        moves = ScheduledBatch(swap_in=swap_in.view(-1, 2).tolist(), swap_out=swap_out.view(-1, 2).tolist(),
-                               copies=copies.view(-1, 2).tolist())
+        moves = ScheduledBatch(swap_in=swap_in.view(-1, 2).cpu(), swap_out=swap_out.view(-1, 2).cpu(),
+                               copies=copies.view(-1, 2).cpu())
         if not b:
             return moves, None
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables.view(b, m).int(), seq_lens=lens.int(),
