@@ -1,4 +1,4 @@
-"""Builds pagedkv._C: the block manager (csrc/core + csrc/bindings.cpp) and the torch ops (csrc/ops).
+"""Builds pagedkv._C: the block manager (csrc/core + csrc/bindings*.cpp) and the torch ops (csrc/ops).
 
 CUDA sources are added when torch has CUDA and a CUDA toolkit is found (set CUDA_HOME), unless
 PAGEDKV_CUDA=0. The default arch list covers sm_80 and sm_90 (override with TORCH_CUDA_ARCH_LIST).
@@ -50,7 +50,8 @@ def _have_header(name):
 def _extension():
     # csrc/ops/cpu/attention_<isa>.cpp: one copy of the CPU attention kernels per instruction set, chosen at
     # run time; each sets its ISA with `#pragma GCC target` (x86 only), so no -m flag is passed here.
-    sources = _rel("csrc/core/*.cpp") + _rel("csrc/ops/*.cpp") + _rel("csrc/ops/cpu/*.cpp") + ["csrc/bindings.cpp"]
+    sources = (_rel("csrc/core/*.cpp") + _rel("csrc/ops/*.cpp") + _rel("csrc/ops/cpu/*.cpp")
+               + ["csrc/bindings.cpp", "csrc/bindings_block_manager.cpp"])
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into our code;
     # without it every CPU kernel silently runs on one thread (torch's own libgomp is reused at run time).
     cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]  # torch picks the C++ standard it needs

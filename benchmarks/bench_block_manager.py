@@ -103,7 +103,7 @@ def decode_pagedkv(bm, steps):
         assert bm.can_append(ids)
         bm.append_tokens(ids, tokens)
         bm.block_tables(ids)
-        bm.seq_lens(ids)
+        bm.num_tokens(ids)
         bm.mark_computed(ids)
     return (time.perf_counter() - t0) / steps
 

@@ -137,7 +137,7 @@ def decode_step_ms(bm, steps):
         bm.append_tokens(ids, tokens)
         for g in groups:
             bm.block_tables(ids, group=g)
-        bm.seq_lens(ids)
+        bm.num_tokens(ids)
         bm.mark_computed(ids)
     return (time.perf_counter() - t0) / steps * 1e3
 

@@ -9,10 +9,10 @@ float, a bool, a str) a TypeError; an integer outside int64 an OverflowError. A 
 the manager as it was.
 """
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal, Protocol, SupportsIndex, TypeAlias, TypedDict, type_check_only
+from typing import Any, ClassVar, Literal, Protocol, SupportsIndex, TypeAlias, TypedDict, overload, type_check_only
 
 import torch
-from typing_extensions import Buffer
+from typing_extensions import Buffer, deprecated
 
 
 @type_check_only
@@ -165,9 +165,10 @@ class BlockManager(metaclass=_pybind11_type):
         exact whatever it is. enable_events: record KV events for take_events(), at most
         max_pending_events (the oldest are dropped on overflow). default_priority / decode_priority
         (None: the default): the retention priority (0-100) of prompt / decode blocks no retention range
-        covers. max_pinned_fraction: the most of the pool pins may hold. sliding_window: one group, every
-        layer windowed (tokens); group_windows: one window per group of layers (None: full attention);
-        give one or neither. A second call on a live manager is a TypeError.
+        covers. max_pinned_fraction: the most of the pool pins may hold. group_windows: one window
+        (tokens; None: full attention) per group of layers (default: one group, full attention).
+        sliding_window=w (deprecated, a DeprecationWarning) is group_windows=[w]; give one or neither. A
+        second call on a live manager is a TypeError.
         """
 
     def can_allocate(self, token_ids: _Ints, *, cache_salt: _Salt = None,
@@ -238,9 +239,10 @@ class BlockManager(metaclass=_pybind11_type):
         released (cached ones stay cached).
         """
 
-    def take_copies(self) -> list[tuple[int, int]]:
-        """Drains the queued copy-on-write copies, (src, dst) GPU block pairs, to perform before the next
-        KV write (copy_blocks). Until taken, a copy's source is never handed out again.
+    def take_copies(self) -> torch.Tensor:
+        """Drains the queued copy-on-write copies: an int64 [n, 2] CPU tensor of (src, dst) GPU blocks,
+        copy_blocks' block_mapping, to perform before the next KV write. Until taken, a copy's source is
+        never handed out again.
         """
 
     def free(self, seq_id: SupportsIndex) -> None:
@@ -261,14 +263,16 @@ class BlockManager(metaclass=_pybind11_type):
     def can_swap_out(self, seq_ids: _IdOrIds) -> bool:
         """Whether enough CPU blocks are free to swap the sequences out."""
 
-    def swap_out(self, seq_ids: _IdOrIds) -> list[tuple[int, int]]:
-        """Moves the sequences to CPU blocks; returns (gpu_block, cpu_block) copies to perform."""
+    def swap_out(self, seq_ids: _IdOrIds) -> torch.Tensor:
+        """Moves the sequences to CPU blocks; returns the copies to perform, an int64 [n, 2] CPU tensor of
+        (gpu_block, cpu_block): swap_blocks' block_mapping."""
 
     def can_swap_in(self, seq_ids: _IdOrIds, num_lookahead_slots: SupportsIndex = 0) -> AllocStatus:
         """Whether the swapped-out sequences fit back (with room for num_lookahead_slots more tokens each)."""
 
-    def swap_in(self, seq_ids: _IdOrIds) -> list[tuple[int, int]]:
-        """Moves the sequences back to GPU blocks; returns (cpu_block, gpu_block) copies to perform."""
+    def swap_in(self, seq_ids: _IdOrIds) -> torch.Tensor:
+        """Moves the sequences back to GPU blocks; returns the copies to perform, an int64 [n, 2] CPU tensor
+        of (cpu_block, gpu_block): swap_blocks' block_mapping."""
 
     def block_table(self, seq_id: SupportsIndex, *, group: int = 0) -> list[int]:
         """The sequence's block table in `group`; entries its sliding window released hold block 0 (a pad)."""
@@ -298,8 +302,9 @@ class BlockManager(metaclass=_pybind11_type):
         seq_lens, and the cumulative query lengths, without a Python crossing for each.
         """
 
+    @deprecated("seq_lens(seq_ids) is deprecated: use num_tokens(seq_ids)")
     def seq_lens(self, seq_ids: _Ints, *, group: int = 0) -> torch.Tensor:
-        """Token counts (int32 tensor) of the sequences: the KV length attention takes, the same in every group."""
+        """Deprecated (a DeprecationWarning): num_tokens(seq_ids), the same int32 tensor of token counts."""
 
     def num_released_blocks(self, seq_id: SupportsIndex, *, group: int = 0) -> int:
         """Leading entries of the sequence's table in `group` that its sliding window released."""
@@ -316,11 +321,18 @@ class BlockManager(metaclass=_pybind11_type):
         """One window (tokens; None: full attention) per group of layers."""
 
     @property
+    @deprecated("sliding_window is deprecated: read group_windows")
     def sliding_window(self) -> int | None:
-        """The window of a one-group manager (None: full attention)."""
+        """Deprecated (a DeprecationWarning): group_windows[0]. The window of a one-group manager (None:
+        full attention); a ValueError on a manager with several groups."""
 
-    def num_tokens(self, seq_id: SupportsIndex) -> int:
-        """The sequence's length in tokens (prompt and appended tokens)."""
+    @overload
+    def num_tokens(self, seq_ids: SupportsIndex) -> int:  # type: ignore[overload-overlap]  # a 0-d tensor: int
+        """Tokens (prompt and appended) of one sequence. The keyword seq_id= is deprecated."""
+    @overload
+    def num_tokens(self, seq_ids: _Ints) -> torch.Tensor:
+        """Tokens (prompt and appended) of one sequence, an int, or of each of several, an int32 tensor
+        (paged attention's seq_lens). The keyword seq_id= is deprecated (a DeprecationWarning)."""
 
     def num_computed_tokens(self, seq_id: SupportsIndex) -> int:
         """Tokens whose KV is written (mark_computed, or prefix hits)."""

@@ -133,7 +133,7 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
 
     Example::
 
-        copy_blocks([k for k, _ in kv], [v for _, v in kv], torch.tensor(bm.take_copies()).view(-1, 2))
+        copy_blocks([k for k, _ in kv], [v for _, v in kv], bm.take_copies())
     """
     _ops.copy_blocks(key_caches, value_caches, block_mapping)
 
@@ -150,7 +150,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
     Example::
 
-        swap_blocks(gpu_key_cache, cpu_key_cache, torch.tensor(bm.swap_out([seq_id])).view(-1, 2))
+        swap_blocks(gpu_key_cache, cpu_key_cache, bm.swap_out([seq_id]))
     """
     _ops.swap_blocks(src, dst, block_mapping)
 

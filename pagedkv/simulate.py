@@ -107,7 +107,7 @@ class Simulator:
             new_tokens = [rng.randrange(32_000) for _ in ids]
             self.bm.append_tokens(ids, new_tokens)  # slot mapping of the next decode input
             self.bm.block_tables(ids)
-            self.bm.seq_lens(ids)
+            self.bm.num_tokens(ids)
             self.bm.take_copies()
             for req, tok in zip(self.running, new_tokens):
                 req.output.append(tok)

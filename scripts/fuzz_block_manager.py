@@ -142,7 +142,7 @@ class Fuzzer:
 
     # --- the model runner's side -----------------------------------------------------------------------
     def perform_copies(self):
-        for src, dst in self.bm.take_copies():
+        for src, dst in self.bm.take_copies().tolist():
             self.gpu[dst] = dict(self.gpu.get(src, {}))
             self.fig.copies += 1
         self.pending = False
@@ -309,7 +309,7 @@ class Fuzzer:
             return
         ids = self.rng.sample(res, self.rng.randint(1, min(3, len(res))))
         if self.bm.can_swap_out(ids):
-            for g, c in self.bm.swap_out(ids):  # copies may still be pending: the mapping accounts for them
+            for g, c in self.bm.swap_out(ids).tolist():  # copies may still be pending: the mapping accounts for them
                 self.cpu[c] = dict(self.gpu.get(g, {}))
                 self.fig.swapped_blocks += 1
             for sid in ids:
@@ -321,7 +321,7 @@ class Fuzzer:
             return
         ids = self.rng.sample(out, self.rng.randint(1, min(3, len(out))))
         if self.bm.can_swap_in(ids) == AllocStatus.OK:
-            for c, g in self.bm.swap_in(ids):
+            for c, g in self.bm.swap_in(ids).tolist():
                 self.gpu[g] = dict(self.cpu[c])
                 self.fig.swapped_blocks += 1
             for sid in ids:

@@ -291,7 +291,7 @@ def test_batched_append_and_block_tables():
     assert bt.dtype == torch.int32 and bt.shape == (2, 6)
     assert bt[0, :4].tolist() == bm.block_table(4) and bt[1].tolist() == bm.block_table(0) + [-1] * 5
     assert bm.block_tables([0, 4]).shape == (2, 4)
-    assert bm.seq_lens([0, 4]).tolist() == [4, 16]
+    assert bm.num_tokens([0, 4]).tolist() == [4, 16] and bm.num_tokens([0, 4]).dtype == torch.int32
     with pytest.raises(ValueError, match="max_blocks"):
         bm.block_tables([4], max_blocks=2)
 
@@ -305,12 +305,12 @@ def test_fork_and_copy_on_write():
     shared = bm.block_table(1)[1]
     used = bm.stats()["used_blocks"]
     slots = bm.append_tokens([1, 2, 3], [10, 11, 12])
-    copies = bm.take_copies()
+    copies = bm.take_copies().tolist()
     # Three sequences share the partial last block: two copies, the last writer keeps the original.
     assert len(copies) == 2 and all(src == shared for src, _ in copies)
     assert bm.stats()["used_blocks"] == used + 2
     assert len({s // 4 for s in slots.tolist()}) == 3
-    assert bm.take_copies() == []
+    assert bm.take_copies().tolist() == []
     assert bm.block_table(2)[0] == bm.block_table(1)[0]  # the full block stays shared
     bm.free(1)
     bm.free(2)
@@ -327,7 +327,7 @@ def test_can_append_counts_cow_exactly():
     assert not bm.can_append([1, 2, 3])
     with pytest.raises(RuntimeError, match="free blocks"):
         bm.append_tokens([1, 2, 3], [0, 0, 0])
-    assert bm.num_tokens(1) == 6 and bm.take_copies() == []
+    assert bm.num_tokens(1) == 6 and bm.take_copies().tolist() == []
     bm.check_invariants()
 
 
@@ -340,14 +340,14 @@ def test_swap_out_and_in_roundtrip():
     bm.fork(1, 2)
     gpu_table = bm.block_table(1)
     assert bm.can_swap_out([1, 2])
-    out = bm.swap_out([1, 2])
+    out = bm.swap_out([1, 2]).tolist()
     assert [g for g, _ in out] == gpu_table and bm.is_swapped(1)
     assert bm.num_free_cpu_blocks == 1 and bm.num_free_blocks == 6
     # The freed GPU blocks keep their cached KV.
     assert bm.allocate(3, toks(10)) == 8
     bm.free(3)
     assert bm.can_swap_in([1, 2]) == AllocStatus.OK
-    back = bm.swap_in([1, 2])
+    back = bm.swap_in([1, 2]).tolist()
     assert [c for c, _ in back] == [c for _, c in out]
     assert bm.block_table(1) == bm.block_table(2) == [g for _, g in back]
     assert bm.num_free_cpu_blocks == 4
@@ -442,3 +442,56 @@ def test_double_free_is_key_error():
     with pytest.raises(KeyError, match="already freed"):
         bm.free(1)
     assert bm.num_free_blocks == 4
+
+
+# --- API shape: block mappings, one name per quantity, deprecations ------------------------------------
+
+def test_block_mappings_are_int64_pair_tensors_the_ops_take():
+    bm = BlockManager(8, 4, num_cpu_blocks=8)
+    bm.allocate(1, toks(6))
+    bm.fork(1, 2)
+    bm.append_tokens([1, 2], [7, 8])
+    copies = bm.take_copies()
+    assert copies.dtype == torch.int64 and copies.shape == (1, 2) and copies.device.type == "cpu"
+    (key, value), = pagedkv.allocate_kv_cache(1, 8, 4, 1, 8, dtype=torch.float32)
+    key.copy_(torch.arange(key.numel(), dtype=torch.float32).view_as(key))
+    src, dst = copies[0].tolist()
+    torch.ops.pagedkv.copy_blocks([key], [value], copies)
+    assert torch.equal(key[dst], key[src])
+    assert bm.take_copies().shape == (0, 2)
+    torch.ops.pagedkv.copy_blocks([key], [value], bm.take_copies())  # nothing to copy is fine
+    out = bm.swap_out([1, 2])
+    assert out.dtype == torch.int64 and out.shape == (3, 2)
+    (cpu_key, _), = pagedkv.allocate_kv_cache(1, 8, 4, 1, 8, dtype=torch.float32)
+    torch.ops.pagedkv.swap_blocks(key, cpu_key, out)
+    for g, c in out.tolist():
+        assert torch.equal(cpu_key[c], key[g])
+    back = bm.swap_in([1, 2])
+    assert back.shape == (3, 2) and back[:, 0].tolist() == out[:, 1].tolist()
+    bm.check_invariants()
+
+
+def test_num_tokens_of_one_sequence_is_an_int_of_several_a_tensor():
+    bm = BlockManager(16, 4)
+    bm.allocate(1, toks(5))
+    bm.allocate(2, toks(9))
+    assert bm.num_tokens(1) == 5 and isinstance(bm.num_tokens(1), int)
+    assert bm.num_tokens(np.int64(2)) == 9 and bm.num_tokens(torch.tensor(2)) == 9
+    for ids in ([1, 2], (1, 2), np.array([1, 2]), torch.tensor([1, 2])):
+        lens = bm.num_tokens(ids)
+        assert lens.dtype == torch.int32 and lens.tolist() == [5, 9]
+    assert bm.num_tokens([]).shape == (0,)
+    with pytest.raises(KeyError):
+        bm.num_tokens([1, 3])
+    with pytest.raises(TypeError):
+        bm.num_tokens(1.0)
+
+
+def test_deprecated_seq_lens_and_seq_id_keyword_still_work():
+    bm = BlockManager(16, 4)
+    bm.allocate(1, toks(5))
+    with pytest.warns(DeprecationWarning, match=r"seq_lens.*num_tokens\(seq_ids\)"):
+        assert bm.seq_lens([1]).tolist() == [5]
+    with pytest.warns(DeprecationWarning, match="num_tokens"):
+        assert bm.num_tokens(seq_id=1) == 5
+    assert bm.num_tokens(seq_ids=1) == 5

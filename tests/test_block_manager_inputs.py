@@ -289,7 +289,7 @@ def forked_pair_with_pending_copy(num_cpu_blocks=0):
 def test_freeing_the_sequence_drops_its_pending_copy():
     bm, _, dst = forked_pair_with_pending_copy()
     bm.free(2)
-    assert bm.take_copies() == []  # the destination is a free block now: copying into it would be wrong
+    assert bm.take_copies().tolist() == []  # the destination is a free block now: copying into it would be wrong
     bm.check_invariants()
 
 
@@ -297,16 +297,16 @@ def test_pending_copy_survives_while_its_destination_is_held():
     bm, src, dst = forked_pair_with_pending_copy()
     bm.fork(2, 3)  # the copy's destination is now shared by 2 and 3
     bm.free(2)
-    assert bm.take_copies() == [(src, dst)]
+    assert bm.take_copies().tolist() == [[src, dst]]
 
 
 def test_swap_out_before_take_copies_reads_the_copy_source():
     bm, src, dst = forked_pair_with_pending_copy(num_cpu_blocks=8)
     table = bm.block_table(2)
-    mapping = bm.swap_out([2])
-    assert (src, mapping[-1][1]) == mapping[-1] and len(mapping) == len(table)
+    mapping = bm.swap_out([2]).tolist()
+    assert [src, mapping[-1][1]] == mapping[-1] and len(mapping) == len(table)
     assert all(g != dst for g, _ in mapping)  # the never-written destination is not read
-    assert bm.take_copies() == []  # its destination was released by the swap
+    assert bm.take_copies().tolist() == []  # its destination was released by the swap
     bm.check_invariants()
 
 
@@ -319,7 +319,7 @@ def test_swap_out_kv_is_right_whatever_order_the_runner_performs_swaps_and_copie
         for p, tok in enumerate(toks(6)):
             gpu[bm.block_table(1)[p // 4]][p % 4] = tuple(toks(6)[: p + 1])
         gpu[dst] = {k: "garbage" for k in range(4)}  # the destination's old contents
-        mapping, copies = bm.swap_out([2]), bm.take_copies()
+        mapping, copies = bm.swap_out([2]).tolist(), bm.take_copies().tolist()
         cpu = {}
         steps = [lambda: [gpu.__setitem__(d, dict(gpu[s])) for s, d in copies],
                  lambda: [cpu.__setitem__(c, dict(gpu[g])) for g, c in mapping]]
@@ -387,7 +387,7 @@ def test_a_pending_copy_source_is_not_reused_before_the_copy_is_taken():
     bm.append_tokens([2], [7])
     bm.free(1)  # the source now has no holder
     assert bm.can_swap_in([9]) != AllocStatus.OK  # the only unused block is the pending copy's source
-    assert bm.take_copies() == [(src, bm.block_table(2)[-1])]
+    assert bm.take_copies().tolist() == [[src, bm.block_table(2)[-1]]]
     assert bm.can_swap_in([9]) == AllocStatus.OK
     bm.check_invariants()
 

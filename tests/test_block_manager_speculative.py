@@ -62,7 +62,7 @@ def test_truncate_into_a_cached_block_copies_before_the_next_write():
     bm.truncate(1, 6)
     bm.append_tokens([1], [99])  # must not overwrite the cached KV of tokens 4..7 in place
     assert bm.block_table(1)[1] != cached_block
-    assert bm.take_copies() == [(cached_block, bm.block_table(1)[1])]
+    assert bm.take_copies().tolist() == [[cached_block, bm.block_table(1)[1]]]
     bm.allocate(2, toks(9))
     assert bm.block_table(2)[:2] == [bm.block_table(1)[0], cached_block]  # still a hit for others
     bm.check_invariants()

@@ -89,8 +89,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def perform_copies(self):
         """The runner performs the pending copy-on-write copies (always before it writes any KV)."""
-        copies = self.bm.take_copies()
-        assert copies == self.model.take_copies()
+        copies = self.bm.take_copies().tolist()
+        assert copies == [list(p) for p in self.model.take_copies()]
         for src, dst in copies:
             self.kv[dst] = dict(self.kv.get(src, {}))
 
@@ -181,8 +181,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         ok = self.model.distinct_blocks(sids) <= len(self.model.cpu_free)
         assert self.bm.can_swap_out(sids) == ok
         if ok:
-            mapping = self.bm.swap_out(sids)
-            assert mapping == self.model.swap_out(sids)
+            mapping = self.bm.swap_out(sids).tolist()
+            assert mapping == [list(p) for p in self.model.swap_out(sids)]
             self.cpu_kv = getattr(self, "cpu_kv", {})
             for g, c in mapping:
                 self.cpu_kv[c] = dict(self.kv.get(g, {}))
@@ -194,8 +194,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         status = self.bm.can_swap_in(sids)
         assert status == getattr(AllocStatus, self.model.swap_in_status(sids))
         if status == AllocStatus.OK:
-            mapping = self.bm.swap_in(sids)
-            assert mapping == self.model.swap_in(sids)
+            mapping = self.bm.swap_in(sids).tolist()
+            assert mapping == [list(p) for p in self.model.swap_in(sids)]
             for c, g in mapping:
                 self.kv[g] = dict(self.cpu_kv[c])
 

@@ -28,15 +28,24 @@ def first_held_block(num_computed, window, bs):
 
 def test_windows_and_groups_are_properties():
     bm = BlockManager(8, 4)
-    assert (bm.num_groups, bm.group_windows, bm.sliding_window) == (1, [None], None)
-    bm = BlockManager(8, 4, sliding_window=100)
-    assert (bm.num_groups, bm.group_windows, bm.sliding_window) == (1, [100], 100)
+    assert (bm.num_groups, bm.group_windows) == (1, [None])
+    bm = BlockManager(8, 4, group_windows=[100])
+    assert (bm.num_groups, bm.group_windows) == (1, [100])
     bm = BlockManager(8, 4, group_windows=[None, 4096, None])
     assert (bm.num_groups, bm.group_windows) == (3, [None, 4096, None])
-    with pytest.raises(ValueError, match="group_windows"):
-        bm.sliding_window  # ambiguous on a hybrid manager
 
 
+def test_sliding_window_argument_and_property_are_deprecated():
+    with pytest.warns(DeprecationWarning, match=r"group_windows=\[w\]"):
+        bm = BlockManager(8, 4, sliding_window=100)
+    assert bm.group_windows == [100]
+    with pytest.warns(DeprecationWarning, match="use group_windows"):
+        assert bm.sliding_window == 100
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="group_windows"):
+        BlockManager(8, 4, group_windows=[None, 8]).sliding_window  # ambiguous on a hybrid manager
+
+
+@pytest.mark.filterwarnings("ignore:BlockManager\\(sliding_window=w\\) is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("kwargs, error", [
     (dict(sliding_window=4, group_windows=[None]), ValueError),
     (dict(sliding_window=0), ValueError),
@@ -58,7 +67,7 @@ def test_group_argument_is_checked():
     bm.allocate(0, toks(5))
     for call in (lambda: bm.block_table(0, group=2), lambda: bm.block_tables([0], group=-1),
                  lambda: bm.slot_mapping(0, 0, 1, group=2), lambda: bm.slot_mappings([0], [0], group=5),
-                 lambda: bm.num_released_blocks(0, group=2), lambda: bm.seq_lens([0], group=2)):
+                 lambda: bm.num_released_blocks(0, group=2), lambda: bm.attention_inputs([0], [0], group=3)):
         with pytest.raises(ValueError, match="group"):
             call()
 
@@ -71,7 +80,7 @@ def test_group_argument_is_checked():
 def test_release_follows_the_window(bs, window, prompt, steps):
     """After every mark_computed, exactly the blocks wholly before the first position a future query reads
     are released (pads), the rest held; held blocks stay within the window's blocks + the one written."""
-    bm = BlockManager(256, bs, sliding_window=window)
+    bm = BlockManager(256, bs, group_windows=[window])
     bm.allocate(0, toks(prompt))
     n = prompt
     bm.mark_computed(0)
@@ -92,7 +101,7 @@ def test_release_follows_the_window(bs, window, prompt, steps):
 
 def test_memory_is_o_window_not_o_context():
     bs, window = 16, 64
-    bm = BlockManager(12, bs, sliding_window=window)  # 12 blocks = 192 tokens of pool
+    bm = BlockManager(12, bs, group_windows=[window])  # 12 blocks = 192 tokens of pool
     bm.allocate(0, toks(100))
     bm.mark_computed(0)
     for t in range(2000):  # 2100 tokens: eleven times the pool
@@ -111,7 +120,7 @@ def test_memory_is_o_window_not_o_context():
 
 
 def test_block_tables_and_slot_mapping_around_released_entries():
-    bm = BlockManager(32, 4, sliding_window=6)
+    bm = BlockManager(32, 4, group_windows=[6])
     bm.allocate(0, toks(19))
     bm.mark_computed(0)  # first position read: 14 -> blocks 0..2 released
     table = bm.block_table(0)
@@ -127,7 +136,7 @@ def test_block_tables_and_slot_mapping_around_released_entries():
 
 
 def test_windowed_block_tables_may_be_longer_than_the_pool():
-    bm = BlockManager(4, 2, sliding_window=2)
+    bm = BlockManager(4, 2, group_windows=[2])
     bm.allocate(0, toks(3))
     bm.mark_computed(0)
     for t in range(20):
@@ -199,7 +208,7 @@ def test_kernels_read_only_held_blocks(windows, rng):
 def test_a_windowed_hit_needs_only_the_blocks_the_window_reads():
     """The blocks a window released are evicted; the prompt still hits in full, because the blocks the
     window reads at the first token to compute are still held."""
-    bm = BlockManager(12, 4, sliding_window=8)
+    bm = BlockManager(12, 4, group_windows=[8])
     prompt = toks(33)
     bm.allocate(0, prompt)
     bm.mark_computed(0)  # first read position 26: blocks 0..5 released (cached, free)
@@ -214,7 +223,7 @@ def test_a_windowed_hit_needs_only_the_blocks_the_window_reads():
 
 
 def test_window_hit_holds_only_the_window_and_its_kv_is_the_prompts(rng):
-    bm = BlockManager(64, 4, sliding_window=10, enable_events=True)
+    bm = BlockManager(64, 4, group_windows=[10], enable_events=True)
     prompt = [rng.randrange(100) for _ in range(41)]
     bm.allocate(0, prompt)
     table0 = bm.block_table(0)  # before the window releases anything
@@ -305,7 +314,7 @@ def test_can_append_and_swap_count_every_group():
 # --- fork, copy-on-write, truncate ---------------------------------------------------------------------
 
 def test_fork_and_copy_on_write_across_released_entries():
-    bm = BlockManager(32, 4, sliding_window=5)
+    bm = BlockManager(32, 4, group_windows=[5])
     bm.allocate(0, toks(18))
     bm.mark_computed(0)
     r = bm.num_released_blocks(0)
@@ -326,7 +335,7 @@ def test_fork_and_copy_on_write_across_released_entries():
 
 
 def test_truncate_refuses_to_roll_back_into_released_blocks():
-    bm = BlockManager(32, 4, sliding_window=4)
+    bm = BlockManager(32, 4, group_windows=[4])
     bm.allocate(0, toks(10))
     bm.mark_computed(0)  # first read 7: blocks 0 released
     bm.append_tokens([0], toks(5, 50), counts=[5])  # drafts, not computed

@@ -80,7 +80,8 @@ const BlockManager::Sequence& BlockManager::get_resident(int64_t seq_id, const c
   return seq;
 }
 
-void BlockManager::check_distinct(const int64_t* seq_ids, size_t n, const char* what) {
+void BlockManager::check_distinct(Span<int64_t> seq_ids, const char* what) {
+  const size_t n = seq_ids.size;
   const auto twice = [&](int64_t id) { throw ValueError(cat(what, ": ", seq_str(id), " appears twice in seq_ids")); };
   if (n <= 16) {  // a decode batch of a few sequences: no allocation
     for (size_t i = 1; i < n; ++i)
@@ -88,7 +89,7 @@ void BlockManager::check_distinct(const int64_t* seq_ids, size_t n, const char* 
         if (seq_ids[i] == seq_ids[j]) twice(seq_ids[i]);
     return;
   }
-  std::vector<int64_t> sorted(seq_ids, seq_ids + n);
+  std::vector<int64_t> sorted(seq_ids.begin(), seq_ids.end());
   std::sort(sorted.begin(), sorted.end());
   const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
   if (dup != sorted.end()) twice(*dup);
@@ -96,12 +97,12 @@ void BlockManager::check_distinct(const int64_t* seq_ids, size_t n, const char* 
 
 // Both resolve()s: Map is seqs_, const or not, so the result points at const or mutable sequences.
 template <typename Map>
-auto BlockManager::resolve_in(Map& seqs, const int64_t* seq_ids, size_t n, const char* what, bool unique, Where where)
+auto BlockManager::resolve_in(Map& seqs, Span<int64_t> seq_ids, const char* what, bool unique, Where where)
     -> std::vector<decltype(&seqs.begin()->second)> {
-  if (unique) check_distinct(seq_ids, n, what);
+  if (unique) check_distinct(seq_ids, what);
   std::vector<decltype(&seqs.begin()->second)> out;
-  out.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
+  out.reserve(seq_ids.size);
+  for (size_t i = 0; i < seq_ids.size; ++i) {
     auto it = seqs.find(seq_ids[i]);
     if (it == seqs.end()) throw KeyError(cat(what, ": unknown ", seq_str(seq_ids[i])));
     if (where == Where::kResident && it->second.swapped)
@@ -113,14 +114,14 @@ auto BlockManager::resolve_in(Map& seqs, const int64_t* seq_ids, size_t n, const
   return out;
 }
 
-std::vector<BlockManager::Sequence*> BlockManager::resolve(const int64_t* seq_ids, size_t n, const char* what,
-                                                           bool unique, Where where) {
-  return resolve_in(seqs_, seq_ids, n, what, unique, where);
+std::vector<BlockManager::Sequence*> BlockManager::resolve(Span<int64_t> seq_ids, const char* what, bool unique,
+                                                           Where where) {
+  return resolve_in(seqs_, seq_ids, what, unique, where);
 }
 
-std::vector<const BlockManager::Sequence*> BlockManager::resolve(const int64_t* seq_ids, size_t n, const char* what,
-                                                                 bool unique, Where where) const {
-  return resolve_in(seqs_, seq_ids, n, what, unique, where);
+std::vector<const BlockManager::Sequence*> BlockManager::resolve(Span<int64_t> seq_ids, const char* what, bool unique,
+                                                                 Where where) const {
+  return resolve_in(seqs_, seq_ids, what, unique, where);
 }
 
 int32_t BlockManager::group_arg(int32_t group, const char* what) const {
@@ -178,13 +179,12 @@ void check_num_new_tokens(int64_t num_new_tokens, const char* what) {
 }
 }  // namespace
 
-AllocStatus BlockManager::can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt,
-                                       int64_t num_new_tokens) const {
-  if (num_tokens == 0) throw ValueError("can_allocate: token_ids is empty");
+AllocStatus BlockManager::can_allocate(Span<int64_t> tokens, std::string_view salt, int64_t num_new_tokens) const {
+  if (tokens.empty()) throw ValueError("can_allocate: token_ids is empty");
   check_num_new_tokens(num_new_tokens, "can_allocate");
-  const int64_t len = static_cast<int64_t>(num_tokens);
+  const int64_t len = static_cast<int64_t>(tokens.size);
   if (never_fits(len, num_new_tokens)) return AllocStatus::kNever;
-  return fits(len, match_prefix_memo(tokens, num_tokens, salt), num_new_tokens);
+  return fits(len, match_prefix_memo(tokens, salt), num_new_tokens);
 }
 
 bool BlockManager::never_fits(int64_t num_tokens, int64_t num_new_tokens) const {
@@ -210,33 +210,34 @@ AllocStatus BlockManager::fits(int64_t num_tokens, const PrefixMatch& m, int64_t
   return gpu_.num_free() - from_free >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
 }
 
-int64_t BlockManager::allocate(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt,
+int64_t BlockManager::allocate(int64_t seq_id, Span<int64_t> tokens, std::string_view salt,
                                const std::vector<RetentionRange>& retention, int64_t num_new_tokens) {
   if (seqs_.count(seq_id)) throw ValueError(cat("allocate: ", seq_str(seq_id), " already exists"));
-  if (num_tokens == 0) throw ValueError("allocate: token_ids is empty");
+  if (tokens.empty()) throw ValueError("allocate: token_ids is empty");
   check_num_new_tokens(num_new_tokens, "allocate");
   validate_retention(retention, "allocate");
-  const PrefixMatch& m = match_prefix_memo(tokens, num_tokens, salt);  // admit() does not look up again
+  const PrefixMatch& m = match_prefix_memo(tokens, salt);  // admit() does not look up again
   const int32_t from_free =
-      from_free_for(m, blocks_for_tokens(first_chunk_end(static_cast<int64_t>(num_tokens), m, num_new_tokens)));
+      from_free_for(m, blocks_for_tokens(first_chunk_end(static_cast<int64_t>(tokens.size), m, num_new_tokens)));
   if (from_free > gpu_.num_free())
     throw OutOfBlocks(cat("allocate: ", seq_str(seq_id), " needs ", from_free, " free blocks but only ",
                           gpu_.num_free(), " are free (check can_allocate first)"));
-  return admit(seq_id, tokens, num_tokens, salt, retention, m, num_new_tokens);
+  return admit(seq_id, tokens, salt, retention, m, num_new_tokens);
 }
 
-int64_t BlockManager::admit(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt,
+int64_t BlockManager::admit(int64_t seq_id, Span<int64_t> tokens, std::string_view salt,
                             const std::vector<RetentionRange>& retention, const PrefixMatch& m,
                             int64_t num_new_tokens) {
+  const int64_t num_tokens = static_cast<int64_t>(tokens.size);
   // Blocks allocated now: the whole prompt's, or those of the cached tokens and the first chunk.
-  const int32_t total = blocks_for_tokens(static_cast<int64_t>(num_tokens));
-  const int32_t needed = blocks_for_tokens(first_chunk_end(static_cast<int64_t>(num_tokens), m, num_new_tokens));
+  const int32_t total = blocks_for_tokens(num_tokens);
+  const int32_t needed = blocks_for_tokens(first_chunk_end(num_tokens, m, num_new_tokens));
   const int32_t from_free = from_free_for(m, needed);
   Sequence seq;
-  seq.tokens.assign(tokens, tokens + num_tokens);
+  seq.tokens.assign(tokens.begin(), tokens.end());
   seq.block_keys = m.keys;
   seq.salt.assign(salt);
-  seq.prompt_len = static_cast<int64_t>(num_tokens);
+  seq.prompt_len = num_tokens;
   seq.retention = retention;
   seq.num_computed = int64_t(m.num_blocks) * block_size_;
   seq.groups.resize(num_groups());
@@ -256,7 +257,7 @@ int64_t BlockManager::admit(int64_t seq_id, const int64_t* tokens, size_t num_to
     held_hits += static_cast<int32_t>(m.held[g].size());
   }
   const int32_t fresh = (needed - m.num_blocks) * num_groups();
-  counters_.queries += static_cast<int64_t>(num_tokens);
+  counters_.queries += num_tokens;
   counters_.hits += seq.num_computed;
   counters_.query_blocks += int64_t(total) * num_groups();
   counters_.hit_blocks += int64_t(m.num_blocks) * num_groups();
@@ -269,34 +270,33 @@ int64_t BlockManager::admit(int64_t seq_id, const int64_t* tokens, size_t num_to
   return cached;
 }
 
-std::vector<int64_t> BlockManager::allocate_batch(const std::vector<int64_t>& seq_ids,
-                                                  const std::vector<TokenSpan>& prompts,
+std::vector<int64_t> BlockManager::allocate_batch(Span<int64_t> seq_ids, Span<Span<int64_t>> prompts,
                                                   const std::vector<std::string>& salts,
                                                   const std::vector<std::vector<RetentionRange>>& retentions) {
-  if (prompts.size() != seq_ids.size())
-    throw ValueError(cat("allocate_batch: ", seq_ids.size(), " seq_ids but ", prompts.size(), " prompts"));
-  if (!salts.empty() && salts.size() != seq_ids.size())
-    throw ValueError(cat("allocate_batch: ", salts.size(), " cache_salts for ", seq_ids.size(), " prompts"));
-  if (!retentions.empty() && retentions.size() != seq_ids.size())
-    throw ValueError(cat("allocate_batch: ", retentions.size(), " retentions for ", seq_ids.size(), " prompts"));
+  const size_t n = seq_ids.size;
+  if (prompts.size != n) throw ValueError(cat("allocate_batch: ", n, " seq_ids but ", prompts.size, " prompts"));
+  if (!salts.empty() && salts.size() != n)
+    throw ValueError(cat("allocate_batch: ", salts.size(), " cache_salts for ", n, " prompts"));
+  if (!retentions.empty() && retentions.size() != n)
+    throw ValueError(cat("allocate_batch: ", retentions.size(), " retentions for ", n, " prompts"));
   for (const auto& r : retentions) validate_retention(r, "allocate_batch");
-  check_distinct(seq_ids.data(), seq_ids.size(), "allocate_batch");
-  for (size_t i = 0; i < seq_ids.size(); ++i) {
+  check_distinct(seq_ids, "allocate_batch");
+  for (size_t i = 0; i < n; ++i) {
     if (seqs_.count(seq_ids[i])) throw ValueError(cat("allocate_batch: ", seq_str(seq_ids[i]), " already exists"));
     if (prompts[i].size == 0) throw ValueError(cat("allocate_batch: prompts[", i, "] is empty"));
   }
   std::vector<int64_t> cached;
-  cached.reserve(seq_ids.size());
+  cached.reserve(n);
   PrefixMatch& m = batch_match_;  // one lookup per prompt, shared by the fit check and the admission
   static const std::vector<RetentionRange> kNoRetention;
-  for (size_t i = 0; i < seq_ids.size(); ++i) {
+  for (size_t i = 0; i < n; ++i) {
     const std::string_view salt = salts.empty() ? std::string_view() : std::string_view(salts[i]);
     const int64_t len = static_cast<int64_t>(prompts[i].size);
     if (never_fits(len, kWholePrompt)) break;
-    match_prefix(prompts[i].data, prompts[i].size, salt, &m);
+    match_prefix(prompts[i], salt, &m);
     if (fits(len, m, kWholePrompt) != AllocStatus::kOk) break;
-    cached.push_back(admit(seq_ids[i], prompts[i].data, prompts[i].size, salt,
-                           retentions.empty() ? kNoRetention : retentions[i], m, kWholePrompt));
+    cached.push_back(admit(seq_ids[i], prompts[i], salt, retentions.empty() ? kNoRetention : retentions[i], m,
+                           kWholePrompt));
   }
   return cached;
 }
@@ -304,10 +304,10 @@ std::vector<int64_t> BlockManager::allocate_batch(const std::vector<int64_t>& se
 // ---------------------------------------------------------------------------------------------------
 // Chunked prefill
 
-int32_t BlockManager::blocks_to_reserve(const std::vector<const Sequence*>& seqs, const std::vector<int64_t>& seq_ids,
-                                        const std::vector<int64_t>& num_tokens) const {
-  if (num_tokens.size() != seqs.size())
-    throw ValueError(cat("reserve: ", seqs.size(), " seq_ids but ", num_tokens.size(), " num_tokens"));
+int32_t BlockManager::blocks_to_reserve(const std::vector<const Sequence*>& seqs, Span<int64_t> seq_ids,
+                                        Span<int64_t> num_tokens) const {
+  if (num_tokens.size != seqs.size())
+    throw ValueError(cat("reserve: ", seqs.size(), " seq_ids but ", num_tokens.size, " num_tokens"));
   int64_t needed = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
     const int64_t len = static_cast<int64_t>(seqs[i]->tokens.size());
@@ -319,13 +319,13 @@ int32_t BlockManager::blocks_to_reserve(const std::vector<const Sequence*>& seqs
   return static_cast<int32_t>(std::min<int64_t>(needed * num_groups(), std::numeric_limits<int32_t>::max()));
 }
 
-bool BlockManager::can_reserve(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& num_tokens) const {
-  const std::vector<const Sequence*> seqs = resolve(seq_ids.data(), seq_ids.size(), "reserve", /*unique=*/true);
+bool BlockManager::can_reserve(Span<int64_t> seq_ids, Span<int64_t> num_tokens) const {
+  const std::vector<const Sequence*> seqs = resolve(seq_ids, "reserve", /*unique=*/true);
   return blocks_to_reserve(seqs, seq_ids, num_tokens) <= gpu_.num_free();
 }
 
-void BlockManager::reserve(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& num_tokens) {
-  const std::vector<Sequence*> seqs = resolve(seq_ids.data(), seq_ids.size(), "reserve", /*unique=*/true);
+void BlockManager::reserve(Span<int64_t> seq_ids, Span<int64_t> num_tokens) {
+  const std::vector<Sequence*> seqs = resolve(seq_ids, "reserve", /*unique=*/true);
   const int32_t needed =
       blocks_to_reserve(std::vector<const Sequence*>(seqs.begin(), seqs.end()), seq_ids, num_tokens);
   if (needed > gpu_.num_free())
@@ -369,14 +369,14 @@ void BlockManager::fork(int64_t parent_seq_id, int64_t child_seq_id) {
 // ---------------------------------------------------------------------------------------------------
 // Swapping
 
-int32_t BlockManager::distinct_blocks(const std::vector<int64_t>& seq_ids, const char* what, Where where) const {
+int32_t BlockManager::distinct_blocks(Span<int64_t> seq_ids, const char* what, Where where) const {
   std::unordered_set<int32_t> blocks;
-  for (const Sequence* seq : resolve(seq_ids.data(), seq_ids.size(), what, /*unique=*/true, where))
+  for (const Sequence* seq : resolve(seq_ids, what, /*unique=*/true, where))
     for (const GroupTable& t : seq->groups) blocks.insert(t.blocks.begin() + t.released, t.blocks.end());
   return static_cast<int32_t>(blocks.size());
 }
 
-std::vector<BlockPair> BlockManager::move_blocks(const std::vector<int64_t>& seq_ids, BlockPool& from, BlockPool& to) {
+std::vector<BlockPair> BlockManager::move_blocks(Span<int64_t> seq_ids, BlockPool& from, BlockPool& to) {
   // Blocks shared inside the batch are copied once; the destination block is shared the same way.
   std::vector<BlockPair> mapping;
   std::unordered_map<int32_t, int32_t> src_to_dst;
@@ -407,24 +407,24 @@ std::vector<BlockPair> BlockManager::move_blocks(const std::vector<int64_t>& seq
   return mapping;
 }
 
-int32_t BlockManager::distinct_blocks(const std::vector<int64_t>& seq_ids) const {
+int32_t BlockManager::distinct_blocks(Span<int64_t> seq_ids) const {
   if (seq_ids.empty()) return 0;
   const Where where = get(seq_ids[0]).swapped ? Where::kSwapped : Where::kResident;
   return distinct_blocks(seq_ids, "distinct_blocks", where);
 }
 
-bool BlockManager::can_swap_out(const std::vector<int64_t>& seq_ids) const {
+bool BlockManager::can_swap_out(Span<int64_t> seq_ids) const {
   return distinct_blocks(seq_ids, "swap_out", Where::kResident) <= cpu_.num_free();
 }
 
-std::vector<BlockPair> BlockManager::swap_out(const std::vector<int64_t>& seq_ids) {
+std::vector<BlockPair> BlockManager::swap_out(Span<int64_t> seq_ids) {
   if (num_cpu_blocks() == 0) throw ValueError("swap_out: this BlockManager has no CPU blocks (num_cpu_blocks=0)");
   if (!can_swap_out(seq_ids))
     throw OutOfBlocks(cat("swap_out: not enough free CPU blocks (", cpu_.num_free(), " free)"));
   return move_blocks(seq_ids, gpu_, cpu_);
 }
 
-AllocStatus BlockManager::can_swap_in(const std::vector<int64_t>& seq_ids, int64_t num_lookahead_slots) const {
+AllocStatus BlockManager::can_swap_in(Span<int64_t> seq_ids, int64_t num_lookahead_slots) const {
   if (num_lookahead_slots < 0 || num_lookahead_slots > kMaxTokensPerAppend)
     throw ValueError(cat("can_swap_in: num_lookahead_slots must be in [0, ", kMaxTokensPerAppend, "], got ",
                          num_lookahead_slots));
@@ -437,7 +437,7 @@ AllocStatus BlockManager::can_swap_in(const std::vector<int64_t>& seq_ids, int64
   return gpu_.num_free() - needed >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
 }
 
-std::vector<BlockPair> BlockManager::swap_in(const std::vector<int64_t>& seq_ids) {
+std::vector<BlockPair> BlockManager::swap_in(Span<int64_t> seq_ids) {
   const int32_t needed = distinct_blocks(seq_ids, "swap_in", Where::kSwapped);
   if (needed > gpu_.num_free())
     throw OutOfBlocks(cat("swap_in: needs ", needed, " free blocks but only ", gpu_.num_free(),

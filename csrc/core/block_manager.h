@@ -23,18 +23,13 @@
 #include "core/pins.h"
 #include "core/prefix_cache.h"
 #include "core/retention.h"
+#include "core/span.h"
 #include "core/util.h"
 #include "core/validation.h"
 
 namespace pagedkv {
 
 enum class AllocStatus { kOk = 0, kLater = 1, kNever = 2 };
-
-// A borrowed run of token ids (a prompt).
-struct TokenSpan {
-  const int64_t* data = nullptr;
-  size_t size = 0;
-};
 
 // Everything a BlockManager is made with; the constructor validates it.
 struct BlockManagerConfig {
@@ -80,25 +75,24 @@ class BlockManager {
   // tokens and the next num_new_tokens; reserve() allocates each later chunk's. NEVER then means the
   // most the sequence holds over a prefill in such chunks cannot fit.
   static constexpr int64_t kWholePrompt = -1;
-  AllocStatus can_allocate(const int64_t* tokens, size_t num_tokens, std::string_view salt = {},
-                           int64_t num_new_tokens = kWholePrompt) const;
+  AllocStatus can_allocate(Span<int64_t> tokens, std::string_view salt = {}, int64_t num_new_tokens = kWholePrompt) const;
   // Gives seq_id a block table for its prompt; returns how many leading tokens are already cached.
   // `retention` ranges set its blocks' eviction priority (validated: 0 <= start <= end, priority in
   // [0, 100], duration >= 0); blocks no range overlaps take default_priority (decode_priority for
   // blocks that start past the prompt). A block held by several sequences keeps the highest.
-  int64_t allocate(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt = {},
+  int64_t allocate(int64_t seq_id, Span<int64_t> tokens, std::string_view salt = {},
                    const std::vector<RetentionRange>& retention = {}, int64_t num_new_tokens = kWholePrompt);
   // Chunked prefill: sequence i gets the blocks of its first num_tokens[i] tokens in every group (no-op
   // for what it has). Call after mark_computed of the previous chunk, which let the window release its
   // earlier blocks. can_reserve: whether the free blocks suffice.
-  bool can_reserve(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& num_tokens) const;
-  void reserve(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& num_tokens);
+  bool can_reserve(Span<int64_t> seq_ids, Span<int64_t> num_tokens) const;
+  void reserve(Span<int64_t> seq_ids, Span<int64_t> num_tokens);
   // Tokens whose slots exist: the whole sequence once every chunk is reserved.
   int64_t num_allocated_tokens(int64_t seq_id) const;
   // Admits prompts in order while can_allocate says OK and returns the cached-token count of each admitted
   // one (prompts [0, result.size()) were admitted). The whole batch is validated first (ids distinct and
   // new, prompts non-empty, one salt per prompt or none), so a bad batch changes nothing.
-  std::vector<int64_t> allocate_batch(const std::vector<int64_t>& seq_ids, const std::vector<TokenSpan>& prompts,
+  std::vector<int64_t> allocate_batch(Span<int64_t> seq_ids, Span<Span<int64_t>> prompts,
                                       const std::vector<std::string>& salts = {},
                                       const std::vector<std::vector<RetentionRange>>& retentions = {});
 
@@ -121,23 +115,23 @@ class BlockManager {
   int32_t decode_priority() const { return config_.decode_priority; }
   // The eviction priority a block has now (tests and check_invariants).
   int32_t block_priority(int32_t block) const;
-  // The KV of the first num_tokens[i] (all tokens when num_tokens is null) of each sequence is written:
+  // The KV of the first num_tokens[i] (all tokens when num_tokens is none) of each sequence is written:
   // full blocks among them enter the prefix cache. seq_ids must be distinct.
-  void mark_computed(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>* num_tokens = nullptr);
+  void mark_computed(Span<int64_t> seq_ids, std::optional<Span<int64_t>> num_tokens = std::nullopt);
 
   // Room for every sequence to append 1 + num_lookahead_slots tokens now.
-  bool can_append(const int64_t* seq_ids, size_t n, int64_t num_lookahead_slots = 0) const;
+  bool can_append(Span<int64_t> seq_ids, int64_t num_lookahead_slots = 0) const;
   // Appends to every group's table; the slots returned are group 0's (slot_mappings(group=g) for the others).
   int64_t append_token(int64_t seq_id, int64_t token_id);
-  void append_tokens(const int64_t* seq_ids, const int64_t* token_ids, size_t n, int64_t* slots_out);
-  // Sequence i appends counts[i] tokens (one each when counts is null), the next ones of token_ids;
-  // slots_out gets a slot per token, in order. Speculative decoding appends its input and draft tokens.
-  void append_tokens(const int64_t* seq_ids, size_t n, const int64_t* token_ids, const int64_t* counts,
-                     int64_t* slots_out);
+  // Sequence i appends counts[i] tokens (one each when counts is none, each in [0, kMaxTokensPerAppend]),
+  // the next ones of token_ids (as many as the counts add up to); slots gets a slot per token, in order.
+  // Speculative decoding appends its input and draft tokens.
+  void append_tokens(Span<int64_t> seq_ids, Span<int64_t> token_ids, std::optional<Span<int64_t>> counts,
+                     const Out<int64_t>& slots);
   // Rolls sequence i back to its first num_tokens[i] tokens (rejected draft tokens): blocks past them
   // leave its table (cached ones stay cached); the next append into a block left partial copies it first
   // if it is shared or cached.
-  void truncate(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& num_tokens);
+  void truncate(Span<int64_t> seq_ids, Span<int64_t> num_tokens);
   static constexpr int64_t kMaxTokensPerAppend = pagedkv::kMaxTokensPerAppend;
   // Copy-on-write copies queued by append_tokens, to perform before the next KV write; they are
   // independent (no copy reads another's destination). Until they are taken, a copy's source is never
@@ -150,30 +144,25 @@ class BlockManager {
 
   // Distinct blocks the sequences hold over every group (a block they share counts once; entries a window
   // released excepted): what swap_out / swap_in moves. The sequences are all resident or all swapped out.
-  int32_t distinct_blocks(const std::vector<int64_t>& seq_ids) const;
-  bool can_swap_out(const std::vector<int64_t>& seq_ids) const;
-  std::vector<BlockPair> swap_out(const std::vector<int64_t>& seq_ids);  // (gpu, cpu)
-  AllocStatus can_swap_in(const std::vector<int64_t>& seq_ids, int64_t num_lookahead_slots = 0) const;
-  std::vector<BlockPair> swap_in(const std::vector<int64_t>& seq_ids);   // (cpu, gpu)
+  int32_t distinct_blocks(Span<int64_t> seq_ids) const;
+  bool can_swap_out(Span<int64_t> seq_ids) const;
+  std::vector<BlockPair> swap_out(Span<int64_t> seq_ids);  // (gpu, cpu)
+  AllocStatus can_swap_in(Span<int64_t> seq_ids, int64_t num_lookahead_slots = 0) const;
+  std::vector<BlockPair> swap_in(Span<int64_t> seq_ids);   // (cpu, gpu)
 
   // Group `group`'s table: released entries hold kPad.
   const std::vector<int32_t>& block_table(int64_t seq_id, int32_t group = 0) const;
   // Rows of block ids padded with `pad` to max_blocks (default: the longest table); released entries are
-  // `pad` too. Returns the width; the rows go into out(width), a buffer for n rows of `width` entries that
-  // the caller allocates once the arguments are validated (e.g. a tensor's storage, no copy).
-  int32_t block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
-                       const std::function<int32_t*(int32_t)>& out, int32_t group = 0) const;
-  void slot_mapping(int64_t seq_id, int64_t start, int64_t end, int64_t* out, int32_t group = 0) const;
-  // Concatenated slots of positions [starts[i], ends[i]) (ends null: each sequence's length). Validates
+  // `pad` too. Returns the width; the rows go into rows(seq_ids.size * width), row after row.
+  int32_t block_tables(Span<int64_t> seq_ids, std::optional<int32_t> max_blocks, int32_t pad,
+                       const Out<int32_t>& rows, int32_t group = 0) const;
+  // Slots of positions [start, end) of one sequence.
+  void slot_mapping(int64_t seq_id, int64_t start, int64_t end, const Out<int64_t>& slots, int32_t group = 0) const;
+  // Concatenated slots of positions [starts[i], ends[i]) (ends none: each sequence's length). Validates
   // every range before it writes (or allocates) anything; a position whose block the window released
-  // is a ValueError.
-  void slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
-                     std::vector<int64_t>* out, const char* what = "slot_mappings", int32_t group = 0) const;
-  // The same, written into out(total): a buffer for `total` slots that the caller allocates once the
-  // ranges are validated (e.g. a tensor's storage, no copy).
-  void slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
-                     const std::function<int64_t*(size_t)>& out, const char* what = "slot_mappings",
-                     int32_t group = 0) const;
+  // is a ValueError. `what` names the call in messages.
+  void slot_mappings(Span<int64_t> seq_ids, Span<int64_t> starts, std::optional<Span<int64_t>> ends,
+                     const Out<int64_t>& slots, int32_t group = 0, const char* what = "slot_mappings") const;
   // Leading entries of the sequence's table in `group` that the window released.
   int32_t num_released_blocks(int64_t seq_id, int32_t group = 0) const;
   // Blocks a sequence of num_tokens tokens, the first num_computed of them computed, holds over all groups.
@@ -238,14 +227,13 @@ class BlockManager {
   const Sequence& get_resident(int64_t seq_id, const char* what) const;
   // Looks up a batch of ids once: KeyError if unknown, ValueError if in the wrong place or, when `unique`,
   // repeated.
-  std::vector<Sequence*> resolve(const int64_t* seq_ids, size_t n, const char* what, bool unique,
-                                 Where where = Where::kResident);
-  std::vector<const Sequence*> resolve(const int64_t* seq_ids, size_t n, const char* what, bool unique,
+  std::vector<Sequence*> resolve(Span<int64_t> seq_ids, const char* what, bool unique, Where where = Where::kResident);
+  std::vector<const Sequence*> resolve(Span<int64_t> seq_ids, const char* what, bool unique,
                                        Where where = Where::kResident) const;
   template <typename Map>
-  static auto resolve_in(Map& seqs, const int64_t* seq_ids, size_t n, const char* what, bool unique, Where where)
+  static auto resolve_in(Map& seqs, Span<int64_t> seq_ids, const char* what, bool unique, Where where)
       -> std::vector<decltype(&seqs.begin()->second)>;
-  static void check_distinct(const int64_t* seq_ids, size_t n, const char* what);
+  static void check_distinct(Span<int64_t> seq_ids, const char* what);
 
   int32_t blocks_for_tokens(int64_t num_tokens) const {
     return static_cast<int32_t>(ceil_div(num_tokens, block_size_));
@@ -270,9 +258,9 @@ class BlockManager {
     std::vector<std::vector<int32_t>> held;   // per group
     std::vector<std::vector<int32_t>> chain;  // per group: scratch of the walk (kept for its capacity)
   };
-  void match_prefix(const int64_t* tokens, size_t num_tokens, std::string_view salt, PrefixMatch* out) const;
+  void match_prefix(Span<int64_t> tokens, std::string_view salt, PrefixMatch* out) const;
   // Cached: allocate() right after can_allocate() for the same prompt reuses the lookup.
-  const PrefixMatch& match_prefix_memo(const int64_t* tokens, size_t num_tokens, std::string_view salt) const;
+  const PrefixMatch& match_prefix_memo(Span<int64_t> tokens, std::string_view salt) const;
   int32_t from_free_for(const PrefixMatch& m, int32_t num_blocks) const;  // free blocks allocate takes
   // More blocks than the pool can ever give one prompt (admitted whole, or by chunks of num_new_tokens).
   bool never_fits(int64_t num_tokens, int64_t num_new_tokens) const;
@@ -280,15 +268,15 @@ class BlockManager {
   int64_t first_chunk_end(int64_t num_tokens, const PrefixMatch& m, int64_t num_new_tokens) const;
   AllocStatus fits(int64_t num_tokens, const PrefixMatch& m, int64_t num_new_tokens) const;  // given the lookup
   // allocate() once the prompt's lookup m is done and fits; the arguments are validated.
-  int64_t admit(int64_t seq_id, const int64_t* tokens, size_t num_tokens, std::string_view salt,
-                const std::vector<RetentionRange>& retention, const PrefixMatch& m, int64_t num_new_tokens);
+  int64_t admit(int64_t seq_id, Span<int64_t> tokens, std::string_view salt, const std::vector<RetentionRange>& retention,
+                const PrefixMatch& m, int64_t num_new_tokens);
   int32_t group_arg(int32_t group, const char* what) const;  // validated
   int64_t allocated_tokens(const Sequence& seq) const {
     return std::min<int64_t>(static_cast<int64_t>(seq.tokens.size()), int64_t(seq.groups[0].blocks.size()) * block_size_);
   }
   // Fresh blocks reserve() takes for these sequences (validates num_tokens).
-  int32_t blocks_to_reserve(const std::vector<const Sequence*>& seqs, const std::vector<int64_t>& seq_ids,
-                            const std::vector<int64_t>& num_tokens) const;
+  int32_t blocks_to_reserve(const std::vector<const Sequence*>& seqs, Span<int64_t> seq_ids,
+                            Span<int64_t> num_tokens) const;
   // The most blocks a prompt holds: admitted whole, or prefilled in chunks of num_new_tokens.
   int64_t max_blocks_held(int64_t num_tokens, int64_t num_new_tokens) const;
   void check_complete(const Sequence& seq, int64_t seq_id, const char* what) const;
@@ -303,9 +291,9 @@ class BlockManager {
   void release_out_of_window(Sequence& seq);
   int32_t blocks_needed_to_append(const Sequence* const* seqs, size_t n, const int64_t* counts, int64_t extra) const;
   bool must_copy_before_write(int32_t block) const;
-  int32_t distinct_blocks(const std::vector<int64_t>& seq_ids, const char* what, Where where) const;
+  int32_t distinct_blocks(Span<int64_t> seq_ids, const char* what, Where where) const;
   // Swap: moves the sequences' held blocks from one pool to the other (the sequences are in `from`).
-  std::vector<BlockPair> move_blocks(const std::vector<int64_t>& seq_ids, BlockPool& from, BlockPool& to);
+  std::vector<BlockPair> move_blocks(Span<int64_t> seq_ids, BlockPool& from, BlockPool& to);
   void register_computed_blocks(Sequence& seq, int32_t group);
   std::optional<uint64_t> parent_hash(PrefixCache::NodeId node) const;
 

@@ -37,34 +37,39 @@ int32_t BlockManager::blocks_needed_to_append(const Sequence* const* seqs, size_
   return needed;
 }
 
-bool BlockManager::can_append(const int64_t* seq_ids, size_t n, int64_t num_lookahead_slots) const {
+bool BlockManager::can_append(Span<int64_t> seq_ids, int64_t num_lookahead_slots) const {
   if (num_lookahead_slots < 0 || num_lookahead_slots > kMaxTokensPerAppend)
     throw ValueError(cat("can_append: num_lookahead_slots must be in [0, ", kMaxTokensPerAppend, "], got ",
                          num_lookahead_slots));
-  const std::vector<const Sequence*> seqs = resolve(seq_ids, n, "can_append", /*unique=*/true);
-  for (size_t i = 0; i < n; ++i) check_complete(*seqs[i], seq_ids[i], "can_append");
+  const std::vector<const Sequence*> seqs = resolve(seq_ids, "can_append", /*unique=*/true);
+  for (size_t i = 0; i < seq_ids.size; ++i) check_complete(*seqs[i], seq_ids[i], "can_append");
   return blocks_needed_to_append(seqs.data(), seqs.size(), nullptr, num_lookahead_slots) <= gpu_.num_free();
 }
 
 int64_t BlockManager::append_token(int64_t seq_id, int64_t token_id) {
   int64_t slot;
-  append_tokens(&seq_id, &token_id, 1, &slot);
+  append_tokens({&seq_id, 1}, {&token_id, 1}, std::nullopt, [&slot](size_t) { return &slot; });
   return slot;
 }
 
-void BlockManager::append_tokens(const int64_t* seq_ids, const int64_t* token_ids, size_t n, int64_t* slots_out) {
-  append_tokens(seq_ids, n, token_ids, nullptr, slots_out);
-}
-
-void BlockManager::append_tokens(const int64_t* seq_ids, size_t n, const int64_t* token_ids, const int64_t* counts,
-                                 int64_t* slots_out) {
-  if (counts) append_count_total(counts, n);
-  const std::vector<Sequence*> seqs = resolve(seq_ids, n, "append_tokens", /*unique=*/true);
+void BlockManager::append_tokens(Span<int64_t> seq_ids, Span<int64_t> token_ids, std::optional<Span<int64_t>> counts_arg,
+                                 const Out<int64_t>& slots) {
+  const size_t n = seq_ids.size;
+  const int64_t* counts = counts_arg ? counts_arg->data : nullptr;
+  if (counts_arg && counts_arg->size != n)
+    throw ValueError(cat("append_tokens: ", n, " seq_ids but ", counts_arg->size, " counts"));
+  const size_t total = counts ? append_count_total(counts, n) : n;
+  if (token_ids.size != total)
+    throw ValueError(cat("append_tokens: ", total, counts ? " tokens to append" : " seq_ids", " but ", token_ids.size,
+                         " token_ids"));
+  const std::vector<Sequence*> seqs = resolve(seq_ids, "append_tokens", /*unique=*/true);
   for (size_t i = 0; i < n; ++i) check_complete(*seqs[i], seq_ids[i], "append_tokens");
   const int32_t needed = blocks_needed_to_append(seqs.data(), seqs.size(), counts, 0);
   if (needed > gpu_.num_free())
     throw OutOfBlocks(cat("append_tokens: needs ", needed, " free blocks but only ", gpu_.num_free(),
                           " are free (check can_append first)"));
+  int64_t* slots_out = slots(total);
+  const int64_t* next_token = token_ids.data;
   for (size_t i = 0; i < n; ++i) {
     Sequence& seq = *seqs[i];
     const int64_t count = counts ? counts[i] : 1;
@@ -85,16 +90,16 @@ void BlockManager::append_tokens(const int64_t* seq_ids, size_t n, const int64_t
     }
     const std::vector<int32_t>& table = seq.groups[0].blocks;
     for (int64_t pos = len; pos < len + count; ++pos) {
-      seq.tokens.push_back(*token_ids++);
+      seq.tokens.push_back(*next_token++);
       *slots_out++ = int64_t(table[pos / block_size_]) * block_size_ + pos % block_size_;
     }
   }
 }
 
-void BlockManager::truncate(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& num_tokens) {
-  if (num_tokens.size() != seq_ids.size())
-    throw ValueError(cat("truncate: ", seq_ids.size(), " seq_ids but ", num_tokens.size(), " num_tokens"));
-  const std::vector<Sequence*> seqs = resolve(seq_ids.data(), seq_ids.size(), "truncate", /*unique=*/true);
+void BlockManager::truncate(Span<int64_t> seq_ids, Span<int64_t> num_tokens) {
+  if (num_tokens.size != seq_ids.size)
+    throw ValueError(cat("truncate: ", seq_ids.size, " seq_ids but ", num_tokens.size, " num_tokens"));
+  const std::vector<Sequence*> seqs = resolve(seq_ids, "truncate", /*unique=*/true);
   for (size_t i = 0; i < seqs.size(); ++i) {
     if (num_tokens[i] < 1 || num_tokens[i] > static_cast<int64_t>(seqs[i]->tokens.size()))
       throw ValueError(cat("truncate: num_tokens=", num_tokens[i], " for ", seq_str(seq_ids[i]), " must be in [1, ",

@@ -7,8 +7,9 @@
 
 namespace pagedkv {
 
-void BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens, std::string_view salt,
-                                PrefixMatch* out) const {
+void BlockManager::match_prefix(Span<int64_t> prompt, std::string_view salt, PrefixMatch* out) const {
+  const int64_t* tokens = prompt.data;
+  const size_t num_tokens = prompt.size;
   const int32_t num_groups = this->num_groups();
   PrefixMatch& m = *out;  // its vectors keep their capacity from one prompt to the next
   m.num_blocks = 0;
@@ -74,14 +75,13 @@ void BlockManager::match_prefix(const int64_t* tokens, size_t num_tokens, std::s
                      chain[g].begin() + k);  // k <= chain[g].size()
 }
 
-const BlockManager::PrefixMatch& BlockManager::match_prefix_memo(const int64_t* tokens, size_t num_tokens,
-                                                                 std::string_view salt) const {
+const BlockManager::PrefixMatch& BlockManager::match_prefix_memo(Span<int64_t> tokens, std::string_view salt) const {
   MatchMemo& m = memo_;
-  const bool same = m.cache_version == cache_.version() && m.tokens.size() == num_tokens && m.salt == salt &&
-                    std::equal(m.tokens.begin(), m.tokens.end(), tokens);
+  const bool same = m.cache_version == cache_.version() && m.tokens.size() == tokens.size && m.salt == salt &&
+                    std::equal(m.tokens.begin(), m.tokens.end(), tokens.begin());
   if (!same) {
-    match_prefix(tokens, num_tokens, salt, &m.match);
-    m.tokens.assign(tokens, tokens + num_tokens);
+    match_prefix(tokens, salt, &m.match);
+    m.tokens.assign(tokens.begin(), tokens.end());
     m.salt.assign(salt);
     m.cache_version = cache_.version();
   }
@@ -169,10 +169,10 @@ void BlockManager::release_out_of_window(Sequence& seq) {
   }
 }
 
-void BlockManager::mark_computed(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>* num_tokens) {
-  if (num_tokens && num_tokens->size() != seq_ids.size())
-    throw ValueError(cat("mark_computed: ", seq_ids.size(), " seq_ids but ", num_tokens->size(), " num_tokens"));
-  const std::vector<Sequence*> seqs = resolve(seq_ids.data(), seq_ids.size(), "mark_computed", /*unique=*/true);
+void BlockManager::mark_computed(Span<int64_t> seq_ids, std::optional<Span<int64_t>> num_tokens) {
+  if (num_tokens && num_tokens->size != seq_ids.size)
+    throw ValueError(cat("mark_computed: ", seq_ids.size, " seq_ids but ", num_tokens->size, " num_tokens"));
+  const std::vector<Sequence*> seqs = resolve(seq_ids, "mark_computed", /*unique=*/true);
   for (size_t i = 0; i < seqs.size() && num_tokens; ++i) {
     const int64_t n = (*num_tokens)[i];
     if (n < seqs[i]->num_computed || n > static_cast<int64_t>(seqs[i]->tokens.size()))

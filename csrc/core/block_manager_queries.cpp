@@ -29,10 +29,11 @@ const std::vector<int32_t>& BlockManager::block_table(int64_t seq_id, int32_t gr
   return get(seq_id).groups[group_arg(group, "block_table")].blocks;
 }
 
-int32_t BlockManager::block_tables(const int64_t* seq_ids, size_t n, const int32_t* max_blocks, int32_t pad,
-                                   const std::function<int32_t*(int32_t)>& out, int32_t group) const {
+int32_t BlockManager::block_tables(Span<int64_t> seq_ids, std::optional<int32_t> max_blocks, int32_t pad,
+                                   const Out<int32_t>& out, int32_t group) const {
   group_arg(group, "block_tables");
-  const std::vector<const Sequence*> seqs = resolve(seq_ids, n, "block_tables", /*unique=*/false);
+  const size_t n = seq_ids.size;
+  const std::vector<const Sequence*> seqs = resolve(seq_ids, "block_tables", /*unique=*/false);
   size_t longest = 0;
   for (const Sequence* seq : seqs) longest = std::max(longest, seq->groups[group].blocks.size());
   const int32_t width = max_blocks ? *max_blocks : static_cast<int32_t>(longest);
@@ -45,7 +46,7 @@ int32_t BlockManager::block_tables(const int64_t* seq_ids, size_t n, const int32
   if (width > limit)
     throw ValueError(cat("block_tables: max_blocks=", width, " is longer than any block table can be (", limit,
                          has_windows_ ? " blocks)" : " blocks in the pool)"));
-  int32_t* rows = out(width);
+  int32_t* rows = out(n * static_cast<size_t>(width));
   for (size_t i = 0; i < n; ++i) {
     const GroupTable& t = seqs[i]->groups[group];
     int32_t* row = rows + i * static_cast<size_t>(width);
@@ -56,24 +57,19 @@ int32_t BlockManager::block_tables(const int64_t* seq_ids, size_t n, const int32
   return width;
 }
 
-void BlockManager::slot_mapping(int64_t seq_id, int64_t start, int64_t end, int64_t* out, int32_t group) const {
-  std::vector<int64_t> slots;
-  slot_mappings(&seq_id, &start, &end, 1, &slots, "slot_mapping", group);
-  std::copy(slots.begin(), slots.end(), out);
+void BlockManager::slot_mapping(int64_t seq_id, int64_t start, int64_t end, const Out<int64_t>& slots,
+                                int32_t group) const {
+  slot_mappings({&seq_id, 1}, {&start, 1}, Span<int64_t>(&end, 1), slots, group, "slot_mapping");
 }
 
-void BlockManager::slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
-                                 std::vector<int64_t>* out, const char* what, int32_t group) const {
-  slot_mappings(seq_ids, starts, ends, n, [out](size_t total) {
-    out->resize(total);
-    return out->data();
-  }, what, group);
-}
-
-void BlockManager::slot_mappings(const int64_t* seq_ids, const int64_t* starts, const int64_t* ends, size_t n,
-                                 const std::function<int64_t*(size_t)>& out, const char* what, int32_t group) const {
+void BlockManager::slot_mappings(Span<int64_t> seq_ids, Span<int64_t> starts, std::optional<Span<int64_t>> ends_arg,
+                                 const Out<int64_t>& out, int32_t group, const char* what) const {
   group_arg(group, what);
-  const std::vector<const Sequence*> seqs = resolve(seq_ids, n, what, /*unique=*/false);
+  const size_t n = seq_ids.size;
+  if (starts.size != n) throw ValueError(cat(what, ": seq_ids and starts differ in length"));
+  if (ends_arg && ends_arg->size != n) throw ValueError(cat(what, ": seq_ids and ends differ in length"));
+  const int64_t* ends = ends_arg ? ends_arg->data : nullptr;
+  const std::vector<const Sequence*> seqs = resolve(seq_ids, what, /*unique=*/false);
   size_t total = 0;
   for (size_t i = 0; i < n; ++i) {
     const int64_t len = static_cast<int64_t>(seqs[i]->tokens.size());

@@ -128,11 +128,9 @@ class LLM:
         self.runner = ModelRunner(*runner_args) if self.tp is None else DriverRunner(*runner_args, self.tp)
         # Windowed layers hold only their window's blocks: one windowed group (Mistral) or a group per window
         # beside the full-attention one (Gemma 2), all in one pool.
-        groups = self.model_config.group_windows
-        windows = dict(sliding_window=groups[0]) if len(groups) == 1 else dict(group_windows=groups)
         self.bm = BlockManager(self.num_blocks, self.config.block_size, num_cpu_blocks=self.config.num_cpu_blocks,
                                enable_prefix_caching=self.config.enable_prefix_caching, enable_events=enable_events,
-                               **windows)
+                               group_windows=self.model_config.group_windows)
 
     def _update_cache_salt(self) -> None:
         """float8 KV: blocks are cached under a salt naming the format and the scales (rank 0's under

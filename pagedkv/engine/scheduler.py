@@ -10,6 +10,10 @@ from .sequence import Request, Sequence, SequenceStatus
 from .speculative import NgramProposer
 
 
+def _no_pairs() -> torch.Tensor:
+    return torch.empty(0, 2, dtype=torch.int64)
+
+
 @dataclass
 class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)
@@ -18,15 +22,16 @@ class ScheduledBatch:
     prefill_starts: list[int] = field(default_factory=list)   # first position computed in this step
     prefill_ends: list[int] = field(default_factory=list)     # one past the last (len(seq) when it completes)
     prefill_samples: list[int] = field(default_factory=list)  # n for a request's first prefill, 0 mid-prompt
-    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu block, cpu block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, gpu block)
-    copies: list[tuple[int, int]] = field(default_factory=list)     # copy-on-write (src, dst)
+    # Block mappings, int64 [n, 2] CPU tensors as the block manager returns them and the ops take them.
+    swap_out: torch.Tensor = field(default_factory=_no_pairs)   # (gpu block, cpu block)
+    swap_in: torch.Tensor = field(default_factory=_no_pairs)    # (cpu block, gpu block)
+    copies: torch.Tensor = field(default_factory=_no_pairs)     # copy-on-write (src, dst)
     admitted: list[Sequence] = field(default_factory=list)          # waiting -> running in this step
     failed: list[Sequence] = field(default_factory=list)            # sequences failed while scheduling
 
     @property
     def empty(self) -> bool:
-        return not (self.decodes or self.prefills or self.swap_in or self.swap_out or self.failed)
+        return not (self.decodes or self.prefills or len(self.swap_in) or len(self.swap_out) or self.failed)
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -189,7 +194,7 @@ class Scheduler:
                         self._add_prefill_chunk(batch, seq, start, end, samples=self._fork_width(seq))
         if not preempted and not self.swapped:
             self._admit_waiting(batch)
-        batch.copies = list(self.bm.take_copies())
+        batch.copies = self.bm.take_copies()
         self.stats["steps"] += 1
         return batch
 
@@ -221,7 +226,7 @@ class Scheduler:
                     or self.bm.can_swap_in(ids) != AllocStatus.OK or self.bm.num_free_blocks < need):
                 return
             self.swapped.popleft()
-            batch.swap_in += list(self.bm.swap_in(ids))
+            batch.swap_in = torch.cat((batch.swap_in, self.bm.swap_in(ids)))
             for s in group:
                 s.status = SequenceStatus.RUNNING
             self.running = sorted(self.running + group, key=lambda s: (s.arrival, s.seq_id))
@@ -248,7 +253,7 @@ class Scheduler:
     def _preempt(self, group: list[Sequence], batch: ScheduledBatch) -> None:
         ids = [s.seq_id for s in group]
         if self.config.num_cpu_blocks > 0 and not self._reserving(group) and self.bm.can_swap_out(ids):
-            batch.swap_out += list(self.bm.swap_out(ids))
+            batch.swap_out = torch.cat((batch.swap_out, self.bm.swap_out(ids)))
             for s in group:
                 s.status = SequenceStatus.SWAPPED
             self.swapped.append(group)

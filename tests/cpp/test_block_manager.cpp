@@ -29,7 +29,7 @@ BlockManagerConfig sized(int32_t num_blocks, int32_t block_size) {
 }
 
 int64_t alloc(BlockManager& bm, int64_t id, const std::vector<int64_t>& t, std::string_view salt = {}) {
-  return bm.allocate(id, t.data(), t.size(), salt);
+  return bm.allocate(id, t, salt);
 }
 
 }  // namespace
@@ -37,12 +37,12 @@ int64_t alloc(BlockManager& bm, int64_t id, const std::vector<int64_t>& t, std::
 TEST(BlockManager, AllBlocksUsableAndSlotsFollowTable) {
   BlockManager bm(4, 4);
   auto t = iota_tokens(16);
-  EXPECT_EQ(bm.can_allocate(t.data(), t.size()), AllocStatus::kOk);
+  EXPECT_EQ(bm.can_allocate(t), AllocStatus::kOk);
   EXPECT_EQ(alloc(bm, 1, t), 0);
   EXPECT_EQ(bm.num_free_blocks(), 0);
   const auto& table = bm.block_table(1);
   std::vector<int64_t> slots(16);
-  bm.slot_mapping(1, 0, 16, slots.data());
+  bm.slot_mapping(1, 0, 16, into(slots));
   for (int p = 0; p < 16; ++p) EXPECT_EQ(slots[p], table[p / 4] * 4 + p % 4);
   bm.check_invariants();
 }
@@ -129,8 +129,8 @@ TEST(BlockManager, ErrorsLeaveStateUnchanged) {
   EXPECT_THROW(alloc(bm, 2, iota_tokens(9)), OutOfBlocks);
   EXPECT_THROW(bm.free(7), KeyError);
   EXPECT_THROW(bm.swap_out({1}), ValueError);
-  int64_t ids[] = {1, 1}, toks[] = {5, 6}, slots[2];
-  EXPECT_THROW(bm.append_tokens(ids, toks, 2, slots), ValueError);
+  std::vector<int64_t> slots;
+  EXPECT_THROW(bm.append_tokens({1, 1}, {5, 6}, std::nullopt, into(slots)), ValueError);
   EXPECT_EQ(bm.num_free_blocks(), 1);
   EXPECT_EQ(bm.num_tokens(1), 8);
   bm.check_invariants();
@@ -141,11 +141,11 @@ TEST(BlockManager, WatermarkGivesLaterAndNever) {
   c.watermark = 0.2;  // 2 blocks held back
   BlockManager bm(c);
   auto big = iota_tokens(4 * 9);
-  EXPECT_EQ(bm.can_allocate(big.data(), big.size()), AllocStatus::kNever);
+  EXPECT_EQ(bm.can_allocate(big), AllocStatus::kNever);
   auto fits = iota_tokens(4 * 8);
-  EXPECT_EQ(bm.can_allocate(fits.data(), fits.size()), AllocStatus::kOk);
+  EXPECT_EQ(bm.can_allocate(fits), AllocStatus::kOk);
   alloc(bm, 1, iota_tokens(4, 1000));
-  EXPECT_EQ(bm.can_allocate(fits.data(), fits.size()), AllocStatus::kLater);
+  EXPECT_EQ(bm.can_allocate(fits), AllocStatus::kLater);
 }
 
 TEST(BlockManager, SaltIsolatesTenants) {
@@ -178,7 +178,7 @@ TEST(BlockManager, ForcedCollisionsNeverGiveWrongHits) {
     }
     std::vector<int64_t> t(2 + rng() % 9);
     for (auto& x : t) x = rng() % 2;
-    if (bm.can_allocate(t.data(), t.size()) != AllocStatus::kOk) continue;
+    if (bm.can_allocate(t) != AllocStatus::kOk) continue;
     const int64_t id = next_id++;
     const int64_t cached = alloc(bm, id, t);
     const auto& table = bm.block_table(id);
@@ -200,7 +200,7 @@ TEST(BlockManager, AllocateBatchValidatesEverythingBeforeAdmitting) {
   auto a = iota_tokens(4), b = iota_tokens(4, 100), empty = std::vector<int64_t>();
   alloc(bm, 1, a);
   const auto free_before = bm.num_free_blocks();
-  auto span = [](const std::vector<int64_t>& t) { return TokenSpan{t.data(), t.size()}; };
+  auto span = [](const std::vector<int64_t>& t) { return Span<int64_t>(t); };
   EXPECT_THROW(bm.allocate_batch({5, 1}, {span(a), span(b)}), ValueError);        // an existing id, last
   EXPECT_THROW(bm.allocate_batch({5, 5}, {span(a), span(b)}), ValueError);        // a repeated new id
   EXPECT_THROW(bm.allocate_batch({5, 6}, {span(a), span(empty)}), ValueError);    // an empty prompt
@@ -218,7 +218,7 @@ TEST(BlockManager, MarkComputedRefusesDuplicateIds) {
   BlockManager bm(8, 4);
   alloc(bm, 1, iota_tokens(10));
   const std::vector<int64_t> counts = {8, 6};
-  EXPECT_THROW(bm.mark_computed({1, 1}, &counts), ValueError);
+  EXPECT_THROW(bm.mark_computed({1, 1}, Span<int64_t>(counts)), ValueError);
   EXPECT_THROW(bm.mark_computed({1, 1}), ValueError);
   EXPECT_EQ(bm.num_computed_tokens(1), 0);
   bm.check_invariants();
@@ -285,9 +285,9 @@ TEST(BlockManager, SpeculativeAppendAndTruncate) {
   alloc(bm, 1, iota_tokens(3));
   bm.mark_computed({1});
   const std::vector<int64_t> ids = {1}, counts = {5}, drafts = {3, 70, 71, 72, 73};
-  EXPECT_TRUE(bm.can_append(ids.data(), 1, /*num_lookahead_slots=*/4));
+  EXPECT_TRUE(bm.can_append(ids, /*num_lookahead_slots=*/4));
   std::vector<int64_t> slots(5);
-  bm.append_tokens(ids.data(), 1, drafts.data(), counts.data(), slots.data());
+  bm.append_tokens(ids, drafts, Span<int64_t>(counts), into(slots));
   const auto& table = bm.block_table(1);
   for (int p = 3; p < 8; ++p) EXPECT_EQ(slots[p - 3], table[p / 4] * 4 + p % 4);
   EXPECT_EQ(bm.num_free_blocks(), 6);
@@ -333,7 +333,7 @@ TEST(BlockManager, EventsReplayToCachedBlocks) {
   for (int64_t id = 0; id < 300; ++id) {
     std::vector<int64_t> t(1 + rng() % 7);
     for (auto& x : t) x = rng() % 3;
-    if (bm.can_allocate(t.data(), t.size()) != AllocStatus::kOk) {
+    if (bm.can_allocate(t) != AllocStatus::kOk) {
       bm.reset_prefix_cache();
       for (int64_t old = std::max<int64_t>(0, id - 8); old < id; ++old)
         if (bm.contains(old)) bm.free(old);
@@ -353,7 +353,7 @@ TEST(BlockManager, EventsReplayToCachedBlocks) {
 namespace {
 
 int64_t alloc_r(BlockManager& bm, int64_t id, const std::vector<int64_t>& t, std::vector<RetentionRange> r) {
-  return bm.allocate(id, t.data(), t.size(), {}, r);
+  return bm.allocate(id, t, {}, r);
 }
 
 // Allocates, computes and frees a prompt: its full blocks are left cached in the free list.
@@ -367,7 +367,7 @@ std::vector<int32_t> cache_prompt(BlockManager& bm, int64_t id, const std::vecto
 }
 
 AllocStatus can_alloc(const BlockManager& bm, const std::vector<int64_t>& t) {
-  return bm.can_allocate(t.data(), t.size());
+  return bm.can_allocate(t);
 }
 
 }  // namespace
@@ -492,7 +492,7 @@ TEST(Retention, BadRangesAreValueErrorsAndChangeNothing) {
     EXPECT_THROW(alloc_r(bm, 1, t, r), ValueError);
     EXPECT_FALSE(bm.contains(1));
     EXPECT_EQ(bm.num_free_blocks(), 8);
-    std::vector<TokenSpan> spans = {{t.data(), t.size()}};
+    std::vector<Span<int64_t>> spans = {Span<int64_t>(t)};
     EXPECT_THROW(bm.allocate_batch({1}, spans, {}, {r}), ValueError);
     EXPECT_FALSE(bm.contains(1));
   }
@@ -672,7 +672,7 @@ TEST(SlidingWindow, ReleasesExactlyTheBlocksNoFutureQueryReads) {
       const int64_t k = 1 + rng() % 5;
       const std::vector<int64_t> more = iota_tokens(k, 1000);
       std::vector<int64_t> slots(k);
-      bm.append_tokens(std::vector<int64_t>{1}.data(), 1, more.data(), &k, slots.data());
+      bm.append_tokens({1}, more, Span<int64_t>(&k, 1), into(slots));
       n += k;
     }
   }
@@ -683,7 +683,7 @@ TEST(SlidingWindow, LongDecodeHoldsOnlyTheWindow) {
   alloc(bm, 1, iota_tokens(10));
   bm.mark_computed({1});
   for (int64_t t = 0; t < 500; ++t) {
-    ASSERT_TRUE(bm.can_append(std::vector<int64_t>{1}.data(), 1));
+    ASSERT_TRUE(bm.can_append({1}));
     bm.append_token(1, t);
     bm.mark_computed({1});
   }
@@ -741,7 +741,7 @@ TEST(SlidingWindow, ForkSwapTruncateKeepPadsAndCounts) {
   bm.fork(1, 2);
   const std::vector<int64_t> ids{1, 2}, next{7, 8};
   std::vector<int64_t> slots(2);
-  bm.append_tokens(ids.data(), next.data(), 2, slots.data());
+  bm.append_tokens(ids, next, std::nullopt, into(slots));
   EXPECT_EQ(bm.take_copies().size(), 1u);  // the shared partial block, copied once
   bm.check_invariants();
   const auto out = bm.swap_out({1, 2});
@@ -763,20 +763,20 @@ TEST(SlidingWindow, AdmissionCountsHeldBlocksOfEveryGroup) {
   EXPECT_EQ(bm.blocks_held(17, 0), 10);
   EXPECT_EQ(bm.blocks_held(17, 17), 5 + 5 - 2);
   const auto fits = iota_tokens(20), too_long = iota_tokens(21);
-  EXPECT_EQ(bm.can_allocate(fits.data(), fits.size()), AllocStatus::kOk);
-  EXPECT_EQ(bm.can_allocate(too_long.data(), too_long.size()), AllocStatus::kNever);
+  EXPECT_EQ(bm.can_allocate(fits), AllocStatus::kOk);
+  EXPECT_EQ(bm.can_allocate(too_long), AllocStatus::kNever);
   EXPECT_THROW(bm.blocks_held(3, 4), ValueError);
 }
 
 TEST(SlidingWindow, PromptLongerThanThePoolIsPrefilledInChunks) {
   BlockManager bm = windowed(8, 4, {8});  // 32 tokens of pool
   const auto prompt = iota_tokens(100);
-  EXPECT_EQ(bm.can_allocate(prompt.data(), prompt.size()), AllocStatus::kNever);
-  ASSERT_EQ(bm.can_allocate(prompt.data(), prompt.size(), {}, 8), AllocStatus::kOk);
-  EXPECT_EQ(bm.allocate(1, prompt.data(), prompt.size(), {}, {}, 8), 0);
+  EXPECT_EQ(bm.can_allocate(prompt), AllocStatus::kNever);
+  ASSERT_EQ(bm.can_allocate(prompt, {}, 8), AllocStatus::kOk);
+  EXPECT_EQ(bm.allocate(1, prompt, {}, {}, 8), 0);
   EXPECT_EQ(bm.num_allocated_tokens(1), 8);
   std::vector<int64_t> slots(100);
-  EXPECT_THROW(bm.slot_mapping(1, 0, 9, slots.data()), ValueError);
+  EXPECT_THROW(bm.slot_mapping(1, 0, 9, into(slots)), ValueError);
   EXPECT_THROW(bm.append_token(1, 5), ValueError);
   for (int64_t done = 0; done < 100;) {
     const int64_t end = std::min<int64_t>(100, done + 8);
@@ -784,9 +784,9 @@ TEST(SlidingWindow, PromptLongerThanThePoolIsPrefilledInChunks) {
       ASSERT_TRUE(bm.can_reserve({1}, {end}));
       bm.reserve({1}, {end});
     }
-    bm.slot_mapping(1, done, end, slots.data());
+    bm.slot_mapping(1, done, end, into(slots));
     const std::vector<int64_t> n{end};
-    bm.mark_computed({1}, &n);
+    bm.mark_computed({1}, Span<int64_t>(n));
     done = end;
     EXPECT_LE(8 - bm.num_free_blocks(), 8 / 4 + 1 + 2);
     bm.check_invariants();
