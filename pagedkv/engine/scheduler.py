@@ -3,6 +3,8 @@ the prefix cache, decode appends, preemption (swap or recompute) and forking of 
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from pagedkv import AllocStatus, BlockManager
 
 from .config import EngineConfig
