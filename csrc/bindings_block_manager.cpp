@@ -474,7 +474,7 @@ void bind_block_manager(py::module_& m) {
       .def_property_readonly("group_windows",
                              [](const BlockManager& bm) {
                                py::list out;
-                               for (int64_t w : bm.group_windows()) out.append(window_object(w));
+                               for (int64_t w : bm.config().group_windows) out.append(window_object(w));
                                return out;
                              }, "One window (tokens; None: full attention) per group of layers.")
       .def_property_readonly("sliding_window",
@@ -483,7 +483,7 @@ void bind_block_manager(py::module_& m) {
                                if (bm.num_groups() != 1)
                                  throw ValueError("sliding_window: this manager has " + std::to_string(bm.num_groups()) +
                                                   " groups; read group_windows");
-                               return window_object(bm.group_windows()[0]);
+                               return window_object(bm.config().group_windows[0]);
                              }, "Deprecated: group_windows. The window of a one-group manager (None: full attention).")
       .def(
           "num_tokens",
@@ -504,14 +504,14 @@ void bind_block_manager(py::module_& m) {
       .def("token_ids", &BlockManager::token_ids, py::arg("seq_id"))
       .def("is_swapped", &BlockManager::is_swapped, py::arg("seq_id"))
       .def("__contains__", &BlockManager::contains)
-      .def_property_readonly("num_blocks", &BlockManager::num_blocks)
-      .def_property_readonly("num_cpu_blocks", &BlockManager::num_cpu_blocks)
+      .def_property_readonly("num_blocks", [](const BlockManager& bm) { return bm.config().num_blocks; })
+      .def_property_readonly("num_cpu_blocks", [](const BlockManager& bm) { return bm.config().num_cpu_blocks; })
       .def_property_readonly("block_size", &BlockManager::block_size)
       .def_property_readonly("watermark_blocks", &BlockManager::watermark_blocks)
-      .def_property_readonly("enable_prefix_caching", &BlockManager::prefix_caching)
-      .def_property_readonly("hash_algo", [](const BlockManager& bm) { return hash_algo_name(bm.hash_algo()); })
-      .def_property_readonly("num_free_blocks", &BlockManager::num_free_blocks)
-      .def_property_readonly("num_free_cpu_blocks", &BlockManager::num_free_cpu_blocks)
+      .def_property_readonly("enable_prefix_caching", [](const BlockManager& bm) { return bm.config().enable_prefix_caching; })
+      .def_property_readonly("hash_algo", [](const BlockManager& bm) { return hash_algo_name(bm.config().hash_algo); })
+      .def_property_readonly("num_free_blocks", [](const BlockManager& bm) { return bm.gpu_pool().num_free(); })
+      .def_property_readonly("num_free_cpu_blocks", [](const BlockManager& bm) { return bm.cpu_pool().num_free(); })
       .def("stats", [](const BlockManager& bm) { return stats_dict(bm.stats()); },
            "Cumulative counters (queries and hits in tokens and blocks, evictions, copies, swaps, dropped\n"
            "events) and gauges (used / free / cached blocks, sequences).")
@@ -520,7 +520,7 @@ void bind_block_manager(py::module_& m) {
       .def(
           "take_events",
           [](BlockManager& bm) {
-            if (!bm.events_enabled())
+            if (!bm.config().enable_events)
               throw ValueError("take_events: this BlockManager was made with enable_events=False");
             const std::vector<KvEvent> events = bm.take_events();
             py::list out(events.size());
@@ -556,19 +556,19 @@ void bind_block_manager(py::module_& m) {
            "Keeps the sequence's full cached blocks cached after free() until unpin(); returns how many\n"
            "blocks the pin holds. RuntimeError if it would pin more than max_pinned_blocks.")
       .def("unpin", &BlockManager::unpin, py::arg("seq_id"))
-      .def("is_pinned", &BlockManager::is_pinned, py::arg("seq_id"))
-      .def("pinned_blocks", &BlockManager::pinned_blocks, py::arg("seq_id"), "The blocks the sequence's pin holds.")
+      .def("is_pinned", [](const BlockManager& bm, int64_t seq_id) { return bm.pins().is_pinned(seq_id); }, py::arg("seq_id"))
+      .def("pinned_blocks", [](const BlockManager& bm, int64_t seq_id) { return bm.pins().blocks(seq_id); }, py::arg("seq_id"), "The blocks the sequence's pin holds.")
       .def("block_priority", &BlockManager::block_priority, py::arg("block"),
            "The eviction priority GPU block `block` has now.")
-      .def_property_readonly("num_pinned_blocks", &BlockManager::num_pinned_blocks)
-      .def_property_readonly("max_pinned_blocks", &BlockManager::max_pinned_blocks)
-      .def_property_readonly("default_priority", &BlockManager::default_priority)
-      .def_property_readonly("decode_priority", &BlockManager::decode_priority)
+      .def_property_readonly("num_pinned_blocks", [](const BlockManager& bm) { return bm.pins().num_pinned(); })
+      .def_property_readonly("max_pinned_blocks", [](const BlockManager& bm) { return bm.pins().max_pinned(); })
+      .def_property_readonly("default_priority", [](const BlockManager& bm) { return bm.config().default_priority; })
+      .def_property_readonly("decode_priority", [](const BlockManager& bm) { return bm.config().decode_priority; })
       .def("reset_prefix_cache", &BlockManager::reset_prefix_cache)
       .def("check_invariants", &BlockManager::check_invariants)
       .def("__repr__", [](const BlockManager& bm) {
-        return "BlockManager(num_blocks=" + std::to_string(bm.num_blocks()) + ", block_size=" +
-               std::to_string(bm.block_size()) + ", free=" + std::to_string(bm.num_free_blocks()) + ")";
+        return "BlockManager(num_blocks=" + std::to_string(bm.config().num_blocks) + ", block_size=" +
+               std::to_string(bm.block_size()) + ", free=" + std::to_string(bm.gpu_pool().num_free()) + ")";
       });
 
   // pybind11 silently ignores a second __init__ on a live instance (any function named __init__ gets that

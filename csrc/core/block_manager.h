@@ -107,12 +107,6 @@ class BlockManager {
   // is refused (OutOfBlocks) and changes nothing. Returns the number of blocks the pin holds.
   int32_t pin(int64_t seq_id);
   void unpin(int64_t seq_id);   // KeyError unless pinned; works after the sequence is freed
-  bool is_pinned(int64_t seq_id) const { return pins_.is_pinned(seq_id); }
-  const std::vector<int32_t>& pinned_blocks(int64_t seq_id) const { return pins_.blocks(seq_id); }
-  int32_t num_pinned_blocks() const { return pins_.num_pinned(); }
-  int32_t max_pinned_blocks() const { return pins_.max_pinned(); }
-  int32_t default_priority() const { return config_.default_priority; }
-  int32_t decode_priority() const { return config_.decode_priority; }
   // The eviction priority a block has now (tests and check_invariants).
   int32_t block_priority(int32_t block) const;
   // The KV of the first num_tokens[i] (all tokens when num_tokens is none) of each sequence is written:
@@ -168,7 +162,6 @@ class BlockManager {
   // Blocks a sequence of num_tokens tokens, the first num_computed of them computed, holds over all groups.
   int64_t blocks_held(int64_t num_tokens, int64_t num_computed = 0) const;
   int32_t num_groups() const { return static_cast<int32_t>(config_.group_windows.size()); }
-  const std::vector<int64_t>& group_windows() const { return config_.group_windows; }
   bool has_windows() const { return has_windows_; }
   int64_t num_tokens(int64_t seq_id) const;
   int64_t num_computed_tokens(int64_t seq_id) const;
@@ -176,22 +169,19 @@ class BlockManager {
   bool contains(int64_t seq_id) const { return seqs_.count(seq_id) != 0; }
   std::vector<int64_t> token_ids(int64_t seq_id) const;
 
+  // What the manager was built with, and its parts, read-only (sizes, free counts, pins).
   const BlockManagerConfig& config() const { return config_; }
-  int32_t num_blocks() const { return config_.num_blocks; }
-  int32_t num_cpu_blocks() const { return config_.num_cpu_blocks; }
+  const BlockPool& gpu_pool() const { return gpu_; }
+  const BlockPool& cpu_pool() const { return cpu_; }
+  const Pins& pins() const { return pins_; }
   int32_t block_size() const { return block_size_; }
   int32_t watermark_blocks() const { return watermark_blocks_; }
-  bool prefix_caching() const { return config_.enable_prefix_caching; }
-  HashAlgo hash_algo() const { return config_.hash_algo; }
-  int32_t num_free_blocks() const { return gpu_.num_free(); }
-  int32_t num_free_cpu_blocks() const { return cpu_.num_free(); }
 
   BlockManagerStats stats() const;
   // The counters accumulated since the previous call (gauges: current values).
   BlockManagerStats take_step_stats();
 
   // KV events (only with enable_events): drained in order.
-  bool events_enabled() const { return events_.enabled(); }
   std::vector<KvEvent> take_events();
   // (block hash, parent block hash) of every block the prefix cache holds KV for now.
   std::vector<std::pair<uint64_t, std::optional<uint64_t>>> cached_blocks() const;
@@ -200,6 +190,21 @@ class BlockManager {
 
 
  private:
+  // Shorthands of config() and the parts for the manager's own code.
+  bool is_pinned(int64_t seq_id) const { return pins_.is_pinned(seq_id); }
+  const std::vector<int32_t>& pinned_blocks(int64_t seq_id) const { return pins_.blocks(seq_id); }
+  int32_t num_pinned_blocks() const { return pins_.num_pinned(); }
+  int32_t max_pinned_blocks() const { return pins_.max_pinned(); }
+  int32_t default_priority() const { return config_.default_priority; }
+  int32_t decode_priority() const { return config_.decode_priority; }
+  const std::vector<int64_t>& group_windows() const { return config_.group_windows; }
+  int32_t num_blocks() const { return config_.num_blocks; }
+  int32_t num_cpu_blocks() const { return config_.num_cpu_blocks; }
+  bool prefix_caching() const { return config_.enable_prefix_caching; }
+  HashAlgo hash_algo() const { return config_.hash_algo; }
+  int32_t num_free_blocks() const { return gpu_.num_free(); }
+  int32_t num_free_cpu_blocks() const { return cpu_.num_free(); }
+  bool events_enabled() const { return events_.enabled(); }
   // One group's block table of a sequence.
   struct GroupTable {
     std::vector<int32_t> blocks;        // GPU block ids, or CPU block ids while swapped; [0, released): kPad

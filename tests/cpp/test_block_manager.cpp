@@ -39,7 +39,7 @@ TEST(BlockManager, AllBlocksUsableAndSlotsFollowTable) {
   auto t = iota_tokens(16);
   EXPECT_EQ(bm.can_allocate(t), AllocStatus::kOk);
   EXPECT_EQ(alloc(bm, 1, t), 0);
-  EXPECT_EQ(bm.num_free_blocks(), 0);
+  EXPECT_EQ(bm.gpu_pool().num_free(), 0);
   const auto& table = bm.block_table(1);
   std::vector<int64_t> slots(16);
   bm.slot_mapping(1, 0, 16, into(slots));
@@ -111,12 +111,12 @@ TEST(BlockManager, SwapOutAndIn) {
   bm.fork(1, 2);
   auto out = bm.swap_out({1, 2});
   EXPECT_EQ(out.size(), 3u) << "shared blocks are copied once";
-  EXPECT_EQ(bm.num_free_blocks(), 4);
-  EXPECT_EQ(bm.num_free_cpu_blocks(), 1);
+  EXPECT_EQ(bm.gpu_pool().num_free(), 4);
+  EXPECT_EQ(bm.cpu_pool().num_free(), 1);
   EXPECT_EQ(bm.can_swap_in({1, 2}), AllocStatus::kOk);
   auto in = bm.swap_in({1, 2});
   EXPECT_EQ(in.size(), 3u);
-  EXPECT_EQ(bm.num_free_cpu_blocks(), 4);
+  EXPECT_EQ(bm.cpu_pool().num_free(), 4);
   EXPECT_EQ(bm.block_table(1), bm.block_table(2));
   bm.check_invariants();
 }
@@ -131,7 +131,7 @@ TEST(BlockManager, ErrorsLeaveStateUnchanged) {
   EXPECT_THROW(bm.swap_out({1}), ValueError);
   std::vector<int64_t> slots;
   EXPECT_THROW(bm.append_tokens({1, 1}, {5, 6}, std::nullopt, into(slots)), ValueError);
-  EXPECT_EQ(bm.num_free_blocks(), 1);
+  EXPECT_EQ(bm.gpu_pool().num_free(), 1);
   EXPECT_EQ(bm.num_tokens(1), 8);
   bm.check_invariants();
 }
@@ -170,7 +170,7 @@ TEST(BlockManager, ForcedCollisionsNeverGiveWrongHits) {
   int64_t next_id = 0;
   std::map<int64_t, std::vector<int64_t>> prompts;
   for (int step = 0; step < 2000; ++step) {
-    if (!live.empty() && (rng() % 3 == 0 || bm.num_free_blocks() < 6)) {
+    if (!live.empty() && (rng() % 3 == 0 || bm.gpu_pool().num_free() < 6)) {
       const size_t k = rng() % live.size();
       bm.free(live[k]);
       live.erase(live.begin() + k);
@@ -199,7 +199,7 @@ TEST(BlockManager, AllocateBatchValidatesEverythingBeforeAdmitting) {
   BlockManager bm(3, 4);
   auto a = iota_tokens(4), b = iota_tokens(4, 100), empty = std::vector<int64_t>();
   alloc(bm, 1, a);
-  const auto free_before = bm.num_free_blocks();
+  const auto free_before = bm.gpu_pool().num_free();
   auto span = [](const std::vector<int64_t>& t) { return Span<int64_t>(t); };
   EXPECT_THROW(bm.allocate_batch({5, 1}, {span(a), span(b)}), ValueError);        // an existing id, last
   EXPECT_THROW(bm.allocate_batch({5, 5}, {span(a), span(b)}), ValueError);        // a repeated new id
@@ -207,7 +207,7 @@ TEST(BlockManager, AllocateBatchValidatesEverythingBeforeAdmitting) {
   EXPECT_THROW(bm.allocate_batch({5, 6}, {span(a)}), ValueError);                 // lengths differ
   EXPECT_THROW(bm.allocate_batch({5}, {span(a)}, {"x", "y"}), ValueError);        // salts differ
   EXPECT_FALSE(bm.contains(5));
-  EXPECT_EQ(bm.num_free_blocks(), free_before);
+  EXPECT_EQ(bm.gpu_pool().num_free(), free_before);
   const auto cached = bm.allocate_batch({5, 6, 7}, {span(a), span(b), span(a)});  // room for two
   EXPECT_EQ(cached.size(), 2u);
   EXPECT_TRUE(bm.contains(6) && !bm.contains(7));
@@ -256,12 +256,12 @@ TEST(BlockManager, PendingCopySourceIsNotHandedOutUntilTaken) {
   const int32_t shared_last = bm.block_table(1)[1];
   bm.append_token(2, 42);  // copy (shared_last -> the third block)
   bm.free(1);              // the copy's source has no holder left, but its KV is still to be copied
-  EXPECT_EQ(bm.num_free_blocks(), 0) << "the source must stay out of the free list";
+  EXPECT_EQ(bm.gpu_pool().num_free(), 0) << "the source must stay out of the free list";
   bm.check_invariants();
   const auto copies = bm.take_copies();
   ASSERT_EQ(copies.size(), 1u);
   EXPECT_EQ(copies[0].first, shared_last);
-  EXPECT_EQ(bm.num_free_blocks(), 1);
+  EXPECT_EQ(bm.gpu_pool().num_free(), 1);
   bm.check_invariants();
 }
 
@@ -290,7 +290,7 @@ TEST(BlockManager, SpeculativeAppendAndTruncate) {
   bm.append_tokens(ids, drafts, Span<int64_t>(counts), into(slots));
   const auto& table = bm.block_table(1);
   for (int p = 3; p < 8; ++p) EXPECT_EQ(slots[p - 3], table[p / 4] * 4 + p % 4);
-  EXPECT_EQ(bm.num_free_blocks(), 6);
+  EXPECT_EQ(bm.gpu_pool().num_free(), 6);
   bm.truncate({1}, {5});
   EXPECT_EQ(bm.num_tokens(1), 5);
   EXPECT_EQ(bm.block_table(1).size(), 2u);
@@ -491,7 +491,7 @@ TEST(Retention, BadRangesAreValueErrorsAndChangeNothing) {
   for (const auto& r : bad) {
     EXPECT_THROW(alloc_r(bm, 1, t, r), ValueError);
     EXPECT_FALSE(bm.contains(1));
-    EXPECT_EQ(bm.num_free_blocks(), 8);
+    EXPECT_EQ(bm.gpu_pool().num_free(), 8);
     std::vector<Span<int64_t>> spans = {Span<int64_t>(t)};
     EXPECT_THROW(bm.allocate_batch({1}, spans, {}, {r}), ValueError);
     EXPECT_FALSE(bm.contains(1));
@@ -517,10 +517,10 @@ TEST(Retention, PinnedBlocksStayCachedAfterFreeUntilUnpin) {
   EXPECT_EQ(bm.pin(1), 0) << "nothing is cached before mark_computed";
   bm.mark_computed({1});
   EXPECT_EQ(bm.pin(1), 3);
-  const std::vector<int32_t> pinned = bm.pinned_blocks(1);
+  const std::vector<int32_t> pinned = bm.pins().blocks(1);
   bm.free(1);
-  EXPECT_TRUE(bm.is_pinned(1));
-  EXPECT_EQ(bm.num_free_blocks(), 5) << "pinned blocks are never free";
+  EXPECT_TRUE(bm.pins().is_pinned(1));
+  EXPECT_EQ(bm.gpu_pool().num_free(), 5) << "pinned blocks are never free";
   EXPECT_EQ(bm.stats().pinned_blocks, 3);
   // Pressure: a 5-block prompt fits, a 6-block one never does while the pin holds.
   EXPECT_EQ(can_alloc(bm, iota_tokens(10, 100)), AllocStatus::kOk);
@@ -536,8 +536,8 @@ TEST(Retention, PinnedBlocksStayCachedAfterFreeUntilUnpin) {
   EXPECT_EQ(std::vector<int32_t>(bm.block_table(3).begin(), bm.block_table(3).begin() + 3), pinned);
   bm.free(3);
   bm.unpin(1);
-  EXPECT_FALSE(bm.is_pinned(1));
-  EXPECT_EQ(bm.num_free_blocks(), 8);
+  EXPECT_FALSE(bm.pins().is_pinned(1));
+  EXPECT_EQ(bm.gpu_pool().num_free(), 8);
   EXPECT_THROW(bm.unpin(1), KeyError);
   bm.check_invariants();
 }
@@ -551,10 +551,10 @@ TEST(Retention, PinCapIsAClearErrorThatChangesNothing) {
   bm.mark_computed({1, 2});
   EXPECT_EQ(bm.pin(1), 3);
   EXPECT_THROW(bm.pin(2), OutOfBlocks);  // 6 > 5
-  EXPECT_FALSE(bm.is_pinned(2));
-  EXPECT_EQ(bm.num_pinned_blocks(), 3);
+  EXPECT_FALSE(bm.pins().is_pinned(2));
+  EXPECT_EQ(bm.pins().num_pinned(), 3);
   EXPECT_EQ(bm.pin(1), 3) << "pinning again holds the same blocks, not twice as many";
-  EXPECT_EQ(bm.num_pinned_blocks(), 3);
+  EXPECT_EQ(bm.pins().num_pinned(), 3);
   EXPECT_THROW(bm.pin(99), KeyError);
   bm.check_invariants();
 }
@@ -566,11 +566,11 @@ TEST(Retention, PinSurvivesSwapAndResetLetsGo) {
   bm.pin(1);
   bm.swap_out({1});
   EXPECT_THROW(bm.pin(1), ValueError) << "a swapped-out sequence cannot be pinned";
-  EXPECT_EQ(bm.num_free_blocks(), 6) << "the pin keeps its 2 blocks on the GPU";
+  EXPECT_EQ(bm.gpu_pool().num_free(), 6) << "the pin keeps its 2 blocks on the GPU";
   bm.check_invariants();
   bm.reset_prefix_cache();
-  EXPECT_FALSE(bm.is_pinned(1));
-  EXPECT_EQ(bm.num_free_blocks(), 8);
+  EXPECT_FALSE(bm.pins().is_pinned(1));
+  EXPECT_EQ(bm.gpu_pool().num_free(), 8);
   bm.check_invariants();
 }
 
@@ -607,7 +607,7 @@ TEST(Retention, APinnedRegistrationIsNotSupersededByALaterIdenticalOne) {
   alloc(bm, 2, t);  // same wave: no hit, its own blocks
   bm.mark_computed({1});
   ASSERT_EQ(bm.pin(1), 2);
-  const auto pinned = bm.pinned_blocks(1);
+  const auto pinned = bm.pins().blocks(1);
   bm.mark_computed({2});  // without the pin, seq 2's blocks would become the ones that hit
   bm.free(1);
   bm.free(2);
@@ -667,7 +667,7 @@ TEST(SlidingWindow, ReleasesExactlyTheBlocksNoFutureQueryReads) {
         if (int64_t(i + 1) * bs <= n - window + 1) ++released;
       ASSERT_EQ(bm.num_released_blocks(1), released) << "bs " << bs << " window " << window << " n " << n;
       for (int32_t i = 0; i < released; ++i) EXPECT_EQ(table[i], BlockManager::kPad);
-      EXPECT_EQ(bm.num_free_blocks(), 512 - (static_cast<int32_t>(table.size()) - released));
+      EXPECT_EQ(bm.gpu_pool().num_free(), 512 - (static_cast<int32_t>(table.size()) - released));
       bm.check_invariants();
       const int64_t k = 1 + rng() % 5;
       const std::vector<int64_t> more = iota_tokens(k, 1000);
@@ -687,10 +687,10 @@ TEST(SlidingWindow, LongDecodeHoldsOnlyTheWindow) {
     bm.append_token(1, t);
     bm.mark_computed({1});
   }
-  EXPECT_LE(6 - bm.num_free_blocks(), 12 / 4 + 1);
+  EXPECT_LE(6 - bm.gpu_pool().num_free(), 12 / 4 + 1);
   bm.check_invariants();
   bm.free(1);
-  EXPECT_EQ(bm.num_free_blocks(), 6);
+  EXPECT_EQ(bm.gpu_pool().num_free(), 6);
 }
 
 TEST(SlidingWindow, HitNeedsOnlyTheWindowsBlocks) {
@@ -755,7 +755,7 @@ TEST(SlidingWindow, ForkSwapTruncateKeepPadsAndCounts) {
   bm.check_invariants();
   bm.free(1);
   bm.free(2);
-  EXPECT_EQ(bm.num_free_blocks(), 32);
+  EXPECT_EQ(bm.gpu_pool().num_free(), 32);
 }
 
 TEST(SlidingWindow, AdmissionCountsHeldBlocksOfEveryGroup) {
@@ -788,7 +788,7 @@ TEST(SlidingWindow, PromptLongerThanThePoolIsPrefilledInChunks) {
     const std::vector<int64_t> n{end};
     bm.mark_computed({1}, Span<int64_t>(n));
     done = end;
-    EXPECT_LE(8 - bm.num_free_blocks(), 8 / 4 + 1 + 2);
+    EXPECT_LE(8 - bm.gpu_pool().num_free(), 8 / 4 + 1 + 2);
     bm.check_invariants();
   }
   EXPECT_THROW(bm.reserve({1}, {101}), ValueError);
