@@ -171,12 +171,14 @@ torch::Tensor slot_tensor(const BlockManager& bm, Span<int64_t> ids, Span<int64_
 // Block tables of `ids` as an int32 tensor [len(ids), width], written in place by the core.
 torch::Tensor block_table_tensor(const BlockManager& bm, const Int64Array& ids, const std::optional<int32_t>& max_blocks,
                                 int32_t pad, int32_t group) {
+  // Allocated in its final shape (a view() afterwards costs as much as the rest of a small call).
   torch::Tensor rows;
-  const int32_t width = bm.block_tables(ids.span(), max_blocks, pad, [&rows](size_t n) {
-    rows = cpu_tensor({static_cast<int64_t>(n)}, torch::kInt32);
+  const auto batch = static_cast<int64_t>(ids.size);
+  const int32_t width = bm.block_tables(ids.span(), max_blocks, pad, [&rows, batch](size_t n) {
+    rows = cpu_tensor({batch, batch ? static_cast<int64_t>(n) / batch : 0}, torch::kInt32);
     return rows.data_ptr<int32_t>();
   }, group);
-  return rows.view({static_cast<int64_t>(ids.size), width});
+  return batch ? rows : cpu_tensor({0, width}, torch::kInt32);
 }
 
 // The (seq_ids, starts, ends=None) arguments of slot_mappings and attention_inputs, checked for equal lengths.

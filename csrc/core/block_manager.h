@@ -103,7 +103,7 @@ class BlockManager {
 
   // Pinning: pin(seq_id) holds the sequence's full blocks whose KV the prefix cache has now (call it
   // after mark_computed; again to take in more), so that they stay cached after free() until unpin.
-  // Pinned blocks are never free nor evictable; a pin that would hold more than max_pinned_blocks()
+  // Pinned blocks are never free nor evictable; a pin that would hold more than pins().max_pinned()
   // is refused (OutOfBlocks) and changes nothing. Returns the number of blocks the pin holds.
   int32_t pin(int64_t seq_id);
   void unpin(int64_t seq_id);   // KeyError unless pinned; works after the sequence is freed
