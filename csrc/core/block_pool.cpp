@@ -162,8 +162,7 @@ void BlockPool::untag(int32_t block) {
   cache_->release(node);
 }
 
-void BlockPool::set_tag(int32_t block, PrefixCache::NodeId node) {
-  if (tag_[block] == node) return;
+void BlockPool::retag(int32_t block, PrefixCache::NodeId node) {
   untag(block);
   tag_[block] = node;
   cache_->add_ref(node);

@@ -60,7 +60,9 @@ class BlockPool {
   // Whether the prefix cache hits this block for its content.
   bool holds_cached_kv(int32_t block) const;
   // The block now holds the KV of `node` (it forgets any other content first).
-  void set_tag(int32_t block, PrefixCache::NodeId node);
+  void set_tag(int32_t block, PrefixCache::NodeId node) {
+    if (tag_[block] != node) retag(block, node);
+  }
   // The block's content is now registered in another block: a free one no longer holds a hit.
   void superseded(int32_t block);
   int32_t num_cached_free() const { return cached_free_; }
@@ -75,6 +77,7 @@ class BlockPool {
 
  private:
   void untag(int32_t block);
+  void retag(int32_t block, PrefixCache::NodeId node);  // set_tag to another node
   void return_to_free_list(int32_t block);
   void move_to_level(int32_t free_block, int32_t level);  // to the back of that level's list
   int32_t free_level(int32_t block) const { return holds_cached_kv(block) ? 1 + retention_[block].priority : 0; }
