@@ -47,10 +47,24 @@ def _have_header(name):
     return any(os.path.exists(os.path.join(d, name)) for d in _include_dirs() + ["/usr/include"])
 
 
+def _core_unity():
+    """csrc/core/*.cpp as one translation unit, written to build/unity/core.cpp: the core is split by
+    concept, but its hot paths (admission, registration, decode appends) cross the parts, and one unit lets
+    the compiler inline across them. The GoogleTest build (CMake) compiles the parts one by one."""
+    text = "".join(f'#include "{os.path.relpath(p, "csrc")}"\n' for p in _rel("csrc/core/*.cpp"))
+    path = os.path.join("build", "unity", "core.cpp")
+    full = os.path.join(ROOT, path)
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    if not os.path.exists(full) or open(full).read() != text:  # unchanged: no rebuild
+        with open(full, "w") as f:
+            f.write(text)
+    return [path]
+
+
 def _extension():
     # csrc/ops/cpu/attention_<isa>.cpp: one copy of the CPU attention kernels per instruction set, chosen at
     # run time; each sets its ISA with `#pragma GCC target` (x86 only), so no -m flag is passed here.
-    sources = (_rel("csrc/core/*.cpp") + _rel("csrc/ops/*.cpp") + _rel("csrc/ops/cpu/*.cpp")
+    sources = (_core_unity() + _rel("csrc/ops/*.cpp") + _rel("csrc/ops/cpu/*.cpp")
                + ["csrc/bindings.cpp", "csrc/bindings_block_manager.cpp"])
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into our code;
     # without it every CPU kernel silently runs on one thread (torch's own libgomp is reused at run time).
