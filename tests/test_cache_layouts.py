@@ -14,7 +14,7 @@ import pagedkv.ops as ops
 from ops_reference import BF16, DEVICES, F16, F32
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
-LAYOUTS = ["separate", "vllm_cells", "pages_two", "hnd", "transformers_pages"]
+LAYOUTS = ["separate", "vllm_cells", "pages_two", "hnd", "transformers_pages", "mixed"]
 SENTINEL = 0xFF  # NaN in every float format here, one byte or wider
 
 
@@ -40,6 +40,9 @@ def cache_views(buffer: torch.Tensor, layout: str, num_blocks: int, block_size: 
     if layout == "hnd":  # [pages, 2, Hkv, page, D], each half seen as [pages, page, Hkv, D]
         x = buffer.view(n, 2, h, bs, d)
         return x[:, 0].transpose(1, 2), x[:, 1].transpose(1, 2)
+    if layout == "mixed":  # K: a contiguous NHD half; V: the other half in HND order (different strides)
+        x = buffer.view(2, n, h, bs, d)
+        return x[0].view(n, bs, h, d), x[1].transpose(1, 2)
     if layout == "transformers_pages":  # a 2-layer group: pages K0 V0 K1 V1 per block; layer 1's views
         x = buffer.view(n, 2, 2, bs, h, d)[:, 1]
         return x[:, 0], x[:, 1]
@@ -91,7 +94,7 @@ def test_reshape_and_cache_into_cache_views(device, layout, in_dtype, cache_dtyp
     buffer = sentinel_buffer(buffer_numel(layout, *dims), cache_dtype, device)
     key_cache, value_cache = cache_views(buffer, layout, *dims)
     assert key_cache.shape == value_cache.shape == dims and key_cache.stride(3) == 1
-    assert layout == "separate" or not key_cache.is_contiguous()
+    assert layout in ("separate", "mixed") or not key_cache.is_contiguous()
     qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, device=device).to(in_dtype)
     key, value = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]  # a fused projection's slices
     k_scale = v_scale = None

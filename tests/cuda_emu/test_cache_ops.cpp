@@ -33,38 +33,52 @@ enum class Layout { kContiguous, kQkvSlice, kInterleaved };
 //   kVllmCells:   [blocks, bs, H, 2D], K = x[..., :D], V = x[..., D:]
 //   kPagesTwo:    [blocks, 2, bs, H, D], K = x[:, 0], V = x[:, 1] (FlashInfer)
 //   kHnd:         [blocks, 2, H, bs, D] seen as [blocks, bs, H, D] (K = x[:, 0].transpose(1, 2))
-enum class CacheLayout { kSeparate, kVllmCells, kPagesTwo, kHnd };
+//   kMixed:       K a contiguous first half, V the second half in HND order (K and V strides differ)
+enum class CacheLayout { kSeparate, kVllmCells, kPagesTwo, kHnd, kMixed };
 constexpr CacheLayout kCacheLayouts[] = {CacheLayout::kSeparate, CacheLayout::kVllmCells, CacheLayout::kPagesTwo,
-                                         CacheLayout::kHnd};
+                                         CacheLayout::kHnd, CacheLayout::kMixed};
 
 const char* cache_layout_name(CacheLayout l) {
   switch (l) {
     case CacheLayout::kSeparate: return "separate";
     case CacheLayout::kVllmCells: return "vllm cells";
     case CacheLayout::kPagesTwo: return "pages x 2";
-    default: return "hnd";
+    case CacheLayout::kHnd: return "hnd";
+    default: return "mixed";
   }
 }
 
 struct CacheViews {
   int64_t key_offset, value_offset;  // elements into the buffer
-  pagedkv::CacheStrides strides;     // the same for K and V
+  pagedkv::CacheStrides key_strides, value_strides;
   int64_t buffer_elems;
 };
 
 CacheViews cache_views(CacheLayout layout, int64_t num_blocks, int64_t bs, int64_t H, int64_t D) {
   const int64_t half = num_blocks * bs * H * D;
+  const pagedkv::CacheStrides nhd{bs * H * D, H * D, D}, hnd{H * bs * D, D, bs * D};
   switch (layout) {
-    case CacheLayout::kSeparate: return {0, half, {bs * H * D, H * D, D}, 2 * half};
-    case CacheLayout::kVllmCells: return {0, D, {bs * H * 2 * D, H * 2 * D, 2 * D}, 2 * half};
-    case CacheLayout::kPagesTwo: return {0, bs * H * D, {2 * bs * H * D, H * D, D}, 2 * half};
-    default: return {0, H * bs * D, {2 * H * bs * D, D, bs * D}, 2 * half};
+    case CacheLayout::kSeparate: return {0, half, nhd, nhd, 2 * half};
+    case CacheLayout::kVllmCells: {
+      const pagedkv::CacheStrides cells{bs * H * 2 * D, H * 2 * D, 2 * D};
+      return {0, D, cells, cells, 2 * half};
+    }
+    case CacheLayout::kPagesTwo: {
+      const pagedkv::CacheStrides pages{2 * bs * H * D, H * D, D};
+      return {0, bs * H * D, pages, pages, 2 * half};
+    }
+    case CacheLayout::kHnd: {
+      const pagedkv::CacheStrides pages{2 * H * bs * D, D, bs * D};
+      return {0, H * bs * D, pages, pages, 2 * half};
+    }
+    default: return {0, half, nhd, hnd, 2 * half};
   }
 }
 
 // Element offset of (slot, h, d) in a view, computed without the kernels' helpers.
-int64_t element_at(const CacheViews& v, int64_t view_offset, int64_t slot, int64_t bs, int64_t h, int64_t d) {
-  return view_offset + (slot / bs) * v.strides.block + (slot % bs) * v.strides.token + h * v.strides.head + d;
+int64_t element_at(const pagedkv::CacheStrides& s, int64_t view_offset, int64_t slot, int64_t bs, int64_t h,
+                   int64_t d) {
+  return view_offset + (slot / bs) * s.block + (slot % bs) * s.token + h * s.head + d;
 }
 
 // Distinct random slots, some -1 (padding); with bad_token given, the slot of a random token (stored
@@ -113,8 +127,8 @@ void reshape_and_cache_case(Layout layout, CacheLayout cache_layout, int H, int 
       for (int h = 0; h < H; ++h) {
         for (int d = 0; d < D; ++d) {
           const int64_t src = t * in.token + h * in.head + d * in.dim;
-          want[element_at(views, views.key_offset, slots64[t], bs, h, d)] = key[src];
-          want[element_at(views, views.value_offset, slots64[t], bs, h, d)] = value[src];
+          want[element_at(views.key_strides, views.key_offset, slots64[t], bs, h, d)] = key[src];
+          want[element_at(views.value_strides, views.value_offset, slots64[t], bs, h, d)] = value[src];
         }
       }
     }
@@ -122,15 +136,15 @@ void reshape_and_cache_case(Layout layout, CacheLayout cache_layout, int H, int 
     bits_t* value_cache = buffer.data() + views.value_offset;
     const bool vec = cache::rows_16b_aligned(key.data(), sizeof(bits_t), D, in) &&
                      cache::rows_16b_aligned(value.data(), sizeof(bits_t), D, in) &&
-                     cache::cache_rows_16b_aligned(key_cache, sizeof(bits_t), views.strides) &&
-                     cache::cache_rows_16b_aligned(value_cache, sizeof(bits_t), views.strides);
+                     cache::cache_rows_16b_aligned(key_cache, sizeof(bits_t), views.key_strides) &&
+                     cache::cache_rows_16b_aligned(value_cache, sizeof(bits_t), views.value_strides);
     // Every cache stride and view offset is a multiple of D: 16-byte rows iff D's bytes are.
     EXPECT_EQ(vec, layout != Layout::kInterleaved && (D * sizeof(bits_t)) % 16 == 0);
     const auto kernel = vec ? cache::reshape_and_cache_kernel<bits_t, true, slot_t>
                             : cache::reshape_and_cache_kernel<bits_t, false, slot_t>;
     pagedkv::IndexError error{};
     cuda_emu::launch(dim3(T), dim3(cache::kThreads), 0, kernel, key.data(), value.data(), key_cache, value_cache,
-                     slots.data(), in, in, views.strides, views.strides, H, D, int64_t(bs), num_slots, &error);
+                     slots.data(), in, in, views.key_strides, views.value_strides, H, D, int64_t(bs), num_slots, &error);
     EXPECT_TRUE(buffer == want);  // the written rows, and every other element unchanged
     EXPECT_EQ(error.claimed, with_bad_slot ? 1u : 0u);
     if (with_bad_slot) {
@@ -178,8 +192,8 @@ TEST(CudaReshapeAndCache, Int32SlotsAtTheTypeLimits) {
   pagedkv::IndexError error{};
   cuda_emu::launch(dim3(3), dim3(cache::kThreads), 0, cache::reshape_and_cache_kernel<uint32_t, false, int32_t>,
                    key.data(), value.data(), buffer.data() + views.key_offset, buffer.data() + views.value_offset,
-                   slots.data(), cache::TokenStrides{H * D, D, 1}, cache::TokenStrides{H * D, D, 1}, views.strides,
-                   views.strides, H, D, int64_t(bs), int64_t(num_blocks) * bs, &error);
+                   slots.data(), cache::TokenStrides{H * D, D, 1}, cache::TokenStrides{H * D, D, 1},
+                   views.key_strides, views.value_strides, H, D, int64_t(bs), int64_t(num_blocks) * bs, &error);
   EXPECT_TRUE(buffer == before);
   EXPECT_EQ(error.claimed, 1u);
   EXPECT_EQ(error.value, INT32_MAX);
@@ -240,9 +254,9 @@ void reshape_and_cache_fp8_case(CacheLayout cache_layout, int H, int D,
       for (int h = 0; h < H; ++h) {
         for (int d = 0; d < D; ++d) {
           const size_t src = (size_t(t) * H + h) * D + d;
-          want[element_at(views, views.key_offset, slots64[t], bs, h, d)] =
+          want[element_at(views.key_strides, views.key_offset, slots64[t], bs, h, d)] =
               nearest_fp8<F>(static_cast<float>(key[src]) / scale.at(h));
-          want[element_at(views, views.value_offset, slots64[t], bs, h, d)] =
+          want[element_at(views.value_strides, views.value_offset, slots64[t], bs, h, d)] =
               nearest_fp8<F>(static_cast<float>(value[src]) / scale.at(h));
         }
       }
@@ -251,7 +265,7 @@ void reshape_and_cache_fp8_case(CacheLayout cache_layout, int H, int D,
     pagedkv::IndexError error{};
     cuda_emu::launch(dim3(T), dim3(cache::kThreads), 0, cache::reshape_and_cache_fp8_kernel<scalar_t, F, slot_t>,
                      key.data(), value.data(), buffer.data() + views.key_offset, buffer.data() + views.value_offset,
-                     slots.data(), in, in, views.strides, views.strides, H, D, int64_t(bs), num_slots, scale, scale,
+                     slots.data(), in, in, views.key_strides, views.value_strides, H, D, int64_t(bs), num_slots, scale, scale,
                      &error);
     EXPECT_EQ(error.claimed, 0u);
     for (size_t i = 0; i < buffer.size(); ++i) {  // sentinel bytes compare exactly; NaN codes as NaN
