@@ -23,13 +23,12 @@ enum class Overlap {
 };
 
 // Decides whether a and b share a byte by solving
-//     b.base - a.base = sum_d i_d a.stride_d - sum_d j_d b.stride_d + c,   c in [-(b.elem_size - 1), a.elem_size - 1]
+//     b.base - a.base = sum_d i_d a.stride_d - sum_d j_d b.stride_d + c,  c in [-(b.elem_size - 1), a.elem_size - 1]
 // over integer indices inside each view's sizes: the terms, grouped by stride, are tried largest stride
-// first, and only coefficients that leave the rest reachable by the smaller terms are followed. For
-// views whose every stride exceeds the span of the smaller ones (any layout without internal overlap,
-// and two such views with the same strides: interleaved cells, [pages, 2, ...] halves, HND transposes)
-// at most two coefficients survive per stride, so the answer is exact in a few dozen steps; irregular
-// mixes that need more than max_steps come back kUnknown.
+// first, and only coefficients that leave the rest reachable by the smaller terms are followed. When a
+// and b have the same strides and neither has internal overlap (interleaved K|V cells, [pages, 2, ...]
+// halves, HND transposes), at most two coefficients survive per stride, so the answer is exact within a
+// few dozen steps; other mixes are searched up to max_steps and come back kUnknown past it.
 Overlap views_overlap(const ByteView& a, const ByteView& b, int64_t max_steps = 1 << 14);
 
 }  // namespace pagedkv
