@@ -1,6 +1,8 @@
 """Throughput (GB/s of bytes moved, read + write) of the cache ops vs plain torch indexing doing the
 same work: reshape_and_cache vs ``cache.view(-1, H, D)[slots] = key``, copy_blocks vs ``index_copy_``,
-swap_blocks vs gather + ``.to(device)`` + ``index_copy_``.
+swap_blocks vs gather + ``.to(device)`` + ``index_copy_``. Then reshape_and_cache into vLLM's interleaved
+K|V cells (``x[..., :D]``, ``x[..., D:]`` of one ``[blocks, bs, H, 2D]`` tensor) vs two contiguous caches
+of the same shape, int64 and int32 slots (ratio > 1: the strided write is slower).
 
     python benchmarks/bench_cache_ops.py                # CPU (and CUDA <-> CPU swaps when present)
 """
@@ -88,6 +90,20 @@ def main():
 
         row(f"swap_blocks {device.type}->{target.type} {pairs} blocks", 2 * pairs * block_bytes,
             time_ms(lambda: ops.swap_blocks(key_cache, dst, swap_map), **timing), time_ms(torch_swap, **timing))
+
+    print(f"\n{'reshape_and_cache, same shape':<34}{'contig ms':>10}{'cells ms':>10}{'cells/contig':>14}")
+    cells = torch.randn(nb, bs, h, 2 * d, dtype=dtype, device=device)
+    for tokens in (256, 4096):
+        key = torch.randn(tokens, h, d, dtype=dtype, device=device)
+        value = torch.randn_like(key)
+        for slot_dtype in (torch.int64, torch.int32):
+            slots = torch.randperm(nb * bs, device=device)[:tokens].to(slot_dtype)
+            contiguous_ms = time_ms(lambda: ops.reshape_and_cache(key, value, key_cache, value_cache, slots),
+                                    **timing)
+            cells_ms = time_ms(lambda: ops.reshape_and_cache(key, value, cells[..., :d], cells[..., d:], slots),
+                               **timing)
+            name = f"T={tokens} {str(slot_dtype).removeprefix('torch.')} slots"
+            print(f"{name:<34}{contiguous_ms:>10.3f}{cells_ms:>10.3f}{cells_ms / contiguous_ms:>13.2f}x")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,12 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     Args:
         key, value: ``[T, num_kv_heads, head_dim]``, same dtype as the caches (or any of float32 /
             float16 / bfloat16 for a float8 cache); any strides.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous;
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` with any strides on
+            the first three dimensions and a contiguous ``head_dim``, so the caches other engines allocate
+            are written in place: vLLM's one tensor per layer with K|V interleaved in each cell
+            (``x[..., :D]``, ``x[..., D:]``), FlashInfer's ``[pages, 2, page, Hkv, D]`` (``x[:, 0]``,
+            ``x[:, 1]``), an HND ``[pages, Hkv, page, D]`` tensor ``.transpose(1, 2)``. K and V may be views
+            of one buffer when no element is in both (decided exactly; see the reference). Dtypes
             float32, float16, bfloat16, or ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (then each
             element is stored as ``fp8(x / scale)``, saturated at the format's largest finite value,
             rounded to nearest even; NaN stays NaN; bit-identical to ``(x.float() / scale).clamp(-max,
@@ -37,15 +42,17 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
             ``[num_kv_heads]``, on the inputs' device; None means 1. Tensors, not floats, so a captured
             or compiled graph need not change when they do. On CPU they must be finite and > 0 (a GPU
             check would sync: there a bad scale stores inf/NaN).
-        slot_mapping: ``[T]`` int64; token ``t`` goes to slot ``slot_mapping[t]``; a negative slot is
-            padding and is skipped. On CPU an out-of-range slot raises before anything is written; CUDA
-            kernels cannot raise and skip such slots. On CPU a slot given twice raises too. The caches
-            must not share memory with each other or with the inputs.
+        slot_mapping: ``[T]`` int32 or int64; token ``t`` goes to slot ``slot_mapping[t]``; a negative
+            slot is padding and is skipped. On CPU an out-of-range slot raises before anything is
+            written; CUDA kernels cannot raise and skip such slots. On CPU a slot given twice raises too.
+            The caches must share no element with each other or with the inputs.
 
     Example::
 
         slots = torch.tensor([0, 1, 17, -1])            # block 0 offsets 0, 1; block 1 offset 1 (bs=16)
         reshape_and_cache(k, v, key_cache, value_cache, slots)
+        kv = torch.empty(num_blocks, 16, num_kv_heads, 2 * head_dim)   # vLLM's per-layer cache
+        reshape_and_cache(k, v, kv[..., :head_dim], kv[..., head_dim:], slots.int())
     """
     _ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 

@@ -53,7 +53,10 @@ def _bad_cache_calls(kc, vc):
     slots = torch.tensor([0, 1, 2])
     return {
         "key dtype": lambda: ops.reshape_and_cache(key.half(), key.half(), kc, vc, slots),
-        "slot_mapping must be Long": lambda: ops.reshape_and_cache(key, key, kc, vc, slots.int()),
+        "slot_mapping must be int32 or int64, got Short": lambda: ops.reshape_and_cache(key, key, kc, vc,
+                                                                                          slots.short()),
+        "slot_mapping must be int32 or int64, got Float": lambda: ops.reshape_and_cache(key, key, kc, vc,
+                                                                                          slots.float()),
         "slot_mapping has 2": lambda: ops.reshape_and_cache(key, key, kc, vc, slots[:2]),
         "slot_mapping\\[2\\]": lambda: ops.reshape_and_cache(key, key, kc, vc, torch.tensor([0, 1, kc.numel()])),
         "key shape": lambda: ops.reshape_and_cache(torch.randn(3, 4, 64), torch.randn(3, 4, 64), kc, vc, slots),

@@ -15,6 +15,7 @@
 
 #include "ops/fp8.h"
 #include "ops/paged_kv.h"
+#include "ops/view_overlap.h"
 
 namespace pagedkv {
 namespace {
@@ -33,12 +34,11 @@ void check_same_device(const at::Tensor& t, const std::string& name, const at::T
               "; all tensors must be on the same device");
 }
 
-void check_cache(const at::Tensor& cache, const std::string& name) {
+void check_cache_shape_and_dtype(const at::Tensor& cache, const std::string& name) {
   TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
               cache.sizes());
   TORCH_CHECK(is_supported_float(cache.scalar_type()) || is_fp8(cache.scalar_type()), name,
               " must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", cache.scalar_type());
-  TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
   // A dimension of size 0 would leave a block with no bytes but a nonzero stride: copies from null.
   TORCH_CHECK(cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, name,
               " must have positive block_size, num_kv_heads and head_dim, got shape ", cache.sizes());
@@ -57,13 +57,23 @@ std::pair<uintptr_t, uintptr_t> memory_span(const at::Tensor& t) {
   return {begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size())};
 }
 
-// True when a and b may share an element: same storage and intersecting spans (conservative for
-// strided views that interleave without touching, which nobody passes to these ops).
-bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0 || !a.is_alias_of(b)) return false;
-  const auto sa = memory_span(a), sb = memory_span(b);
-  return sa.first < sb.second && sb.first < sa.second;
+ByteView byte_view(const at::Tensor& t) {
+  ByteView v{static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr())), t.element_size(), t.sizes().vec(),
+             t.strides().vec()};
+  for (int64_t& stride : v.strides) stride *= v.elem_size;
+  return v;
 }
+
+// Whether a and b (views of one storage) share a byte, exactly (view_overlap.h); views too irregular
+// to decide within the search budget count as sharing one.
+Overlap overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.is_alias_of(b)) return Overlap::kDisjoint;
+  const auto sa = memory_span(a), sb = memory_span(b);
+  if (sa.second <= sb.first || sb.second <= sa.first) return Overlap::kDisjoint;
+  return views_overlap(byte_view(a), byte_view(b));
+}
+
+bool may_overlap(const at::Tensor& a, const at::Tensor& b) { return overlap(a, b) != Overlap::kDisjoint; }
 
 // The same elements in the same order: one tensor passed twice, or a view that equals it.
 bool same_tensor(const at::Tensor& a, const at::Tensor& b) {
@@ -76,8 +86,13 @@ void check_no_overlap(const at::Tensor& written, const std::string& written_name
   TORCH_CHECK(!same_tensor(written, other), written_name, " and ", other_name, " are the same tensor (they share "
               "memory); ", written_name, " is written in place while ", other_name, " is read, so pass two distinct "
               "tensors (clone one)");
-  TORCH_CHECK(!may_overlap(written, other), written_name, " and ", other_name,
-              " share memory; ", written_name, " is written in place, so they must not overlap (clone one)");
+  const Overlap o = overlap(written, other);
+  TORCH_CHECK(o != Overlap::kShared, written_name, " and ", other_name, " share memory (an element of one is in "
+              "the other); ", written_name, " is written in place, so they must not overlap (clone one)");
+  TORCH_CHECK(o != Overlap::kUnknown, written_name, " and ", other_name, " may share memory: views of one buffer "
+              "whose strides are too irregular to prove them disjoint (strides ", written.strides(), " and ",
+              other.strides(), "); ", written_name, " is written in place, so pass views with the same strides, or "
+              "separate tensors");
 }
 
 // An output whose elements alias each other (an expand()ed or as_strided view) would be updated twice.
@@ -94,6 +109,23 @@ void check_no_internal_overlap(const at::Tensor& t, const std::string& name) {
                 "overlapping elements");
     extent = stride * (size - 1) + extent;
   }
+}
+
+// The cache of paged_attention, copy_blocks and swap_blocks: one contiguous tensor.
+void check_cache(const at::Tensor& cache, const std::string& name) {
+  check_cache_shape_and_dtype(cache, name);
+  TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous, got strides ", cache.strides(), " for shape ",
+              cache.sizes(), " (only reshape_and_cache writes into strided cache views)");
+}
+
+// The cache of reshape_and_cache: any strides on the block, token and head dimensions (a view of a
+// larger buffer), a contiguous head_dim, no two elements at one address.
+void check_cache_view(const at::Tensor& cache, const std::string& name) {
+  check_cache_shape_and_dtype(cache, name);
+  TORCH_CHECK(cache.size(3) == 1 || cache.stride(3) == 1, name,
+              " must have a contiguous head_dim (stride 1), got strides ", cache.strides(), " for shape ",
+              cache.sizes());
+  check_no_internal_overlap(cache, name);
 }
 
 void check_block_mapping_shape(const at::Tensor& block_mapping) {
@@ -143,8 +175,8 @@ KvFormat kv_format(at::ScalarType cache_dtype) {
 void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& slot_mapping,
                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  check_cache(key_cache, "key_cache");
-  check_cache(value_cache, "value_cache");
+  check_cache_view(key_cache, "key_cache");
+  check_cache_view(value_cache, "value_cache");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "value_cache shape ", value_cache.sizes(),
               " must equal key_cache shape ", key_cache.sizes());
   TORCH_CHECK(key.dim() == 3, "key must be [num_tokens, num_kv_heads, head_dim], got shape ", key.sizes());
@@ -165,7 +197,9 @@ void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, con
   }
   check_kv_scale(k_scale, "k_scale", key_cache, key);
   check_kv_scale(v_scale, "v_scale", value_cache, key);
-  check_index_tensor(slot_mapping, "slot_mapping", at::kLong, 1);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
+              "slot_mapping must be int32 or int64, got ", slot_mapping.scalar_type());
+  TORCH_CHECK(slot_mapping.dim() == 1, "slot_mapping must have 1 dimension(s), got shape ", slot_mapping.sizes());
   TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
               " entries but key has ", key.size(0), " tokens");
   check_same_device(value, "value", key, "key");
@@ -344,7 +378,7 @@ void check_rotary_embedding(const at::Tensor& positions, const at::Tensor& x, co
 }
 
 void check_slot_values(const at::Tensor& slot_mapping, int64_t num_slots) {
-  const at::Tensor slots = slot_mapping.contiguous();
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t* s = slots.data_ptr<int64_t>();
   std::vector<std::pair<int64_t, int64_t>> used;  // (slot, token): tokens are written in parallel
   used.reserve(slots.numel());
@@ -425,8 +459,11 @@ void check_block_mapping_values(const at::Tensor& block_mapping, int64_t num_src
 
 namespace {
 
-// Writes each token's [Hkv, D] rows (any strides) into its cache slot: cache element d of head h of token
-// t becomes store(element, h) for the input elements of that row. in_t / cache_t are the element types.
+CacheStrides cache_strides(const at::Tensor& cache) { return {cache.stride(0), cache.stride(1), cache.stride(2)}; }
+
+// Writes each token's [Hkv, D] rows (any strides) into its cache slot (cache views with any block, token
+// and head strides): cache element d of head h of token t becomes store(element, h) for the input
+// elements of that row. in_t / cache_t are the element types; slots are int64 (a checked private copy).
 template <typename in_t, typename cache_t, typename Store>
 void write_cache_rows(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                       const at::Tensor& value_cache, const at::Tensor& slots, Store k_store, Store v_store) {
@@ -438,17 +475,20 @@ void write_cache_rows(const at::Tensor& key, const at::Tensor& value, const at::
   auto* kc = static_cast<cache_t*>(key_cache.data_ptr());
   auto* vc = static_cast<cache_t*>(value_cache.data_ptr());
   const auto ks = key.strides(), vs = value.strides();
+  const CacheStrides kcs = cache_strides(key_cache), vcs = cache_strides(value_cache);
   at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slot[t] < 0) continue;  // padding
-      const SlotLocation loc = decode_slot(slot[t], block_size);
+      cache_t* k_dst = kc + cache_slot_offset(slot[t], block_size, kcs);
+      cache_t* v_dst = vc + cache_slot_offset(slot[t], block_size, vcs);
       for (int64_t h = 0; h < num_heads; ++h) {
-        const int64_t dst = cache_row_offset(loc.block * block_size + loc.offset, h, num_heads, head_dim);
         const in_t* k_row = k + t * ks[0] + h * ks[1];
         const in_t* v_row = v + t * vs[0] + h * vs[1];
+        cache_t* k_out = k_dst + h * kcs.head;
+        cache_t* v_out = v_dst + h * vcs.head;
         for (int64_t d = 0; d < head_dim; ++d) {
-          kc[dst + d] = k_store(k_row[d * ks[2]], h);
-          vc[dst + d] = v_store(v_row[d * vs[2]], h);
+          k_out[d] = k_store(k_row[d * ks[2]], h);
+          v_out[d] = v_store(v_row[d * vs[2]], h);
         }
       }
     }
@@ -479,8 +519,9 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
                            at::Tensor& value_cache, const at::Tensor& slot_mapping,
                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
-  // A private copy: the kernel reads exactly the values checked, whatever another thread writes.
-  const at::Tensor slots = slot_mapping.clone(at::MemoryFormat::Contiguous);
+  // A private int64 copy: the kernel reads exactly the values checked, whatever another thread writes.
+  const at::Tensor slots = slot_mapping.to(at::kLong, /*non_blocking=*/false, /*copy=*/true,
+                                           at::MemoryFormat::Contiguous);
   check_slot_values(slots, key_cache.size(0) * key_cache.size(1));
   if (is_fp8(key_cache.scalar_type())) {
     const auto [k_copy, k_s] = cpu_kv_scale(k_scale, "k_scale");

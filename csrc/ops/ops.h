@@ -30,7 +30,9 @@ struct AttentionShape {
   int64_t block_size;
 };
 
-// Checks that work on shapes, dtypes and devices only (safe on any backend, never syncs).
+// Checks that work on shapes, dtypes and devices only (safe on any backend, never syncs). The caches
+// of reshape_and_cache may be views with any block, token and head strides (head_dim contiguous), K and
+// V views of one buffer when they share no element; slot_mapping is int32 or int64.
 void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& slot_mapping,
                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
@@ -64,6 +66,7 @@ void check_rotary_embedding(const at::Tensor& positions, const at::Tensor& x, co
 void check_kv_scale_values(const at::Tensor& scale, const char* name);  // finite and > 0
 // A private contiguous copy of a CPU scale argument (checked values = read values) and its view.
 std::pair<at::Tensor, KvScale> cpu_kv_scale(const std::optional<at::Tensor>& scale, const char* name);
+// Slots (int32 or int64) below num_slots and, padding (< 0) aside, distinct.
 void check_slot_values(const at::Tensor& slot_mapping, int64_t num_slots);
 void check_attention_metadata_values(const AttentionShape& shape, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,

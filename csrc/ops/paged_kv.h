@@ -35,6 +35,21 @@ PAGEDKV_HD int64_t cache_row_offset(int64_t slot, int64_t kv_head, int64_t num_k
   return (slot * num_kv_heads + kv_head) * head_dim;
 }
 
+// Strides (in elements) of a [num_blocks, block_size, num_kv_heads, head_dim] cache view whose head_dim
+// is contiguous: a contiguous tensor, or a view of a larger one (vLLM's interleaved K|V cells,
+// FlashInfer's [pages, 2, ...] halves, an HND tensor transposed).
+struct CacheStrides {
+  int64_t block;
+  int64_t token;
+  int64_t head;
+};
+
+// Element offset of (slot, 0, 0) in a cache view with these strides; head h's row is h * s.head further.
+PAGEDKV_HD int64_t cache_slot_offset(int64_t slot, int64_t block_size, CacheStrides s) {
+  const SlotLocation loc = decode_slot(slot, block_size);
+  return loc.block * s.block + loc.offset * s.token;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Causal masking, bottom-right aligned: query j of a sequence with q_len queries and seq_len keys
 // sits at position seq_len - q_len + j and sees keys (pos - sliding_window, pos] (all of [0, pos]

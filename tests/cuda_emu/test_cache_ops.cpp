@@ -1,10 +1,13 @@
 // The CUDA cache-op kernels (csrc/ops/cuda/cache_ops.cuh) on the CPU emulator: reshape_and_cache for
-// 4-byte (float32) and 2-byte (float16/bfloat16) elements on the 16-byte and the scalar path, and
-// copy_blocks in 16-byte and byte chunks; bit-exact against a plain copy, both schedules. Padding
-// (slot -1) writes nothing; out-of-range slots and block ids are skipped and reported.
+// 4-byte (float32) and 2-byte (float16/bfloat16) elements on the 16-byte and the scalar path, and into
+// float8, on every cache layout (separate, vLLM's interleaved cells, [pages, 2, ...], HND) with int32
+// and int64 slots; copy_blocks in 16-byte and byte chunks; bit-exact against a plain copy, both
+// schedules, every untouched byte of the cache buffer compared too. Padding (slot < 0) writes nothing;
+// out-of-range slots and block ids are skipped and reported.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <numeric>
 
 #include "kernel_test_util.h"
@@ -22,74 +25,179 @@ std::vector<bits_t> random_bits(std::mt19937_64& rng, size_t n) {
   return v;
 }
 
-// key/value layouts: contiguous [T, H, D]; a slice of a packed qkv row; every other element (scalar).
+// key/value input layouts: contiguous [T, H, D]; a slice of a packed qkv row; every other element (scalar).
 enum class Layout { kContiguous, kQkvSlice, kInterleaved };
 
-template <typename bits_t>
-void reshape_and_cache_case(Layout layout, int H, int D, bool with_bad_slot) {
+// Cache layouts: K and V views of one buffer of num_blocks * bs * H * D * 2 elements.
+//   kSeparate:    two contiguous [blocks, bs, H, D] halves (K first)
+//   kVllmCells:   [blocks, bs, H, 2D], K = x[..., :D], V = x[..., D:]
+//   kPagesTwo:    [blocks, 2, bs, H, D], K = x[:, 0], V = x[:, 1] (FlashInfer)
+//   kHnd:         [blocks, 2, H, bs, D] seen as [blocks, bs, H, D] (K = x[:, 0].transpose(1, 2))
+//   kMixed:       K a contiguous first half, V the second half in HND order (K and V strides differ)
+enum class CacheLayout { kSeparate, kVllmCells, kPagesTwo, kHnd, kMixed };
+constexpr CacheLayout kCacheLayouts[] = {CacheLayout::kSeparate, CacheLayout::kVllmCells, CacheLayout::kPagesTwo,
+                                         CacheLayout::kHnd, CacheLayout::kMixed};
+
+const char* cache_layout_name(CacheLayout l) {
+  switch (l) {
+    case CacheLayout::kSeparate: return "separate";
+    case CacheLayout::kVllmCells: return "vllm cells";
+    case CacheLayout::kPagesTwo: return "pages x 2";
+    case CacheLayout::kHnd: return "hnd";
+    default: return "mixed";
+  }
+}
+
+struct CacheViews {
+  int64_t key_offset, value_offset;  // elements into the buffer
+  pagedkv::CacheStrides key_strides, value_strides;
+  int64_t buffer_elems;
+};
+
+CacheViews cache_views(CacheLayout layout, int64_t num_blocks, int64_t bs, int64_t H, int64_t D) {
+  const int64_t half = num_blocks * bs * H * D;
+  const pagedkv::CacheStrides nhd{bs * H * D, H * D, D}, hnd{H * bs * D, D, bs * D};
+  switch (layout) {
+    case CacheLayout::kSeparate: return {0, half, nhd, nhd, 2 * half};
+    case CacheLayout::kVllmCells: {
+      const pagedkv::CacheStrides cells{bs * H * 2 * D, H * 2 * D, 2 * D};
+      return {0, D, cells, cells, 2 * half};
+    }
+    case CacheLayout::kPagesTwo: {
+      const pagedkv::CacheStrides pages{2 * bs * H * D, H * D, D};
+      return {0, bs * H * D, pages, pages, 2 * half};
+    }
+    case CacheLayout::kHnd: {
+      const pagedkv::CacheStrides pages{2 * H * bs * D, D, bs * D};
+      return {0, H * bs * D, pages, pages, 2 * half};
+    }
+    default: return {0, half, nhd, hnd, 2 * half};
+  }
+}
+
+// Element offset of (slot, h, d) in a view, computed without the kernels' helpers.
+int64_t element_at(const pagedkv::CacheStrides& s, int64_t view_offset, int64_t slot, int64_t bs, int64_t h,
+                   int64_t d) {
+  return view_offset + (slot / bs) * s.block + (slot % bs) * s.token + h * s.head + d;
+}
+
+// Distinct random slots, some -1 (padding); with bad_token given, the slot of a random token (stored
+// there) is >= num_slots.
+std::vector<int64_t> random_slots(std::mt19937_64& rng, int T, int64_t num_slots, int pad_every, int* bad_token) {
+  std::vector<int64_t> all_slots(num_slots);
+  std::iota(all_slots.begin(), all_slots.end(), 0);
+  std::shuffle(all_slots.begin(), all_slots.end(), rng);
+  std::vector<int64_t> slots(all_slots.begin(), all_slots.begin() + T);
+  for (int t = 0; t < T; t += pad_every + int(rng() % 3)) slots[t] = -1;  // padding
+  if (bad_token != nullptr) {
+    *bad_token = int(rng() % uint64_t(T));
+    slots[*bad_token] = num_slots + int64_t(rng() % 1000);
+  }
+  return slots;
+}
+
+template <typename slot_t>
+const char* slot_type_name() {
+  return sizeof(slot_t) == 4 ? "int32 slots" : "int64 slots";
+}
+
+template <typename bits_t, typename slot_t>
+void reshape_and_cache_case(Layout layout, CacheLayout cache_layout, int H, int D, bool with_bad_slot) {
   for (const cuda_emu::Schedule schedule : schedules()) {
     SCOPED_TRACE(std::string("elem bytes ") + std::to_string(sizeof(bits_t)) + ", layout " +
-                 std::to_string(int(layout)) + ", D " + std::to_string(D) + ", " + schedule_name(schedule));
+                 std::to_string(int(layout)) + ", cache " + cache_layout_name(cache_layout) + ", " +
+                 slot_type_name<slot_t>() + ", D " + std::to_string(D) + ", " + schedule_name(schedule));
     const ScheduleScope scope(schedule);
     std::mt19937_64 rng = make_rng();
     const int T = 5 + int(rng() % 20), num_blocks = 12, bs = 8;
     const int64_t num_slots = int64_t(num_blocks) * bs;
-    int64_t stride_token = int64_t(H) * D, stride_head = D, stride_dim = 1;
-    if (layout == Layout::kQkvSlice) stride_token = int64_t(3 * H) * D;
-    if (layout == Layout::kInterleaved) stride_token = 2 * int64_t(H) * D, stride_head = 2 * D, stride_dim = 2;
-    const std::vector<bits_t> key = random_bits<bits_t>(rng, size_t(T) * stride_token);
-    const std::vector<bits_t> value = random_bits<bits_t>(rng, size_t(T) * stride_token);
-    std::vector<bits_t> key_cache = random_bits<bits_t>(rng, size_t(num_slots) * H * D);
-    std::vector<bits_t> value_cache = random_bits<bits_t>(rng, size_t(num_slots) * H * D);
-    std::vector<int64_t> all_slots(num_slots);
-    std::iota(all_slots.begin(), all_slots.end(), 0);
-    std::shuffle(all_slots.begin(), all_slots.end(), rng);
-    std::vector<int64_t> slots(all_slots.begin(), all_slots.begin() + T);
-    for (int t = 0; t < T; t += 3 + int(rng() % 3)) slots[t] = -1;  // padding
+    cache::TokenStrides in{int64_t(H) * D, D, 1};
+    if (layout == Layout::kQkvSlice) in.token = int64_t(3 * H) * D;
+    if (layout == Layout::kInterleaved) in = {2 * int64_t(H) * D, 2 * int64_t(D), 2};
+    const std::vector<bits_t> key = random_bits<bits_t>(rng, size_t(T) * in.token);
+    const std::vector<bits_t> value = random_bits<bits_t>(rng, size_t(T) * in.token);
+    const CacheViews views = cache_views(cache_layout, num_blocks, bs, H, D);
+    std::vector<bits_t> buffer = random_bits<bits_t>(rng, size_t(views.buffer_elems));  // sentinels
     int bad_token = -1;
-    if (with_bad_slot) {
-      bad_token = int(rng() % uint64_t(T));
-      slots[bad_token] = num_slots + int64_t(rng() % 1000);
-    }
-    std::vector<bits_t> want_key = key_cache, want_value = value_cache;
+    const std::vector<int64_t> slots64 = random_slots(rng, T, num_slots, 3, with_bad_slot ? &bad_token : nullptr);
+    const std::vector<slot_t> slots(slots64.begin(), slots64.end());
+    std::vector<bits_t> want = buffer;
     for (int t = 0; t < T; ++t) {
-      if (slots[t] < 0 || slots[t] >= num_slots) continue;
+      if (slots64[t] < 0 || slots64[t] >= num_slots) continue;
       for (int h = 0; h < H; ++h) {
         for (int d = 0; d < D; ++d) {
-          want_key[(size_t(slots[t]) * H + h) * D + d] = key[t * stride_token + h * stride_head + d * stride_dim];
-          want_value[(size_t(slots[t]) * H + h) * D + d] = value[t * stride_token + h * stride_head + d * stride_dim];
+          const int64_t src = t * in.token + h * in.head + d * in.dim;
+          want[element_at(views.key_strides, views.key_offset, slots64[t], bs, h, d)] = key[src];
+          want[element_at(views.value_strides, views.value_offset, slots64[t], bs, h, d)] = value[src];
         }
       }
     }
-    const bool vec = cache::rows_16b_aligned(key.data(), sizeof(bits_t), D, stride_token, stride_head, stride_dim) &&
-                     cache::rows_16b_aligned(value.data(), sizeof(bits_t), D, stride_token, stride_head, stride_dim);
+    bits_t* key_cache = buffer.data() + views.key_offset;
+    bits_t* value_cache = buffer.data() + views.value_offset;
+    const bool vec = cache::rows_16b_aligned(key.data(), sizeof(bits_t), D, in) &&
+                     cache::rows_16b_aligned(value.data(), sizeof(bits_t), D, in) &&
+                     cache::cache_rows_16b_aligned(key_cache, sizeof(bits_t), views.key_strides) &&
+                     cache::cache_rows_16b_aligned(value_cache, sizeof(bits_t), views.value_strides);
+    // Every cache stride and view offset is a multiple of D: 16-byte rows iff D's bytes are.
     EXPECT_EQ(vec, layout != Layout::kInterleaved && (D * sizeof(bits_t)) % 16 == 0);
-    const auto kernel = vec ? cache::reshape_and_cache_kernel<bits_t, true> : cache::reshape_and_cache_kernel<bits_t, false>;
+    const auto kernel = vec ? cache::reshape_and_cache_kernel<bits_t, true, slot_t>
+                            : cache::reshape_and_cache_kernel<bits_t, false, slot_t>;
     pagedkv::IndexError error{};
-    cuda_emu::launch(dim3(T), dim3(cache::kThreads), 0, kernel, key.data(), value.data(), key_cache.data(),
-                     value_cache.data(), slots.data(), stride_token, stride_head, stride_dim, stride_token,
-                     stride_head, stride_dim, H, D, num_slots, &error);
-    EXPECT_TRUE(key_cache == want_key);
-    EXPECT_TRUE(value_cache == want_value);
+    cuda_emu::launch(dim3(T), dim3(cache::kThreads), 0, kernel, key.data(), value.data(), key_cache, value_cache,
+                     slots.data(), in, in, views.key_strides, views.value_strides, H, D, int64_t(bs), num_slots, &error);
+    EXPECT_TRUE(buffer == want);  // the written rows, and every other element unchanged
     EXPECT_EQ(error.claimed, with_bad_slot ? 1u : 0u);
     if (with_bad_slot) {
-      EXPECT_EQ(error.value, slots[bad_token]);
+      EXPECT_EQ(error.value, slots64[bad_token]);
       EXPECT_EQ(error.where, bad_token);
     }
   }
 }
 
-TEST(CudaReshapeAndCache, Float32Vector) { reshape_and_cache_case<uint32_t>(Layout::kContiguous, 4, 64, false); }
-TEST(CudaReshapeAndCache, Float32QkvSlice) { reshape_and_cache_case<uint32_t>(Layout::kQkvSlice, 2, 128, false); }
-TEST(CudaReshapeAndCache, Float32Scalar) { reshape_and_cache_case<uint32_t>(Layout::kInterleaved, 3, 32, false); }
-TEST(CudaReshapeAndCache, Float32OddHeadDim) { reshape_and_cache_case<uint32_t>(Layout::kContiguous, 2, 6, false); }
-TEST(CudaReshapeAndCache, HalfWidthVector) { reshape_and_cache_case<uint16_t>(Layout::kContiguous, 4, 256, false); }
-TEST(CudaReshapeAndCache, HalfWidthQkvSlice) { reshape_and_cache_case<uint16_t>(Layout::kQkvSlice, 2, 64, false); }
-TEST(CudaReshapeAndCache, HalfWidthScalar) { reshape_and_cache_case<uint16_t>(Layout::kInterleaved, 2, 64, false); }
-TEST(CudaReshapeAndCache, HalfWidthOddHeadDim) { reshape_and_cache_case<uint16_t>(Layout::kContiguous, 3, 12, false); }
+// Every input layout on every cache layout, with both slot types.
+template <typename bits_t>
+void reshape_and_cache_all_layouts(Layout layout, int H, int D) {
+  for (const CacheLayout cache_layout : kCacheLayouts) {
+    reshape_and_cache_case<bits_t, int64_t>(layout, cache_layout, H, D, false);
+    reshape_and_cache_case<bits_t, int32_t>(layout, cache_layout, H, D, false);
+  }
+}
+
+TEST(CudaReshapeAndCache, Float32Vector) { reshape_and_cache_all_layouts<uint32_t>(Layout::kContiguous, 4, 64); }
+TEST(CudaReshapeAndCache, Float32QkvSlice) { reshape_and_cache_all_layouts<uint32_t>(Layout::kQkvSlice, 2, 128); }
+TEST(CudaReshapeAndCache, Float32Scalar) { reshape_and_cache_all_layouts<uint32_t>(Layout::kInterleaved, 3, 32); }
+TEST(CudaReshapeAndCache, Float32OddHeadDim) { reshape_and_cache_all_layouts<uint32_t>(Layout::kContiguous, 2, 6); }
+TEST(CudaReshapeAndCache, HalfWidthVector) { reshape_and_cache_all_layouts<uint16_t>(Layout::kContiguous, 4, 256); }
+TEST(CudaReshapeAndCache, HalfWidthQkvSlice) { reshape_and_cache_all_layouts<uint16_t>(Layout::kQkvSlice, 2, 64); }
+TEST(CudaReshapeAndCache, HalfWidthScalar) { reshape_and_cache_all_layouts<uint16_t>(Layout::kInterleaved, 2, 64); }
+TEST(CudaReshapeAndCache, HalfWidthOddHeadDim) { reshape_and_cache_all_layouts<uint16_t>(Layout::kContiguous, 3, 12); }
 TEST(CudaReshapeAndCache, OutOfRangeSlotSkippedAndReported) {
-  reshape_and_cache_case<uint32_t>(Layout::kContiguous, 2, 32, true);
-  reshape_and_cache_case<uint16_t>(Layout::kInterleaved, 2, 16, true);
+  reshape_and_cache_case<uint32_t, int64_t>(Layout::kContiguous, CacheLayout::kSeparate, 2, 32, true);
+  reshape_and_cache_case<uint16_t, int64_t>(Layout::kInterleaved, CacheLayout::kVllmCells, 2, 16, true);
+  reshape_and_cache_case<uint32_t, int32_t>(Layout::kContiguous, CacheLayout::kHnd, 2, 32, true);
+  reshape_and_cache_case<uint16_t, int32_t>(Layout::kQkvSlice, CacheLayout::kPagesTwo, 2, 16, true);
+}
+
+// An int32 slot mapping at the type's limits: INT32_MAX is out of range (skipped, reported as itself),
+// INT32_MIN is padding; nothing wraps into the cache.
+TEST(CudaReshapeAndCache, Int32SlotsAtTheTypeLimits) {
+  const int H = 2, D = 8, bs = 4, num_blocks = 3;
+  const CacheViews views = cache_views(CacheLayout::kVllmCells, num_blocks, bs, H, D);
+  std::mt19937_64 rng = make_rng();
+  const std::vector<uint32_t> key = random_bits<uint32_t>(rng, 3 * H * D);
+  const std::vector<uint32_t> value = random_bits<uint32_t>(rng, 3 * H * D);
+  std::vector<uint32_t> buffer = random_bits<uint32_t>(rng, size_t(views.buffer_elems));
+  const std::vector<uint32_t> before = buffer;
+  const std::vector<int32_t> slots = {INT32_MAX, INT32_MIN, -1};
+  pagedkv::IndexError error{};
+  cuda_emu::launch(dim3(3), dim3(cache::kThreads), 0, cache::reshape_and_cache_kernel<uint32_t, false, int32_t>,
+                   key.data(), value.data(), buffer.data() + views.key_offset, buffer.data() + views.value_offset,
+                   slots.data(), cache::TokenStrides{H * D, D, 1}, cache::TokenStrides{H * D, D, 1},
+                   views.key_strides, views.value_strides, H, D, int64_t(bs), int64_t(num_blocks) * bs, &error);
+  EXPECT_TRUE(buffer == before);
+  EXPECT_EQ(error.claimed, 1u);
+  EXPECT_EQ(error.value, INT32_MAX);
+  EXPECT_EQ(error.where, 0);
 }
 
 // The float8 rule, written independently of the kernels: the code whose value is nearest to x after
@@ -111,12 +219,14 @@ uint8_t nearest_fp8(float x) {
   return uint8_t(best | sign);
 }
 
-template <typename scalar_t, pagedkv::KvFormat F>
-void reshape_and_cache_fp8_case(int H, int D, int scale_kind /* 0 none, 1 per tensor, 2 per head */) {
+template <typename scalar_t, pagedkv::KvFormat F, typename slot_t>
+void reshape_and_cache_fp8_case(CacheLayout cache_layout, int H, int D,
+                                int scale_kind /* 0 none, 1 per tensor, 2 per head */) {
   using Traits = pagedkv::Fp8Traits<F>;
   for (const cuda_emu::Schedule schedule : schedules()) {
     SCOPED_TRACE(std::string(dtype_name<scalar_t>()) + (F == pagedkv::KvFormat::kE4M3 ? " e4m3" : " e5m2") +
-                 ", scales " + std::to_string(scale_kind) + ", " + schedule_name(schedule));
+                 ", scales " + std::to_string(scale_kind) + ", cache " + cache_layout_name(cache_layout) + ", " +
+                 slot_type_name<slot_t>() + ", " + schedule_name(schedule));
     const ScheduleScope scope(schedule);
     std::mt19937_64 rng = make_rng();
     const int T = 3 + int(rng() % 12), num_blocks = 6, bs = 4;
@@ -134,58 +244,63 @@ void reshape_and_cache_fp8_case(int H, int D, int scale_kind /* 0 none, 1 per te
         x = from_double<scalar_t>(r == 1 ? NAN : (rng() & 1 ? mag : -mag));
       }
     }
-    std::vector<uint8_t> key_cache(size_t(num_slots) * H * D), value_cache(key_cache.size());
-    for (auto* c : {&key_cache, &value_cache}) for (uint8_t& b : *c) b = uint8_t(rng());
-    std::vector<int64_t> all_slots(num_slots);
-    std::iota(all_slots.begin(), all_slots.end(), 0);
-    std::shuffle(all_slots.begin(), all_slots.end(), rng);
-    std::vector<int64_t> slots(all_slots.begin(), all_slots.begin() + T);
-    slots[rng() % uint64_t(T)] = -1;  // padding
-    std::vector<uint8_t> want_key = key_cache, want_value = value_cache;
+    const CacheViews views = cache_views(cache_layout, num_blocks, bs, H, D);
+    std::vector<uint8_t> buffer = random_bits<uint8_t>(rng, size_t(views.buffer_elems));  // sentinels
+    const std::vector<int64_t> slots64 = random_slots(rng, T, num_slots, 4, nullptr);
+    const std::vector<slot_t> slots(slots64.begin(), slots64.end());
+    std::vector<uint8_t> want = buffer;
     for (int t = 0; t < T; ++t) {
-      if (slots[t] < 0) continue;
+      if (slots64[t] < 0) continue;
       for (int h = 0; h < H; ++h) {
         for (int d = 0; d < D; ++d) {
-          const size_t src = (size_t(t) * H + h) * D + d, dst = (size_t(slots[t]) * H + h) * D + d;
-          want_key[dst] = nearest_fp8<F>(static_cast<float>(key[src]) / scale.at(h));
-          want_value[dst] = nearest_fp8<F>(static_cast<float>(value[src]) / scale.at(h));
+          const size_t src = (size_t(t) * H + h) * D + d;
+          want[element_at(views.key_strides, views.key_offset, slots64[t], bs, h, d)] =
+              nearest_fp8<F>(static_cast<float>(key[src]) / scale.at(h));
+          want[element_at(views.value_strides, views.value_offset, slots64[t], bs, h, d)] =
+              nearest_fp8<F>(static_cast<float>(value[src]) / scale.at(h));
         }
       }
     }
+    const cache::TokenStrides in{int64_t(H) * D, D, 1};
     pagedkv::IndexError error{};
-    cuda_emu::launch(dim3(T), dim3(cache::kThreads), 0, cache::reshape_and_cache_fp8_kernel<scalar_t, F>, key.data(),
-                     value.data(), key_cache.data(), value_cache.data(), slots.data(), int64_t(H) * D, int64_t(D),
-                     int64_t(1), int64_t(H) * D, int64_t(D), int64_t(1), H, D, num_slots, scale, scale, &error);
+    cuda_emu::launch(dim3(T), dim3(cache::kThreads), 0, cache::reshape_and_cache_fp8_kernel<scalar_t, F, slot_t>,
+                     key.data(), value.data(), buffer.data() + views.key_offset, buffer.data() + views.value_offset,
+                     slots.data(), in, in, views.key_strides, views.value_strides, H, D, int64_t(bs), num_slots, scale, scale,
+                     &error);
     EXPECT_EQ(error.claimed, 0u);
-    for (size_t i = 0; i < key_cache.size(); ++i) {
-      for (const auto& [got, want] : {std::pair{key_cache[i], want_key[i]}, std::pair{value_cache[i], want_value[i]}}) {
-        if (std::isnan(Traits::decode(want))) {
-          EXPECT_TRUE(std::isnan(Traits::decode(got))) << "element " << i;
-        } else {
-          ASSERT_EQ(int(got), int(want)) << "element " << i << ": got " << Traits::decode(got) << ", want "
-                                         << Traits::decode(want);
-        }
+    for (size_t i = 0; i < buffer.size(); ++i) {  // sentinel bytes compare exactly; NaN codes as NaN
+      if (std::isnan(Traits::decode(want[i])) && want[i] != buffer[i]) {
+        EXPECT_TRUE(std::isnan(Traits::decode(buffer[i]))) << "element " << i;
+      } else {
+        ASSERT_EQ(int(buffer[i]), int(want[i])) << "element " << i << ": got " << Traits::decode(buffer[i])
+                                                << ", want " << Traits::decode(want[i]);
       }
     }
   }
 }
 
-TEST(CudaReshapeAndCacheFp8, E4M3AllInputDtypesAndScales) {
-  using pagedkv::KvFormat;
+template <typename scalar_t, pagedkv::KvFormat F>
+void reshape_and_cache_fp8_all(int H, int D) {
   for (int kind = 0; kind < 3; ++kind) {
-    reshape_and_cache_fp8_case<float, KvFormat::kE4M3>(3, 16, kind);
-    reshape_and_cache_fp8_case<c10::Half, KvFormat::kE4M3>(2, 8, kind);
-    reshape_and_cache_fp8_case<c10::BFloat16, KvFormat::kE4M3>(2, 12, kind);
+    for (const CacheLayout cache_layout : kCacheLayouts) {
+      reshape_and_cache_fp8_case<scalar_t, F, int64_t>(cache_layout, H, D, kind);
+      reshape_and_cache_fp8_case<scalar_t, F, int32_t>(cache_layout, H, D, kind);
+    }
   }
 }
 
-TEST(CudaReshapeAndCacheFp8, E5M2AllInputDtypesAndScales) {
+TEST(CudaReshapeAndCacheFp8, E4M3AllInputDtypesScalesAndLayouts) {
   using pagedkv::KvFormat;
-  for (int kind = 0; kind < 3; ++kind) {
-    reshape_and_cache_fp8_case<float, KvFormat::kE5M2>(3, 16, kind);
-    reshape_and_cache_fp8_case<c10::Half, KvFormat::kE5M2>(2, 8, kind);
-    reshape_and_cache_fp8_case<c10::BFloat16, KvFormat::kE5M2>(1, 32, kind);
-  }
+  reshape_and_cache_fp8_all<float, KvFormat::kE4M3>(3, 16);
+  reshape_and_cache_fp8_all<c10::Half, KvFormat::kE4M3>(2, 8);
+  reshape_and_cache_fp8_all<c10::BFloat16, KvFormat::kE4M3>(2, 12);
+}
+
+TEST(CudaReshapeAndCacheFp8, E5M2AllInputDtypesScalesAndLayouts) {
+  using pagedkv::KvFormat;
+  reshape_and_cache_fp8_all<float, KvFormat::kE5M2>(3, 16);
+  reshape_and_cache_fp8_all<c10::Half, KvFormat::kE5M2>(2, 8);
+  reshape_and_cache_fp8_all<c10::BFloat16, KvFormat::kE5M2>(1, 32);
 }
 
 template <typename Chunk>

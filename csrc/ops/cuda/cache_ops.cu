@@ -1,6 +1,6 @@
-// Torch glue of the CUDA cache ops: reshape_and_cache and copy_blocks (kernels in cache_ops.cuh) and
-// swap_blocks (cudaMemcpyAsync). All launch on the current stream and never sync the host (except
-// to read the index flag under PAGEDKV_CHECK_INDICES=1).
+// Torch glue of the CUDA cache ops: reshape_and_cache (strided cache views, int32 or int64 slots) and
+// copy_blocks (kernels in cache_ops.cuh) and swap_blocks (cudaMemcpyAsync). All launch on the current
+// stream and never sync the host (except to read the index flag under PAGEDKV_CHECK_INDICES=1).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -19,24 +19,41 @@ using cache_cuda::kThreads;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+cache_cuda::TokenStrides token_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+CacheStrides cache_strides(const at::Tensor& cache) { return {cache.stride(0), cache.stride(1), cache.stride(2)}; }
+
 bool rows_16b_aligned(const at::Tensor& t) {
-  return cache_cuda::rows_16b_aligned(t.data_ptr(), t.element_size(), t.size(2), t.stride(0), t.stride(1),
-                                      t.stride(2));
+  return cache_cuda::rows_16b_aligned(t.data_ptr(), t.element_size(), t.size(2), token_strides(t));
 }
 
-template <typename bits_t>
+bool cache_rows_16b_aligned(const at::Tensor& cache) {
+  return cache_cuda::cache_rows_16b_aligned(cache.data_ptr(), cache.element_size(), cache_strides(cache));
+}
+
+// Calls fn with a value of the slot type of a (checked) int32 / int64 slot mapping.
+template <typename Fn>
+void dispatch_slot_type(at::ScalarType dtype, Fn&& fn) {
+  if (dtype == at::kInt) {
+    fn(int32_t{});
+  } else {
+    fn(int64_t{});
+  }
+}
+
+template <typename bits_t, typename slot_t>
 void launch_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                               const at::Tensor& value_cache, const at::Tensor& slots, cudaStream_t stream,
                               IndexError* index_error) {
-  const bool vec = rows_16b_aligned(key) && rows_16b_aligned(value) && aligned16(key_cache.data_ptr()) &&
-                   aligned16(value_cache.data_ptr());
-  const auto kernel = vec ? cache_cuda::reshape_and_cache_kernel<bits_t, true>
-                          : cache_cuda::reshape_and_cache_kernel<bits_t, false>;
+  const bool vec = rows_16b_aligned(key) && rows_16b_aligned(value) && cache_rows_16b_aligned(key_cache) &&
+                   cache_rows_16b_aligned(value_cache);
+  const auto kernel = vec ? cache_cuda::reshape_and_cache_kernel<bits_t, true, slot_t>
+                          : cache_cuda::reshape_and_cache_kernel<bits_t, false, slot_t>;
   kernel<<<key.size(0), kThreads, 0, stream>>>(
       static_cast<const bits_t*>(key.data_ptr()), static_cast<const bits_t*>(value.data_ptr()),
       static_cast<bits_t*>(key_cache.data_ptr()), static_cast<bits_t*>(value_cache.data_ptr()),
-      slots.data_ptr<int64_t>(), key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1),
-      value.stride(2), static_cast<int>(key.size(1)), static_cast<int>(key.size(2)),
+      slots.data_ptr<slot_t>(), token_strides(key), token_strides(value), cache_strides(key_cache),
+      cache_strides(value_cache), static_cast<int>(key.size(1)), static_cast<int>(key.size(2)), key_cache.size(1),
       key_cache.size(0) * key_cache.size(1), index_error);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -46,20 +63,21 @@ KvScale device_kv_scale(const std::optional<at::Tensor>& scale) {
   return KvScale{scale->data_ptr<float>(), scale->dim() == 0 ? 0 : scale->stride(0)};
 }
 
-template <typename scalar_t, KvFormat F>
+template <typename scalar_t, KvFormat F, typename slot_t>
 void launch_reshape_and_cache_fp8(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& slots, KvScale k_scale,
                                   KvScale v_scale, cudaStream_t stream, IndexError* index_error) {
-  cache_cuda::reshape_and_cache_fp8_kernel<scalar_t, F><<<key.size(0), kThreads, 0, stream>>>(
+  cache_cuda::reshape_and_cache_fp8_kernel<scalar_t, F, slot_t><<<key.size(0), kThreads, 0, stream>>>(
       static_cast<const scalar_t*>(key.data_ptr()), static_cast<const scalar_t*>(value.data_ptr()),
       static_cast<uint8_t*>(key_cache.data_ptr()), static_cast<uint8_t*>(value_cache.data_ptr()),
-      slots.data_ptr<int64_t>(), key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1),
-      value.stride(2), static_cast<int>(key.size(1)), static_cast<int>(key.size(2)),
+      slots.data_ptr<slot_t>(), token_strides(key), token_strides(value), cache_strides(key_cache),
+      cache_strides(value_cache), static_cast<int>(key.size(1)), static_cast<int>(key.size(2)), key_cache.size(1),
       key_cache.size(0) * key_cache.size(1), k_scale, v_scale, index_error);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Scale values are not checked on the GPU (that would sync): a scale <= 0 or non-finite stores inf/NaN.
+// The slot mapping is read as given (int32 or int64), without a conversion kernel.
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                             at::Tensor& value_cache, const at::Tensor& slot_mapping,
                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
@@ -69,19 +87,24 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor slots = slot_mapping.contiguous();
   DeviceIndexCheck index_check(key.device());
-  if (is_fp8(key_cache.scalar_type())) {
-    dispatch_float(key.scalar_type(), [&](auto type_tag) {
-      dispatch_fp8(kv_format(key_cache.scalar_type()), [&](auto format) {
-        launch_reshape_and_cache_fp8<decltype(type_tag), decltype(format)::value>(
-            key, value, key_cache, value_cache, slots, device_kv_scale(k_scale), device_kv_scale(v_scale), stream,
-            index_check.error());
+  dispatch_slot_type(slots.scalar_type(), [&](auto slot_tag) {
+    using slot_t = decltype(slot_tag);
+    if (is_fp8(key_cache.scalar_type())) {
+      dispatch_float(key.scalar_type(), [&](auto type_tag) {
+        dispatch_fp8(kv_format(key_cache.scalar_type()), [&](auto format) {
+          launch_reshape_and_cache_fp8<decltype(type_tag), decltype(format)::value, slot_t>(
+              key, value, key_cache, value_cache, slots, device_kv_scale(k_scale), device_kv_scale(v_scale), stream,
+              index_check.error());
+        });
       });
-    });
-  } else if (key.element_size() == 4) {
-    launch_reshape_and_cache<uint32_t>(key, value, key_cache, value_cache, slots, stream, index_check.error());
-  } else {
-    launch_reshape_and_cache<uint16_t>(key, value, key_cache, value_cache, slots, stream, index_check.error());
-  }
+    } else if (key.element_size() == 4) {
+      launch_reshape_and_cache<uint32_t, slot_t>(key, value, key_cache, value_cache, slots, stream,
+                                                 index_check.error());
+    } else {
+      launch_reshape_and_cache<uint16_t, slot_t>(key, value, key_cache, value_cache, slots, stream,
+                                                 index_check.error());
+    }
+  });
   const char* names[] = {"slot_mapping"};
   const int64_t bounds[] = {key_cache.size(0) * key_cache.size(1)};
   index_check.raise_if_any("reshape_and_cache", names, bounds);
