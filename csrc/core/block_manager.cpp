@@ -244,7 +244,7 @@ int64_t BlockManager::allocate(int64_t seq_id, Span<int64_t> tokens, std::string
 TierHits BlockManager::lookup(Span<int64_t> tokens, std::string_view salt) const {
   if (tokens.empty()) throw ValueError("lookup: token_ids is empty");
   const PrefixMatch& m = match_prefix_memo(tokens, salt);
-  return {m.num_blocks, m.host_blocks};
+  return {m.num_blocks - m.host_blocks, m.host_blocks};
 }
 
 int64_t BlockManager::admit(int64_t seq_id, Span<int64_t> tokens, std::string_view salt,

@@ -57,8 +57,8 @@ struct BlockManagerConfig {
 
 // How many leading blocks of a prompt hit, and how many of those the host tier serves (they are loaded).
 struct TierHits {
-  int32_t num_blocks = 0;
-  int32_t host_blocks = 0;
+  int32_t device_blocks = 0;  // hit blocks whose KV is on the device (taken as they are)
+  int32_t host_blocks = 0;    // hit blocks loaded from the host tier (the tail of the hit)
 };
 
 class BlockManager {
@@ -217,6 +217,8 @@ class BlockManager {
   // Blocks of the sequence whose loads are not confirmed yet (mark_computed, append, truncate, fork,
   // swap_out and pin wait for them).
   int32_t num_loading_blocks(int64_t seq_id) const;
+  int32_t num_offloads_in_flight() const { return host_.num_offloads_in_flight(); }  // taken, not completed
+  int32_t num_loads_in_flight() const { return host_.num_loads_in_flight(); }
   void reset_prefix_cache();
   void check_invariants() const;  // throws InvariantError naming the first violation
 

@@ -76,7 +76,7 @@ TEST(HostTier, CleanAheadOffloadsThenAHostHitLoads) {
   cache_prompt(bm, 2, tokens_from(16, 100));  // evicts every device copy of a
   EXPECT_EQ(bm.stats().cached_host_blocks, 3);
   const TierHits hits = bm.lookup(a);
-  EXPECT_EQ(hits.num_blocks, 3);
+  EXPECT_EQ(hits.device_blocks, 0);
   EXPECT_EQ(hits.host_blocks, 3);
   EXPECT_EQ(bm.allocate(3, a), 12) << "loaded blocks count as computed from allocate on";
   EXPECT_EQ(bm.num_loading_blocks(3), 3);
@@ -93,7 +93,7 @@ TEST(HostTier, CleanAheadOffloadsThenAHostHitLoads) {
   bm.mark_computed({3});
   // The loaded blocks are device hits now.
   EXPECT_EQ(bm.lookup(a).host_blocks, 0);
-  EXPECT_EQ(bm.lookup(a).num_blocks, 3);
+  EXPECT_EQ(bm.lookup(a).device_blocks, 3);
 }
 
 TEST(HostTier, LoadsReadTheSlotsTheOffloadsWrote) {
@@ -131,7 +131,8 @@ TEST(HostTier, FailedOffloadLeavesNoHostEntry) {
   bm.check_invariants();
   cache_prompt(bm, 2, tokens_from(16, 100));
   // Block 1 failed: the host hit stops before it.
-  EXPECT_EQ(bm.lookup(tokens_from(13, 0)).num_blocks, 1);
+  EXPECT_EQ(bm.lookup(tokens_from(13, 0)).host_blocks, 1);
+  EXPECT_EQ(bm.lookup(tokens_from(13, 0)).device_blocks, 0);
 }
 
 TEST(HostTier, FailedLoadKeepsOnlyThePrefixBeforeIt) {
