@@ -95,7 +95,7 @@ def test_a_failed_offload_leaves_no_host_entry():
 
 
 def test_events_of_each_medium_replay_to_its_cached_blocks():
-    bm = BlockManager(4, 2, num_host_blocks=3, enable_events=True, hash_algo="weak8")
+    bm = BlockManager(4, 2, num_host_blocks=6, enable_events=True, hash_algo="weak8")
     replay = {"GPU": Counter(), "CPU": Counter()}
 
     def check():
@@ -108,10 +108,12 @@ def test_events_of_each_medium_replay_to_its_cached_blocks():
         for medium, r in replay.items():
             assert +r == Counter(h for h, _ in bm.cached_blocks(medium)), medium
 
-    for i in range(40):
-        prompt = [(i * 7 + k) % 3 for k in range(1 + i % 7)]
-        if bm.can_allocate(prompt).name != "OK":
-            continue
+    prompts = [[(j * 7 + k) % 3 for k in range(3 + j % 3)] for j in range(3)]
+    for i in range(60):
+        if i % 4 == 3:  # new tokens over the whole free list: device copies go, host copies stay
+            bm.allocate(1000 + i, [7] * (2 * bm.num_free_blocks))
+            bm.free(1000 + i)
+        prompt = prompts[i % len(prompts)]
         bm.allocate(i, prompt)
         bm.take_loads()
         bm.complete_loads(i % 5 != 0)

@@ -297,7 +297,7 @@ int64_t BlockManager::admit(int64_t seq_id, Span<int64_t> tokens, std::string_vi
   counters_.hit_blocks_revived += revived;
   counters_.host_hit_blocks += m.host_blocks;
   // From here on m may be stale: taking free blocks changes the prefix cache.
-  allow_write_backs(from_free);
+  allow_write_backs(fresh + m.host_blocks);  // the hits taken back from the free list are out of it already
   if (m.host_blocks > 0) {
     std::vector<int32_t>& table = seq.groups[0].blocks;
     for (int32_t i = 0; i < m.num_blocks; ++i) {
