@@ -103,7 +103,7 @@ class BlockPool {
 
  private:
   void untag(int32_t block);
-  int32_t location(PrefixCache::NodeId node) const { return PrefixCache::location(cache_->node(node), medium_); }
+  int32_t location(PrefixCache::NodeId node) const { return cache_->node(node).*location_; }
   void retag(int32_t block, PrefixCache::NodeId node);  // set_tag to another node
   void return_to_free_list(int32_t block, bool cold = false);
   void move_to_level(int32_t free_block, int32_t level);  // to the back of that level's list
@@ -114,6 +114,7 @@ class BlockPool {
   int32_t num_blocks_;
   bool caching_;                 // a cache pool: levels, retention, content tags
   Medium medium_ = Medium::kCpu;
+  int32_t PrefixCache::Node::*location_ = nullptr;  // the node's field for this medium (no branch per read)
   const char* block_name_;       // "block ", "host slot " or "CPU block " in messages
   std::vector<int32_t> ref_;     // block-table entries + pins holding each block
   FreeList free_;
