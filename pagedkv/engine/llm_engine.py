@@ -24,7 +24,7 @@ from .loader import open_checkpoint
 from .metrics import PrometheusExporter, require_prometheus
 from .model_runner import ModelRunner, host_tier_size, load_rank_model, pool_size
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import CompletionOutput, Request, RequestOutput
 from .tp import group
 from .tp.runners import DriverRunner, serve_rank
@@ -202,6 +202,8 @@ class LLM:
             return []
         snapshot, rng_state = self.scheduler.snapshot(), self.runner.generator.get_state()
         try:
+            if self.bm.host_tier_enabled:
+                self._clean_ahead()
             batch = self.scheduler.schedule()
             if batch.empty:
                 raise RuntimeError("scheduler made no progress: the KV pool is too small for any waiting sequence "
@@ -236,6 +238,15 @@ class LLM:
         for request_id in ended:
             self.requests.pop(request_id, None)
         return list(ended.values())
+
+    def _clean_ahead(self) -> None:
+        """Copies the coldest cached free blocks the host tier lacks (as many as one step may take: a token
+        budget of blocks and one per running sequence) before the step allocates, so that the blocks it
+        reuses are already backed on the host and admission never waits on a copy."""
+        budget = -(-self.config.max_num_batched_tokens // self.config.block_size) + len(self.scheduler.running)
+        if self.bm.plan_offloads(budget):
+            self.runner.move_blocks(ScheduledBatch(offloads=self.bm.take_offloads()))
+            self.bm.complete_offloads(True)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -134,6 +134,11 @@ class ModelRunner:
                                  query_start_loc=query_start_loc.to(dev, non_blocking=True),
                                  max_seq_len=max(ends), groups=groups)
 
+    @torch.inference_mode()
+    def move_blocks(self, moves: ScheduledBatch) -> None:
+        """Block moves outside a step (the engine's clean-ahead offloads)."""
+        self._move_blocks(moves)
+
     def _move_blocks(self, moves) -> None:
         """The step's block moves (a ScheduledBatch or a StepMessage: [n, 2] pairs): swap-ins (cpu, gpu),
         swap-outs (gpu, cpu), host-tier offloads (gpu, host slot) and loads (host slot, gpu), copy-on-write

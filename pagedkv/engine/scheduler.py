@@ -203,9 +203,7 @@ class Scheduler:
             self._admit_waiting(batch)
         batch.copies = self.bm.take_copies()
         if self.bm.host_tier_enabled:
-            # Clean ahead: back the coldest cached free blocks on the host tier now, so that the blocks the
-            # next step may take (a full token budget of them) are reused without waiting on a copy.
-            self.bm.plan_offloads(-(-self.config.max_num_batched_tokens // self.config.block_size))
+            # Write-backs of blocks this step reused, and the loads of its host hits.
             batch.offloads, batch.loads = self.bm.take_offloads(), self.bm.take_loads()
         self.stats["steps"] += 1
         return batch

@@ -40,6 +40,17 @@ class DriverRunner(ModelRunner):
             raise
         return self._sample(logits, batch)
 
+    @torch.inference_mode()
+    def move_blocks(self, moves: ScheduledBatch) -> None:
+        self.tp.check_open()
+        message = StepMessage.of(moves)
+        try:
+            self.tp.send(message.pack())
+            self._move_blocks(message)
+        except BaseException:
+            self.tp.close(stop_workers=False)
+            raise
+
 
 @torch.inference_mode()
 def serve(runner: ModelRunner, tp) -> None:
