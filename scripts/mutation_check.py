@@ -18,7 +18,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = os.path.join(ROOT, ".venv", "bin", "python")
-COPIED = ["CMakeLists.txt", "csrc", "tests/cpp", "tests/cuda_emu", "build_deps"]  # what the C++ build reads
+COPIED = ["CMakeLists.txt", "csrc", "tests/cpp", "tests/cpu_kernels", "tests/cuda_emu", "build_deps"]  # what the C++ build reads
 SRC = BUILD = ""  # the private copy and its build folder, set in main()
 ATTN, CACHE, LAYER = "csrc/ops/cuda/attention.cuh", "csrc/ops/cuda/cache_ops.cuh", "csrc/ops/cuda/layer_ops.cuh"
 

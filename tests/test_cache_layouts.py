@@ -446,6 +446,18 @@ def test_paged_attention_on_cache_views_odd_shapes(layout, block_size, head_dim)
         _check_attention_on_views(batch, F32, f"{layout} {kernel} bs={block_size} D={head_dim}")
 
 
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("layout,num_kv_heads", [("vllm_cells", 8), ("separate", 16), ("separate", 8)])
+def test_bf16_decode_with_slots_4k_apart(isa, layout, num_kv_heads):
+    """bf16 rows whose slots are 4 KiB apart (cells of 8 KV heads x 128 dims, contiguous 16 x 128) are
+    staged out of the cache by the AVX-512 decode kernel: the same results as rows read in place."""
+    prefixes, q_lens, group = ATTENTION_SHAPES["decode"]
+    batch = ViewBatch(layout, prefixes, q_lens, group, BF16, BF16, "none", "cpu", num_kv_heads=num_kv_heads,
+                      head_dim=128)
+    with cpu_attention_isa(isa):
+        _check_attention_on_views(batch, BF16, f"{isa} {layout} Hkv={num_kv_heads}")
+
+
 @pytest.mark.skipif(not ref.HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("layout", ATTENTION_LAYOUTS)
 @pytest.mark.parametrize("dtype,cache_dtype,scales", ATTENTION_CASES,
