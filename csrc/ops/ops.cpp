@@ -131,7 +131,8 @@ void check_cache_view(const at::Tensor& cache, const std::string& name, const ch
 }
 
 // paged_attention reads K and V through one set of row offsets: their views must have the same strides
-// (those of a dimension of size 1 never matter), and being read as two caches, share no element.
+// (those of a dimension of size 1 never matter). Both are only read, so they may overlap: transformers'
+// page views of one buffer do (V's view starts one page into K's; the block tables address K pages).
 void check_kv_cache_views(const at::Tensor& key_cache, const at::Tensor& value_cache) {
   bool same_strides = true;
   for (int64_t d = 0; d < 3; ++d) {
@@ -141,12 +142,6 @@ void check_kv_cache_views(const at::Tensor& key_cache, const at::Tensor& value_c
               value_cache.strides(), " must be equal: paged_attention reads K and V at the same offsets (the K "
               "and V views of vLLM's interleaved cells, FlashInfer's [pages, 2, ...] and the HND layout have "
               "equal strides); pass views of one layout, or contiguous caches");
-  const Overlap o = overlap(key_cache, value_cache);
-  TORCH_CHECK(o == Overlap::kDisjoint, "key_cache and value_cache ",
-              o == Overlap::kShared ? "share memory (an element of one is in the other)"
-                                    : "may share memory (views too irregular to prove them disjoint)",
-              "; K and V must be separate tensors, or views of one buffer that share no element (e.g. x[..., :D] "
-              "and x[..., D:] of vLLM's per-layer cache)");
 }
 
 void check_block_mapping_shape(const at::Tensor& block_mapping) {
