@@ -414,13 +414,16 @@ class BlockManager(metaclass=_pybind11_type):
         """Whether the host tier is in use: num_host_blocks > 0, prefix caching, one full-attention group."""
 
     @property
-    def num_host_blocks(self) -> int: ...
+    def num_host_blocks(self) -> int:
+        """Host-tier slots (num_host_blocks)."""
 
     @property
-    def num_free_host_blocks(self) -> int: ...
+    def num_free_host_blocks(self) -> int:
+        """Host-tier slots that no pending offload or load holds (those with cached KV included)."""
 
     @property
-    def host_offload_min_priority(self) -> int: ...
+    def host_offload_min_priority(self) -> int:
+        """Blocks below this retention priority are dropped, not offloaded."""
 
     def lookup(self, token_ids: _Ints, *, cache_salt: _Salt = None) -> tuple[int, int]:
         """The prompt's prefix hit as allocate() would take it now: (device_blocks, host_blocks), the leading
