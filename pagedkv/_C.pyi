@@ -431,8 +431,8 @@ class BlockManager(metaclass=_pybind11_type):
         """
 
     def plan_offloads(self, max_blocks: SupportsIndex) -> int:
-        """Clean ahead: queues copies to the host tier of the coldest cached free device blocks it lacks (at most
-        max_blocks), so that reusing them later needs no copy; returns how many it queued.
+        """Clean ahead: of the max_blocks cached free device blocks the pool would evict first, queues copies to
+        the host tier of those it lacks, so that reusing them later needs no copy; returns how many it queued.
         """
 
     def take_offloads(self) -> torch.Tensor:

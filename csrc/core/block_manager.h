@@ -202,8 +202,9 @@ class BlockManager {
   const BlockPool& host_pool() const { return host_.pool(); }
   // The prompt's hit as allocate() would take it now: leading blocks, and how many of them are loaded.
   TierHits lookup(Span<int64_t> tokens, std::string_view salt = {}) const;
-  // Clean ahead: queues copies of the coldest cached free device blocks the host tier lacks (at most
-  // max_blocks), so that reusing them later needs no copy. Returns how many it queued.
+  // Clean ahead: of the max_blocks cached free device blocks the pool would evict first, queues copies of
+  // those the host tier lacks, so that reusing them later needs no copy (O(max_blocks)). Returns how many
+  // it queued.
   int32_t plan_offloads(int32_t max_blocks);
   std::vector<BlockPair> take_offloads();  // (device block, host slot), to copy device -> host
   // One outcome per offload taken and not yet completed, in the order taken: a failed copy leaves no
