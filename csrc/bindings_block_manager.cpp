@@ -603,8 +603,8 @@ void bind_block_manager(py::module_& m) {
           "The prompt's prefix hit as allocate() would take it now: (device_blocks, host_blocks), the leading\n"
           "blocks hit on the device and, after them, those loaded from the host tier.")
       .def("plan_offloads", &BlockManager::plan_offloads, py::arg("max_blocks"),
-           "Clean ahead: queues copies to the host tier of the coldest cached free device blocks it lacks (at most\n"
-           "max_blocks), so that reusing them later needs no copy; returns how many it queued.")
+           "Clean ahead: of the max_blocks cached free device blocks the pool would evict first, queues copies to\n"
+           "the host tier of those it lacks, so that reusing them later needs no copy; returns how many it queued.")
       .def("take_offloads", [](BlockManager& bm) { return pairs_tensor(bm.take_offloads()); },
            "Drains the queued offloads: an int64 [n, 2] CPU tensor of (device block, host slot). Each device\n"
            "block is held (never handed out) until complete_offloads.")

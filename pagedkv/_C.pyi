@@ -414,13 +414,16 @@ class BlockManager(metaclass=_pybind11_type):
         """Whether the host tier is in use: num_host_blocks > 0, prefix caching, one full-attention group."""
 
     @property
-    def num_host_blocks(self) -> int: ...
+    def num_host_blocks(self) -> int:
+        """Host-tier slots (num_host_blocks)."""
 
     @property
-    def num_free_host_blocks(self) -> int: ...
+    def num_free_host_blocks(self) -> int:
+        """Host-tier slots that no pending offload or load holds (those with cached KV included)."""
 
     @property
-    def host_offload_min_priority(self) -> int: ...
+    def host_offload_min_priority(self) -> int:
+        """Blocks below this retention priority are dropped, not offloaded."""
 
     def lookup(self, token_ids: _Ints, *, cache_salt: _Salt = None) -> tuple[int, int]:
         """The prompt's prefix hit as allocate() would take it now: (device_blocks, host_blocks), the leading
@@ -428,8 +431,8 @@ class BlockManager(metaclass=_pybind11_type):
         """
 
     def plan_offloads(self, max_blocks: SupportsIndex) -> int:
-        """Clean ahead: queues copies to the host tier of the coldest cached free device blocks it lacks (at most
-        max_blocks), so that reusing them later needs no copy; returns how many it queued.
+        """Clean ahead: of the max_blocks cached free device blocks the pool would evict first, queues copies to
+        the host tier of those it lacks, so that reusing them later needs no copy; returns how many it queued.
         """
 
     def take_offloads(self) -> torch.Tensor:

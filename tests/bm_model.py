@@ -414,7 +414,7 @@ class Model:
     def plan_offloads(self, n):
         if not self.tier or n <= 0:
             return 0
-        picked = [b for b in self.free.order() if self.free.where[b] > 0 and self.dirty(b)][:n]
+        picked = [b for b in [b for b in self.free.order() if self.free.where[b] > 0][:n] if self.dirty(b)]
         queued = 0
         for b in picked:
             if not self.can_take_slot(self.retention[b][0]):

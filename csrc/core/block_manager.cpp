@@ -465,7 +465,7 @@ int32_t BlockManager::distinct_blocks(Span<int64_t> seq_ids) const {
 
 bool BlockManager::can_swap_out(Span<int64_t> seq_ids) const {
   const std::vector<const Sequence*> seqs = resolve(seq_ids, "swap_out", /*unique=*/true);
-  for (size_t i = 0; i < seqs.size(); ++i) check_loaded(*seqs[i], seq_ids[i], "swap_out");
+  check_loaded(seqs, seq_ids, "swap_out");
   return distinct_blocks(seq_ids, "swap_out", Where::kResident) <= cpu_.num_free();
 }
 

@@ -202,8 +202,9 @@ class BlockManager {
   const BlockPool& host_pool() const { return host_.pool(); }
   // The prompt's hit as allocate() would take it now: leading blocks, and how many of them are loaded.
   TierHits lookup(Span<int64_t> tokens, std::string_view salt = {}) const;
-  // Clean ahead: queues copies of the coldest cached free device blocks the host tier lacks (at most
-  // max_blocks), so that reusing them later needs no copy. Returns how many it queued.
+  // Clean ahead: of the max_blocks cached free device blocks the pool would evict first, queues copies of
+  // those the host tier lacks, so that reusing them later needs no copy (O(max_blocks)). Returns how many
+  // it queued.
   int32_t plan_offloads(int32_t max_blocks);
   std::vector<BlockPair> take_offloads();  // (device block, host slot), to copy device -> host
   // One outcome per offload taken and not yet completed, in the order taken: a failed copy leaves no
@@ -251,15 +252,21 @@ class BlockManager {
     // demand by block_keys_upto): computed once, when the prompt is looked up, and reused to register.
     std::vector<uint64_t> block_keys;
     std::vector<GroupTable> groups;     // one per group of layers
+    int32_t loading = 0;                // loads from the host tier not yet confirmed (next to what every call reads)
     int64_t num_computed = 0;           // tokens whose KV is written
+    uint64_t serial = 0;                // identifies this sequence's loads (ids may be reused)
     std::string salt;
     bool swapped = false;
     int64_t prompt_len = 0;
     std::vector<RetentionRange> retention;
-    uint64_t serial = 0;                // identifies this sequence's loads (ids may be reused)
-    int32_t loading = 0;                // loads not yet confirmed
   };
   void check_loaded(const Sequence& seq, int64_t seq_id, const char* what) const;
+  // The same for a batch; free while no sequence is loading (always, without the tier).
+  template <typename Seqs>
+  void check_loaded(const Seqs& seqs, Span<int64_t> seq_ids, const char* what) const {
+    if (loading_seqs_.empty()) return;
+    for (size_t i = 0; i < seqs.size(); ++i) check_loaded(*seqs[i], seq_ids[i], what);
+  }
   // Write-backs of cached blocks to the host tier may hold the free blocks beyond `needed` (and the
   // watermark) while the next fresh blocks are taken.
   void allow_write_backs(int32_t needed) {

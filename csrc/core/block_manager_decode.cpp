@@ -63,10 +63,8 @@ void BlockManager::append_tokens(Span<int64_t> seq_ids, Span<int64_t> token_ids,
     throw ValueError(cat("append_tokens: ", total, counts ? " tokens to append" : " seq_ids", " but ", token_ids.size,
                          " token_ids"));
   const std::vector<Sequence*> seqs = resolve(seq_ids, "append_tokens", /*unique=*/true);
-  for (size_t i = 0; i < n; ++i) {
-    check_complete(*seqs[i], seq_ids[i], "append_tokens");
-    check_loaded(*seqs[i], seq_ids[i], "append_tokens");
-  }
+  for (size_t i = 0; i < n; ++i) check_complete(*seqs[i], seq_ids[i], "append_tokens");
+  check_loaded(seqs, seq_ids, "append_tokens");
   const int32_t needed = blocks_needed_to_append(seqs.data(), seqs.size(), counts, 0);
   if (needed > gpu_.num_free())
     throw OutOfBlocks(cat("append_tokens: needs ", needed, " free blocks but only ", gpu_.num_free(),
@@ -105,8 +103,8 @@ void BlockManager::truncate(Span<int64_t> seq_ids, Span<int64_t> num_tokens) {
   if (num_tokens.size != seq_ids.size)
     throw ValueError(cat("truncate: ", seq_ids.size, " seq_ids but ", num_tokens.size, " num_tokens"));
   const std::vector<Sequence*> seqs = resolve(seq_ids, "truncate", /*unique=*/true);
+  check_loaded(seqs, seq_ids, "truncate");
   for (size_t i = 0; i < seqs.size(); ++i) {
-    check_loaded(*seqs[i], seq_ids[i], "truncate");
     if (num_tokens[i] < 1 || num_tokens[i] > static_cast<int64_t>(seqs[i]->tokens.size()))
       throw ValueError(cat("truncate: num_tokens=", num_tokens[i], " for ", seq_str(seq_ids[i]), " must be in [1, ",
                            seqs[i]->tokens.size(), "]"));

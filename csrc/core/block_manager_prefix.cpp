@@ -189,7 +189,7 @@ void BlockManager::mark_computed(Span<int64_t> seq_ids, std::optional<Span<int64
   if (num_tokens && num_tokens->size != seq_ids.size)
     throw ValueError(cat("mark_computed: ", seq_ids.size, " seq_ids but ", num_tokens->size, " num_tokens"));
   const std::vector<Sequence*> seqs = resolve(seq_ids, "mark_computed", /*unique=*/true);
-  for (size_t i = 0; i < seqs.size(); ++i) check_loaded(*seqs[i], seq_ids[i], "mark_computed");
+  check_loaded(seqs, seq_ids, "mark_computed");
   for (size_t i = 0; i < seqs.size() && num_tokens; ++i) {
     const int64_t n = (*num_tokens)[i];
     if (n < seqs[i]->num_computed || n > static_cast<int64_t>(seqs[i]->tokens.size()))

@@ -44,10 +44,13 @@ bool HostTier::write_back(int32_t free_block) {
 
 int32_t HostTier::plan_offloads(int32_t max_blocks) {
   if (!enabled_ || max_blocks <= 0) return 0;
+  // Only the max_blocks cached free blocks evicted first: those further back are not due soon, and the
+  // walk stays O(max_blocks) however many clean blocks lead the free list.
   std::vector<int32_t> picked;
+  int32_t seen = 0;
   device_->for_each_cached_free([&](int32_t block) {
     if (dirty(block)) picked.push_back(block);
-    return static_cast<int32_t>(picked.size()) < max_blocks;
+    return ++seen < max_blocks;
   });
   int32_t queued = 0;
   for (int32_t block : picked) {  // coldest first; stop when the host tier would evict something stronger

@@ -31,8 +31,8 @@ class HostTier final : public WriteBack {
   bool dirty(int32_t block) const;
   // WriteBack: queues the offload of a dirty block about to be reused when a host slot can take it.
   bool write_back(int32_t free_block) override;
-  // Clean ahead: queues offloads of the coldest dirty free device blocks, at most max_blocks; returns how
-  // many it queued.
+  // Clean ahead: queues offloads of the dirty blocks among the max_blocks cached free device blocks the
+  // pool would evict first (coldest first); returns how many it queued.
   int32_t plan_offloads(int32_t max_blocks);
   std::vector<BlockPair> take_offloads();  // (device block, host slot), queued order
   // Each taken offload's outcome, in the order taken (ok.size() == num_offloads_in_flight()): a

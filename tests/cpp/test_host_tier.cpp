@@ -96,6 +96,18 @@ TEST(HostTier, CleanAheadOffloadsThenAHostHitLoads) {
   EXPECT_EQ(bm.lookup(a).device_blocks, 3);
 }
 
+TEST(HostTier, CleanAheadLooksOnlyAtTheBlocksEvictedNext) {
+  BlockManager bm(tiered(8, 4, 8));
+  cache_prompt(bm, 1, tokens_from(9, 0));
+  EXPECT_EQ(bm.plan_offloads(8), 2);
+  bm.take_offloads();
+  bm.complete_offloads(all(2));  // clean, and still the first cached blocks to be evicted
+  cache_prompt(bm, 2, tokens_from(9, 100));
+  EXPECT_EQ(bm.plan_offloads(2), 0) << "the two blocks evicted next are clean";
+  EXPECT_EQ(bm.plan_offloads(4), 2);
+  bm.check_invariants();
+}
+
 TEST(HostTier, LoadsReadTheSlotsTheOffloadsWrote) {
   BlockManager bm(tiered(4, 4, 8));
   const std::vector<int64_t> a = tokens_from(13, 0);
