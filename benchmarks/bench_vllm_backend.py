@@ -10,7 +10,8 @@
       `paged_attention` on K/V views of one layer's vLLM KV tensor, the layout vLLM resolves for it)
       against `torch.ops._C.cpu_attention_with_kv_cache` on vLLM's own cache (bench_vs_vllm.py's cases and
       call), fp32 and bf16, both written by their own write ops from the same K/V and checked against
-      each other before timing. Ratio = vLLM time / pagedkv time (> 1: the backend is faster).
+      each other before timing. Ratio = vLLM time / backend time (> 1: the backend is faster). The last
+      column times pagedkv's paged_attention alone on two contiguous caches (its own layout).
 
 Needs vLLM and pagedkv in one environment (scripts/setup_vllm_venv.sh); without vLLM it says so and exits 0.
 
@@ -94,16 +95,13 @@ def _vllm_version() -> str:
 # --------------------------------------------------------------------------------------------------
 # Attention op
 
-def backend_attention(case, block_size, generator):
+def backend_attention(impl, case, block_size, generator):
     """The backend's forward on one layer's vLLM KV tensor [num_blocks, Hkv, block_size, 2 D] with the
     strides of the layout vLLM resolves for it (each token's heads adjacent, K|V in each cell)."""
-    from bench_vs_vllm import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, shuffled_pool
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from bench_vs_vllm import HEAD_DIM, NUM_KV_HEADS, shuffled_pool
 
     import pagedkv.integrations.vllm as pagedkv_vllm
 
-    with set_current_vllm_config(VllmConfig()):
-        impl = pagedkv_vllm.PagedKVAttentionImpl(NUM_Q_HEADS, HEAD_DIM, case.scale, NUM_KV_HEADS)
     num_blocks, tables, slots = shuffled_pool(case.batch, case.ctx, block_size, generator)
     kv = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, 2 * HEAD_DIM, dtype=case.dtype).transpose(1, 2)
     layer = types.SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
@@ -118,35 +116,62 @@ def backend_attention(case, block_size, generator):
     return step
 
 
+def kernel_attention(case, block_size, generator):
+    """pagedkv's paged_attention alone on two contiguous caches of the same block size (its own layout)."""
+    from bench_vs_vllm import HEAD_DIM, NUM_KV_HEADS, shuffled_pool
+
+    import pagedkv
+
+    num_blocks, tables, slots = shuffled_pool(case.batch, case.ctx, block_size, generator)
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    key_cache, value_cache = torch.empty(shape, dtype=case.dtype), torch.empty(shape, dtype=case.dtype)
+    pagedkv.ops.reshape_and_cache(case.key, case.value, key_cache, value_cache, slots)
+
+    def step():
+        return pagedkv.ops.paged_attention(case.query, key_cache, value_cache, tables, case.seq_lens,
+                                           case.query_start_loc, case.scale, max_seq_len=case.ctx)
+    return step
+
+
 def run_attention(args) -> None:
     from bench_vs_vllm import (AGREEMENT_TOLERANCE, ATTENTION_CASES, DTYPES, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS,
                                AttentionCase, vllm_attention)
     from timing import time_ms
 
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    import pagedkv.integrations.vllm as pagedkv_vllm
+
     cpu = torch.device("cpu")
     torch.set_num_threads(args.threads)
+    with set_current_vllm_config(VllmConfig()):
+        impl = pagedkv_vllm.PagedKVAttentionImpl(NUM_Q_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, NUM_KV_HEADS)
     print(f"\n## Attention op in vLLM's layout (Hq {NUM_Q_HEADS} / Hkv {NUM_KV_HEADS} / D {HEAD_DIM}, "
           f"{args.threads} threads; {args.rounds} rounds, median of {args.repeats} calls each)\n")
-    print("| case | dtype | block | pagedkv backend ms | vLLM ms (isa) | vLLM / pagedkv min / med |")
-    print("|---|---|---|---|---|---|")
+    print("| case | dtype | block | backend ms | vLLM ms (isa) | vLLM / backend min / med | paged_attention on "
+          "contiguous caches ms |")
+    print("|---|---|---|---|---|---|---|")
     for dtype_name, dtype in DTYPES.items():
         for seed, (label, batch, ctx, q_len) in enumerate(ATTENTION_CASES):
             for block_size in VLLM_BLOCK_SIZES:
                 case = AttentionCase(batch, ctx, q_len, dtype, seed)
                 generator = torch.Generator().manual_seed(seed)
-                ours, theirs = backend_attention(case, block_size, generator), vllm_attention(case, block_size)
+                ours = backend_attention(impl, case, block_size, generator)
+                theirs = vllm_attention(case, block_size)
+                kernel = kernel_attention(case, block_size, generator)
                 tol = AGREEMENT_TOLERANCE[dtype]
-                torch.testing.assert_close(ours().float(), theirs().float(), atol=tol, rtol=tol,
-                                           msg=lambda m: f"{label} {dtype_name} block {block_size}: {m}")
+                for name, step in (("vLLM", theirs), ("contiguous", kernel)):
+                    torch.testing.assert_close(ours().float(), step().float(), atol=tol, rtol=tol,
+                                               msg=lambda m: f"{label} {dtype_name} block {block_size} {name}: {m}")
                 del case.key, case.value
-                times: tuple[list[float], list[float]] = ([], [])
+                times: tuple[list[float], list[float], list[float]] = ([], [], [])
                 for _ in range(args.rounds):
-                    times[0].append(time_ms(ours, cpu, 1, args.repeats))
-                    times[1].append(time_ms(theirs, cpu, 1, args.repeats))
-                ratios = [v / p for p, v in zip(*times)]
+                    for t, step in zip(times, (ours, theirs, kernel)):
+                        t.append(time_ms(step, cpu, 1, args.repeats))
+                ratios = [v / p for p, v in zip(times[0], times[1])]
                 print(f"| {label} | {dtype_name} | {block_size} | {statistics.median(times[0]):.2f} | "
                       f"{statistics.median(times[1]):.2f} ({theirs.isa}) | {min(ratios):.2f}x / "
-                      f"{statistics.median(ratios):.2f}x |", flush=True)
+                      f"{statistics.median(ratios):.2f}x | {statistics.median(times[2]):.2f} |", flush=True)
 
 
 def main() -> None:
