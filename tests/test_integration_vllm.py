@@ -31,7 +31,7 @@ pagedkv_vllm = pytest.importorskip("pagedkv.integrations.vllm")
 
 from vllm import _custom_ops as vllm_ops  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
-from vllm.v1.attention.backend import AttentionType  # noqa: E402
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 import ops_reference as reference  # noqa: E402
@@ -186,6 +186,26 @@ def test_refused_at_construction(kwargs, message):
     with pytest.raises(NotImplementedError, match="pagedkv attention backend cannot compute") as info:
         make_impl(**kwargs)
     assert message in str(info.value) and pagedkv_vllm.ENV in str(info.value)
+
+
+def test_builder_refuses_what_it_cannot_compute():
+    builder_cls = pagedkv_vllm.PagedKVAttentionMetadataBuilder
+    spec = types.SimpleNamespace(head_size=HEAD_SIZE, head_size_v=HEAD_SIZE // 2)
+    with pytest.raises(NotImplementedError, match="keys and values of different head sizes"):
+        builder_cls(spec, ["layer"], VllmConfig(), torch.device("cpu"))
+    builder = builder_cls(types.SimpleNamespace(head_size=HEAD_SIZE), ["layer"], VllmConfig(), torch.device("cpu"))
+    step = Step(torch.float32, torch.Generator().manual_seed(2))
+    common = CommonAttentionMetadata(
+        query_start_loc=step.query_start_loc, query_start_loc_cpu=step.query_start_loc, seq_lens=step.seq_lens,
+        num_reqs=len(SEQUENCES), num_actual_tokens=len(step.query), max_query_len=41,
+        max_seq_len=int(step.seq_lens.max()), block_table_tensor=step.block_table, slot_mapping=step.slots)
+    built = builder.build(0, common)
+    assert built.block_table is step.block_table and built.seq_lens is step.seq_lens  # no copy
+    for causal, what in ((False, "a non-causal step"), (torch.ones(3, dtype=torch.bool), "a per-request causal mask")):
+        with pytest.raises(NotImplementedError, match=f"only causal attention is supported, got {what}"):
+            builder.build(0, common.replace(causal=causal))
+    with pytest.raises(NotImplementedError, match="rswa_prefix_lens"):
+        builder.build(0, common.replace(rswa_prefix_lens=step.seq_lens))
 
 
 def test_backend_declares_what_it_computes():

@@ -124,9 +124,9 @@ class PagedKVAttentionMetadataBuilder(AttentionMetadataBuilder[PagedKVAttentionM
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PagedKVAttentionMetadata:
         m = common_attn_metadata
-        if not (m.causal is True):
-            raise NotImplementedError(f"{LOG_LINE}: only causal attention is supported (got a "
-                                      f"{'per-request causal mask' if isinstance(m.causal, torch.Tensor) else 'non-causal step'})")
+        if m.causal is not True:
+            what = "a per-request causal mask" if isinstance(m.causal, torch.Tensor) else "a non-causal step"
+            raise NotImplementedError(f"{LOG_LINE}: only causal attention is supported, got {what}")
         for name in ("mm_req_doc_ranges", "rswa_prefix_lens"):
             if getattr(m, name, None) is not None:
                 raise NotImplementedError(f"{LOG_LINE}: {name} (bidirectional or reference-window "
