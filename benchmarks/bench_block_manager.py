@@ -7,6 +7,8 @@ seeds' algorithm (benchmarks/seeds_block_manager.py), side by side in one proces
       registered only once KV is written, so prompts of one wave cannot hit each other).
   (2) decode: steps at batch 256 producing what a model runner needs: the slot-mapping tensor and the
       padded block-table tensor (and, for pagedkv, seq_lens + mark_computed).
+  (3) tiers: lookup + allocate of a 32k-token prompt whose every block hits, on the device (one tier)
+      vs in the host tier (the hit is loaded: fresh device blocks and queued loads), alternating.
 
 Run: python benchmarks/bench_block_manager.py [--repeats 5] [--cpu-time]
 
@@ -108,6 +110,46 @@ def decode_pagedkv(bm, steps):
     return (time.perf_counter() - t0) / steps
 
 
+TIER_PROMPT = 32_768
+
+
+def tier_lookup_allocate(bm, prompt, reps):
+    """Median time of lookup + allocate of the prompt (its loads, if any, then fail so that the next
+    repeat hits the same tier again; freed outside the timing)."""
+    times = []
+    for sid in range(reps):
+        bm.lookup([1, 2, 3])  # the manager remembers only its last lookup: this one walks the trie again
+        t0 = time.perf_counter()
+        device_blocks, host_blocks = bm.lookup(prompt)
+        bm.allocate(sid, prompt)
+        times.append(time.perf_counter() - t0)
+        assert device_blocks + host_blocks == len(prompt) // BLOCK_SIZE - 1
+        if host_blocks:
+            bm.take_loads()
+            bm.complete_loads(False)  # nothing enters the device: the prompt stays a host hit
+        bm.free(sid)
+    return statistics.median(times)
+
+
+def tier_managers():
+    """(one tier: the prompt cached on the device, two tiers: the prompt only in the host tier)."""
+    prompt = np.asarray(random.Random(7).choices(range(32_000), k=TIER_PROMPT), dtype=np.int64)
+    blocks = TIER_PROMPT // BLOCK_SIZE
+    device = pagedkv.BlockManager(2 * blocks, BLOCK_SIZE)
+    tiered = pagedkv.BlockManager(2 * blocks, BLOCK_SIZE, num_host_blocks=2 * blocks)
+    for bm in (device, tiered):
+        bm.allocate(-1, prompt)
+        bm.mark_computed(-1)
+        bm.free(-1)
+    tiered.plan_offloads(blocks)
+    tiered.take_offloads()
+    tiered.complete_offloads(True)
+    tiered.allocate(-2, np.arange(2 * blocks * BLOCK_SIZE, dtype=np.int64) + 100_000)  # evicts the device copies
+    tiered.free(-2)
+    assert device.lookup(prompt) == (blocks - 1, 0) and tiered.lookup(prompt)[1] == blocks - 1
+    return prompt, device, tiered
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
@@ -119,6 +161,8 @@ def main():
         time.perf_counter = time.thread_time
     torch.set_num_threads(1)
     rows = {"admit": [[], []], "admit_np": [[], []], "decode": [[], []]}
+    tiers = [[], []]
+    prompt, one_tier, two_tiers = tier_managers()
     hits = None
     for r in range(args.repeats):
         prompts = make_prompts(random.Random(r))
@@ -137,6 +181,8 @@ def main():
         rows["decode"][0].append(decode_seeds(state, args.steps))
         rows["decode"][1].append(decode_pagedkv(bm, args.steps))
         bm.check_invariants()
+        tiers[0].append(tier_lookup_allocate(one_tier, prompt, 5))
+        tiers[1].append(tier_lookup_allocate(two_tiers, prompt, 5))
 
     print(f"block_size={BLOCK_SIZE}, batch={BATCH}, median of {args.repeats} repeats, torch threads=1, "
           f"{'thread CPU time' if args.cpu_time else 'wall clock'}; {pagedkv.__file__}")
@@ -148,6 +194,13 @@ def main():
     for key, (py, cpp) in rows.items():
         a, b = statistics.median(py), statistics.median(cpp)
         print(f"| {labels[key]} | {a * 1e3:.2f} ms | {b * 1e3:.3f} ms | {a / b:.1f}x |")
+    one_tier.check_invariants()
+    two_tiers.check_invariants()
+    a, b = statistics.median(tiers[0]), statistics.median(tiers[1])
+    print()
+    print("| lookup + allocate, 32k-token prompt | device hit (one tier) | host-tier hit (loaded) | ratio |")
+    print("|---|---|---|---|")
+    print(f"| {TIER_PROMPT // BLOCK_SIZE - 1} blocks hit | {a * 1e3:.3f} ms | {b * 1e3:.3f} ms | {b / a:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Throughput (GB/s of bytes moved, read + write) of the cache ops vs plain torch indexing doing the
 same work: reshape_and_cache vs ``cache.view(-1, H, D)[slots] = key``, copy_blocks vs ``index_copy_``,
-swap_blocks vs gather + ``.to(device)`` + ``index_copy_``. Then reshape_and_cache into vLLM's interleaved
+swap_blocks vs gather + ``.to(device)`` + ``index_copy_``, offload_blocks / load_blocks (the host tier) vs one
+contiguous copy of the same bytes between the same memories (``torch`` column: the roofline). Then reshape_and_cache into vLLM's interleaved
 K|V cells (``x[..., :D]``, ``x[..., D:]`` of one ``[blocks, bs, H, 2D]`` tensor) vs two contiguous caches
 of the same shape, int64 and int32 slots (ratio > 1: the strided write is slower).
 
@@ -90,6 +91,22 @@ def main():
 
         row(f"swap_blocks {device.type}->{target.type} {pairs} blocks", 2 * pairs * block_bytes,
             time_ms(lambda: ops.swap_blocks(key_cache, dst, swap_map), **timing), time_ms(torch_swap, **timing))
+
+    # The host tier: whole blocks of every layer between the caches and the block-major tier, against one
+    # contiguous copy of the same bytes between the same two memories (the roofline; ratio = fraction of it).
+    pin = device.type == "cuda"
+    host = torch.empty(nb // 2, args.num_layers, 2, bs, h, d, dtype=dtype, pin_memory=pin)
+    tier_map = torch.stack([torch.randperm(nb)[:pairs], torch.randperm(nb // 2)[:pairs]], dim=1)
+    load_map = tier_map.flip(1).contiguous()
+    nbytes = 2 * pairs * args.num_layers * block_bytes
+    flat_device = torch.empty(nbytes // itemsize, dtype=dtype, device=device)
+    flat_host = torch.empty(nbytes // itemsize, dtype=dtype, pin_memory=pin)
+    row(f"offload_blocks {pairs} x {args.num_layers} layers", nbytes,
+        time_ms(lambda: ops.offload_blocks(keys, values, host, tier_map), **timing),
+        time_ms(lambda: flat_host.copy_(flat_device, non_blocking=True), **timing))
+    row(f"load_blocks {pairs} x {args.num_layers} layers", nbytes,
+        time_ms(lambda: ops.load_blocks(host, keys, values, load_map), **timing),
+        time_ms(lambda: flat_device.copy_(flat_host, non_blocking=True), **timing))
 
     print(f"\n{'reshape_and_cache, same shape':<34}{'contig ms':>10}{'cells ms':>10}{'cells/contig':>14}")
     cells = torch.randn(nb, bs, h, 2 * d, dtype=dtype, device=device)

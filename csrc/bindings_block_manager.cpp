@@ -129,6 +129,37 @@ py::object window_object(int64_t w) {
 }
 
 // Block pairs as the int64 [n, 2] (src, dst) CPU tensor that copy_blocks and swap_blocks take.
+// medium: "GPU" or "CPU".
+Medium medium_arg(const std::string& medium) {
+  if (medium == "GPU") return Medium::kGpu;
+  if (medium == "CPU") return Medium::kCpu;
+  throw ValueError("medium must be 'GPU' or 'CPU', got '" + medium + "'");
+}
+
+// ok: one bool for all n outcomes, or a list / tuple / 1-D bool or integer tensor of n outcomes.
+std::vector<bool> outcomes(const py::object& ok, int32_t n) {  // the core checks the count
+  if (PyBool_Check(ok.ptr())) return std::vector<bool>(static_cast<size_t>(n), ok.ptr() == Py_True);
+  if (THPVariable_Check(ok.ptr())) {
+    const torch::Tensor t = THPVariable_Unpack(ok.ptr());
+    if (t.dim() != 1 || t.is_floating_point() || t.is_complex())
+      throw py::type_error("ok must be a bool, or a 1-D bool or integer tensor");
+    if (!t.device().is_cpu() && !t.device().is_cuda())
+      throw ValueError("ok must be a CPU or CUDA tensor, got one on " + t.device().str());
+    const torch::Tensor flags = t.to(torch::kCPU).to(torch::kBool).contiguous();
+    const bool* p = flags.data_ptr<bool>();
+    return std::vector<bool>(p, p + flags.numel());
+  }
+  const py::object items = fast_sequence(ok, "ok");
+  std::vector<bool> out;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items.ptr()); ++i) {
+    const py::handle item = PySequence_Fast_GET_ITEM(items.ptr(), i);
+    const int truth = PyObject_IsTrue(item.ptr());
+    if (truth < 0) throw py::error_already_set();
+    out.push_back(truth == 1);
+  }
+  return out;
+}
+
 torch::Tensor pairs_tensor(const std::vector<BlockPair>& pairs) {
   torch::Tensor out = cpu_tensor({static_cast<int64_t>(pairs.size()), 2}, torch::kInt64);
   int64_t* p = out.data_ptr<int64_t>();
@@ -210,7 +241,8 @@ void bind_block_manager(py::module_& m) {
       .def(py::init([](int32_t num_blocks, int32_t block_size, int32_t num_cpu_blocks, bool enable_prefix_caching,
                        double watermark, const std::string& hash_algo, bool enable_events, int64_t max_pending_events,
                        int32_t default_priority, std::optional<int32_t> decode_priority, double max_pinned_fraction,
-                       const py::object& sliding_window, const py::object& group_windows) {
+                       const py::object& sliding_window, const py::object& group_windows, int32_t num_host_blocks,
+                       int32_t host_offload_min_priority) {
              BlockManagerConfig config;
              config.num_blocks = num_blocks;
              config.block_size = block_size;
@@ -224,6 +256,8 @@ void bind_block_manager(py::module_& m) {
              config.decode_priority = decode_priority.value_or(default_priority);
              config.max_pinned_fraction = max_pinned_fraction;
              config.group_windows = group_windows_arg(sliding_window, group_windows);
+             config.num_host_blocks = num_host_blocks;
+             config.host_offload_min_priority = host_offload_min_priority;
              return new BlockManager(std::move(config));
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(), py::arg("num_cpu_blocks") = 0,
@@ -231,7 +265,8 @@ void bind_block_manager(py::module_& m) {
            py::arg("enable_events") = false, py::arg("max_pending_events") = BlockManager::kDefaultMaxPendingEvents,
            py::arg("default_priority") = kDefaultPriority, py::arg("decode_priority") = py::none(),
            py::arg("max_pinned_fraction") = BlockManager::kDefaultMaxPinnedFraction,
-           py::arg("sliding_window") = py::none(), py::arg("group_windows") = py::none())
+           py::arg("sliding_window") = py::none(), py::arg("group_windows") = py::none(),
+           py::arg("num_host_blocks") = 0, py::arg("host_offload_min_priority") = kMinPriority)
       .def(
           "can_allocate",
           [](const BlockManager& bm, const py::object& token_ids, const std::optional<py::object>& cache_salt,
@@ -538,18 +573,63 @@ void bind_block_manager(py::module_& m) {
               d["token_ids"] = stored ? py::object(py::cast(e.token_ids)) : py::object(py::none());
               d["cache_salt"] = stored && !e.salt.empty() ? py::object(py::bytes(e.salt)) : py::object(py::none());
               d["block_size"] = bm.block_size();
-              d["medium"] = "GPU";
+              d["medium"] = medium_name(e.medium);
               out[i] = std::move(d);
             }
             return out;
           },
           "Drains the KV events recorded since the previous call, in order (enable_events=True): dicts with\n"
           "seq, kind ('stored' | 'removed' | 'cleared'), block_hashes, parent_block_hash, token_ids and\n"
-          "cache_salt (stored), block_size, medium ('GPU').")
+          "cache_salt (stored), block_size, medium ('GPU', or 'CPU': the host tier).")
       .def(
-          "cached_blocks", [](const BlockManager& bm) { return bm.cached_blocks(); },
-          "(block_hash, parent_block_hash) of every block whose KV the prefix cache holds now; replaying every\n"
-          "KV event gives the same multiset.")
+          "cached_blocks", [](const BlockManager& bm, const std::string& medium) { return bm.cached_blocks(medium_arg(medium)); },
+          py::arg("medium") = "GPU",
+          "(block_hash, parent_block_hash) of every block whose KV the prefix cache holds now on `medium` ('GPU':\n"
+          "device blocks, 'CPU': the host tier); replaying that medium's KV events gives the same multiset.")
+      .def_property_readonly("host_tier_enabled", &BlockManager::host_tier_enabled,
+                             "Whether the host tier is in use: num_host_blocks > 0, prefix caching, one full-attention group.")
+      .def_property_readonly("num_host_blocks", [](const BlockManager& bm) { return bm.config().num_host_blocks; })
+      .def_property_readonly("num_free_host_blocks", [](const BlockManager& bm) { return bm.host_pool().num_free(); })
+      .def_property_readonly("host_offload_min_priority",
+                             [](const BlockManager& bm) { return bm.config().host_offload_min_priority; })
+      .def(
+          "lookup",
+          [](const BlockManager& bm, const py::object& token_ids, const std::optional<py::object>& cache_salt) {
+            Int64Array tokens(token_ids, "token_ids");
+            const TierHits hits = bm.lookup(tokens.span(), salt_bytes(cache_salt));
+            return py::make_tuple(hits.device_blocks, hits.host_blocks);
+          },
+          py::arg("token_ids"), py::kw_only(), py::arg("cache_salt") = py::none(),
+          "The prompt's prefix hit as allocate() would take it now: (device_blocks, host_blocks), the leading\n"
+          "blocks hit on the device and, after them, those loaded from the host tier.")
+      .def("plan_offloads", &BlockManager::plan_offloads, py::arg("max_blocks"),
+           "Clean ahead: queues copies to the host tier of the coldest cached free device blocks it lacks (at most\n"
+           "max_blocks), so that reusing them later needs no copy; returns how many it queued.")
+      .def("take_offloads", [](BlockManager& bm) { return pairs_tensor(bm.take_offloads()); },
+           "Drains the queued offloads: an int64 [n, 2] CPU tensor of (device block, host slot). Each device\n"
+           "block is held (never handed out) until complete_offloads.")
+      .def(
+          "complete_offloads",
+          [](BlockManager& bm, const py::object& ok) {
+            bm.complete_offloads(outcomes(ok, bm.num_offloads_in_flight()));
+          },
+          py::arg("ok") = true,
+          "The outcome of every offload taken and not yet completed, in the order taken (one bool for all, or\n"
+          "one per offload): a copy that failed leaves no host entry.")
+      .def("take_loads", [](BlockManager& bm) { return pairs_tensor(bm.take_loads()); },
+           "Drains the queued loads of host hits: an int64 [n, 2] CPU tensor of (host slot, device block), to\n"
+           "copy before the step's attention reads them; both are held until complete_loads.")
+      .def(
+          "complete_loads",
+          [](BlockManager& bm, const py::object& ok) {
+            bm.complete_loads(outcomes(ok, bm.num_loads_in_flight()));
+          },
+          py::arg("ok") = true,
+          "The outcome of every load taken and not yet completed, in the order taken (one bool for all, or one\n"
+          "per load). A sequence whose load failed keeps as computed only the tokens before the first failed\n"
+          "block: num_computed_tokens drops and the rest is recomputed.")
+      .def("num_loading_blocks", &BlockManager::num_loading_blocks, py::arg("seq_id"),
+           "Blocks of the sequence whose loads from the host tier are not confirmed yet.")
       .def("set_time", &BlockManager::set_time, py::arg("now"),
            "Advances the manager's clock (the unit of retention durations; it starts at 0 and is never read\n"
            "from the wall): free blocks whose priority duration has run out fall back to the default.")

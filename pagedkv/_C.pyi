@@ -59,6 +59,15 @@ class _Stats(TypedDict):
     num_cpu_blocks: int
     free_cpu_blocks: int
     pinned_blocks: int
+    host_hit_blocks: int       # hit blocks loaded from the host tier
+    offloaded_blocks: int      # device blocks copied to the host tier (confirmed)
+    offload_failures: int
+    loaded_blocks: int         # host slots copied back to the device (confirmed)
+    load_failures: int
+    host_evictions: int        # host slots reused for other content
+    num_host_blocks: int
+    free_host_blocks: int
+    cached_host_blocks: int    # host slots whose KV the prefix cache holds
 
 
 class _KvEvent(TypedDict):
@@ -70,7 +79,7 @@ class _KvEvent(TypedDict):
     token_ids: list[int] | None                     # stored: the blocks' tokens
     cache_salt: bytes | None                        # stored from block 0: the salt
     block_size: int
-    medium: str                                     # "GPU"
+    medium: Literal["GPU", "CPU"]                   # CPU: the host tier
 
 
 @type_check_only
@@ -156,7 +165,8 @@ class BlockManager(metaclass=_pybind11_type):
                  enable_events: bool = False, max_pending_events: SupportsIndex = 65536,
                  default_priority: SupportsIndex = 35, decode_priority: SupportsIndex | None = None,
                  max_pinned_fraction: float = 0.5, sliding_window: SupportsIndex | None = None,
-                 group_windows: Sequence[SupportsIndex | None] | None = None) -> None:
+                 group_windows: Sequence[SupportsIndex | None] | None = None, num_host_blocks: SupportsIndex = 0,
+                 host_offload_min_priority: SupportsIndex = 0) -> None:
         """A manager of num_blocks GPU blocks of block_size tokens; every block is usable.
 
         num_cpu_blocks: CPU blocks for swap_out / swap_in (0: no swapping). watermark: the fraction of
@@ -165,7 +175,9 @@ class BlockManager(metaclass=_pybind11_type):
         exact whatever it is. enable_events: record KV events for take_events(), at most
         max_pending_events (the oldest are dropped on overflow). default_priority / decode_priority
         (None: the default): the retention priority (0-100) of prompt / decode blocks no retention range
-        covers. max_pinned_fraction: the most of the pool pins may hold. group_windows: one window
+        covers. max_pinned_fraction: the most of the pool pins may hold. num_host_blocks: host-tier slots
+        of the prefix cache (0: no tier; see take_offloads / take_loads); blocks below
+        host_offload_min_priority are dropped, not offloaded. group_windows: one window
         (tokens; None: full attention) per group of layers (default: one group, full attention).
         sliding_window=w (deprecated, a DeprecationWarning) is group_windows=[w]; give one or neither. A
         second call on a live manager is a TypeError.
@@ -389,13 +401,60 @@ class BlockManager(metaclass=_pybind11_type):
     def take_events(self) -> list[_KvEvent]:
         """Drains the KV events recorded since the previous call, in order (enable_events=True): dicts with
         seq, kind ('stored' | 'removed' | 'cleared'), block_hashes, parent_block_hash, token_ids and
-        cache_salt (stored), block_size, medium ('GPU').
+        cache_salt (stored), block_size, medium ('GPU', or 'CPU': the host tier).
         """
 
-    def cached_blocks(self) -> list[tuple[int, int | None]]:
-        """(block_hash, parent_block_hash) of every block whose KV the prefix cache holds now; replaying every
-        KV event gives the same multiset.
+    def cached_blocks(self, medium: Literal["GPU", "CPU"] = "GPU") -> list[tuple[int, int | None]]:
+        """(block_hash, parent_block_hash) of every block whose KV the prefix cache holds now on `medium` ('GPU':
+        device blocks, 'CPU': the host tier); replaying that medium's KV events gives the same multiset.
         """
+
+    @property
+    def host_tier_enabled(self) -> bool:
+        """Whether the host tier is in use: num_host_blocks > 0, prefix caching, one full-attention group."""
+
+    @property
+    def num_host_blocks(self) -> int: ...
+
+    @property
+    def num_free_host_blocks(self) -> int: ...
+
+    @property
+    def host_offload_min_priority(self) -> int: ...
+
+    def lookup(self, token_ids: _Ints, *, cache_salt: _Salt = None) -> tuple[int, int]:
+        """The prompt's prefix hit as allocate() would take it now: (device_blocks, host_blocks), the leading
+        blocks hit on the device and, after them, those loaded from the host tier.
+        """
+
+    def plan_offloads(self, max_blocks: SupportsIndex) -> int:
+        """Clean ahead: queues copies to the host tier of the coldest cached free device blocks it lacks (at most
+        max_blocks), so that reusing them later needs no copy; returns how many it queued.
+        """
+
+    def take_offloads(self) -> torch.Tensor:
+        """Drains the queued offloads: an int64 [n, 2] CPU tensor of (device block, host slot). Each device
+        block is held (never handed out) until complete_offloads.
+        """
+
+    def complete_offloads(self, ok: bool | Sequence[bool] | torch.Tensor = True) -> None:
+        """The outcome of every offload taken and not yet completed, in the order taken (one bool for all, or
+        one per offload): a copy that failed leaves no host entry.
+        """
+
+    def take_loads(self) -> torch.Tensor:
+        """Drains the queued loads of host hits: an int64 [n, 2] CPU tensor of (host slot, device block), to
+        copy before the step's attention reads them; both are held until complete_loads.
+        """
+
+    def complete_loads(self, ok: bool | Sequence[bool] | torch.Tensor = True) -> None:
+        """The outcome of every load taken and not yet completed, in the order taken (one bool for all, or one
+        per load). A sequence whose load failed keeps as computed only the tokens before the first failed
+        block: num_computed_tokens drops and the rest is recomputed.
+        """
+
+    def num_loading_blocks(self, seq_id: SupportsIndex) -> int:
+        """Blocks of the sequence whose loads from the host tier are not confirmed yet."""
 
     def set_time(self, now: float) -> None:
         """Advances the manager's clock (the unit of retention durations; it starts at 0 and is never read

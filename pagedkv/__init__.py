@@ -3,17 +3,18 @@
 - ``pagedkv.BlockManager``: where every token's KV lives (C++; prefix caching, retention priorities
   and pins, CoW, fork, swap, sliding windows and groups of layers).
 - ``pagedkv.ops``: ``reshape_and_cache``, ``paged_attention`` (and ``paged_attention_with_lse``),
-  ``copy_blocks``, ``swap_blocks``, and the model-layer ops ``rms_norm``, ``fused_add_rms_norm``,
+  ``copy_blocks``, ``swap_blocks``, ``offload_blocks`` / ``load_blocks`` (the host tier), and the model-layer ops ``rms_norm``, ``fused_add_rms_norm``,
   ``silu_and_mul``, ``rotary_embedding`` (``torch.ops.pagedkv.*``, CPU and CUDA).
-- ``pagedkv.allocate_kv_cache`` / ``pagedkv.num_blocks_for``: cache tensors and pool sizing.
+- ``pagedkv.allocate_kv_cache`` / ``pagedkv.allocate_host_tier`` / ``pagedkv.num_blocks_for``: cache tensors
+  and pool sizing.
 - ``pagedkv.engine``: a small reference engine for Llama-family models.
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import ops
 from ._C import AllocStatus, BlockManager, hash_block_tokens  # also registers torch.ops.pagedkv.*
-from .cache import allocate_kv_cache, block_bytes, kv_cache_groups, num_blocks_for
+from .cache import allocate_host_tier, allocate_kv_cache, block_bytes, kv_cache_groups, num_blocks_for
 
 __version__ = "0.1.0"
-__all__ = ["AllocStatus", "BlockManager", "hash_block_tokens", "ops", "allocate_kv_cache", "block_bytes",
-           "kv_cache_groups", "num_blocks_for"]
+__all__ = ["AllocStatus", "BlockManager", "hash_block_tokens", "ops", "allocate_kv_cache", "allocate_host_tier",
+           "block_bytes", "kv_cache_groups", "num_blocks_for"]

@@ -5,7 +5,7 @@ import torch
 
 from .validation import check_int
 
-__all__ = ["allocate_kv_cache", "num_blocks_for", "block_bytes", "kv_cache_groups"]
+__all__ = ["allocate_kv_cache", "allocate_host_tier", "num_blocks_for", "block_bytes", "kv_cache_groups"]
 
 # What the ops accept (float8 caches store quantised KV: reshape_and_cache's k_scale / v_scale).
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -52,6 +52,19 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
         return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
 
     return [(one(), one()) for _ in range(num_layers)]
+
+
+def allocate_host_tier(num_host_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, *,
+                       dtype: torch.dtype = torch.float16, pin_memory: bool | None = None) -> torch.Tensor:
+    """The block-major host tier that ``ops.offload_blocks`` / ``ops.load_blocks`` move blocks to and from:
+    ``[num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` on the CPU, one contiguous
+    region per block (keys then values of every layer), so a block moves as one unit. ``pin_memory``
+    (default: when CUDA is available) is required for a GPU's caches. Contents are uninitialised."""
+    _check_cache_geometry(dtype, num_host_blocks=num_host_blocks, num_layers=num_layers, block_size=block_size,
+                          num_kv_heads=num_kv_heads, head_dim=head_dim)
+    pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+    return torch.empty((num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), dtype=dtype,
+                       pin_memory=pin)
 
 
 def kv_cache_groups(layer_windows) -> tuple[list, list[tuple[int, int]]]:

@@ -15,7 +15,7 @@ import torch
 from . import _C  # noqa: F401  (registers torch.ops.pagedkv.*)
 
 __all__ = ["reshape_and_cache", "paged_attention", "paged_attention_with_lse", "copy_blocks", "swap_blocks",
-           "cpu_attention_isa", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]
+           "offload_blocks", "load_blocks", "cpu_attention_isa", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]
 
 _ops = torch.ops.pagedkv
 
@@ -162,6 +162,36 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     _ops.swap_blocks(src, dst, block_mapping)
 
 
+def offload_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], host_cache: torch.Tensor,
+                   block_mapping: torch.Tensor, first_layer: int = 0) -> None:
+    """Copies whole blocks of every given layer from the paged caches into the host tier, in place.
+
+    Args:
+        key_caches, value_caches: contiguous caches of layers ``first_layer ..`` (as ``copy_blocks`` takes
+            them), on the CPU or a GPU.
+        host_cache: the block-major host tier, ``[num_host_blocks, num_layers, 2, block_size,
+            num_kv_heads, head_dim]`` on the CPU (``pagedkv.allocate_host_tier``): slot ``s`` holds the key
+            and value blocks of every layer of one block in one contiguous region. Pinned when the caches
+            are on a GPU: the kernel writes it in place, one launch per layer on the current stream.
+        block_mapping: ``[n, 2]`` int64 on the CPU, ``(device block, host slot)`` pairs (a
+            ``BlockManager``'s ``take_offloads()``); ids are range-checked, host slots must be distinct.
+        first_layer: the host-tier layer of ``key_caches[0]`` (copy a subset of the layers).
+    """
+    _ops.offload_blocks(key_caches, value_caches, host_cache, block_mapping, first_layer)
+
+
+def load_blocks(host_cache: torch.Tensor, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                block_mapping: torch.Tensor, first_layer: int = 0) -> None:
+    """Copies whole blocks from the host tier into the paged caches of every given layer, in place.
+
+    Arguments as ``offload_blocks``; ``block_mapping`` pairs are ``(host slot, device block)`` (a
+    ``BlockManager``'s ``take_loads()``), device blocks distinct. On a GPU, loading one layer at a time
+    (``first_layer=l`` with that layer's caches) on a side stream lets layer ``l + 1`` arrive while layer
+    ``l`` computes.
+    """
+    _ops.load_blocks(host_cache, key_caches, value_caches, block_mapping, first_layer)
+
+
 def cpu_attention_isa() -> str:
     """The copy of the CPU attention kernels that runs on this machine: "amx", "avx512", "avx2" (x86-64),
     "neon" (aarch64) or "baseline" (the portable copy, any CPU), chosen at run time from what the CPU has."""
@@ -283,6 +313,20 @@ def _copy_blocks_fake(key_caches, value_caches, block_mapping):
 @torch.library.register_fake("pagedkv::swap_blocks")
 def _swap_blocks_fake(src, dst, block_mapping):
     _check_not_mixed_with_meta("swap_blocks", src=src, dst=dst)  # block_mapping always lives on the CPU
+    return None
+
+
+@torch.library.register_fake("pagedkv::offload_blocks")
+def _offload_blocks_fake(key_caches, value_caches, host_cache, block_mapping, first_layer=0):
+    _check_not_mixed_with_meta("offload_blocks", key_caches=key_caches, value_caches=value_caches,
+                               host_cache=host_cache)
+    return None
+
+
+@torch.library.register_fake("pagedkv::load_blocks")
+def _load_blocks_fake(host_cache, key_caches, value_caches, block_mapping, first_layer=0):
+    _check_not_mixed_with_meta("load_blocks", key_caches=key_caches, value_caches=value_caches,
+                               host_cache=host_cache)
     return None
 
 

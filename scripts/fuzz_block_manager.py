@@ -13,7 +13,11 @@ documented exception and change nothing, and check_invariants() every 1000 opera
 replaying the KV events gives cached_blocks() (resyncing, as a router would, after events dropped by a
 full buffer). With --groups / --sliding-window the pools have groups of layers with windows: every
 group's held blocks are checked, released entries must be pads that slot_mapping refuses, and a rollback
-into released blocks must be refused. Prints the figures; exits 1 at the first failure.
+into released blocks must be refused. Pools with a host tier offload (clean ahead and write-back) and load
+(host hits) through copies the fuzzer performs and sometimes fails (a failed copy scribbles over its
+destination): every loaded prefix must hold its own KV once confirmed, a failed load must lower the
+computed tokens, and each medium's events must replay to its cached blocks. Prints the figures; exits 1 at
+the first failure.
 
     python scripts/fuzz_block_manager.py --ops 1000000 [--seed N] [--groups 2] [--sliding-window 0]
 """
@@ -57,6 +61,10 @@ class Figures:
     pinned_hit_tokens_checked: int = 0
     released_blocks_seen: int = 0
     reserved_chunks: int = 0
+    offloads: int = 0
+    loads: int = 0
+    failed_copies: int = 0
+    loaded_tokens_checked: int = 0
 
 
 def prefix_ids(tokens, salt):
@@ -89,6 +97,7 @@ class Fuzzer:
         self.bs = r.choice([1, 2, 3, 4, 8, 16])
         self.nb = r.randint(8, 96)
         self.ncpu = r.choice([0, r.randint(4, 64)])
+        self.nhost = r.choice([0, r.randint(4, 96), r.randint(4, 96)])
         self.vocab = r.randint(2, 6)
         self.events = r.random() < 0.6
         self.windows = self.pool_windows()
@@ -97,14 +106,17 @@ class Fuzzer:
                                enable_prefix_caching=r.random() < 0.9, watermark=r.choice([0.0, 0.0, 0.05]),
                                enable_events=self.events, max_pending_events=r.choice([64, 1 << 16, 1 << 16]),
                                default_priority=r.choice([35, 35, 0, 60]), decode_priority=r.choice([None, 10, 80]),
-                               max_pinned_fraction=r.choice([0.0, 0.25, 0.5, 0.9]), group_windows=self.windows)
+                               max_pinned_fraction=r.choice([0.0, 0.25, 0.5, 0.9]), group_windows=self.windows,
+                               num_host_blocks=self.nhost, host_offload_min_priority=r.choice([0, 0, 35, 50]))
         self.pins: dict[int, tuple] = {}  # seq id -> (tokens, ids, salt, pinned leading blocks)
-        self.replayed = Counter()  # block hashes the events say are cached
+        self.replayed = {"GPU": Counter(), "CPU": Counter()}  # block hashes the events say each medium holds
         self.next_event = 0
         self.dropped_seen = 0
         self.seqs: dict[int, Seq] = {}
         self.gpu: dict[int, dict] = {}   # block -> {offset: prefix identity}
         self.cpu: dict[int, dict] = {}
+        self.host: dict[int, dict] = {}  # host-tier slot -> {offset: prefix identity}
+        self.loading: set[int] = set()   # sequences whose loads are not confirmed yet
         self.pending = False              # copies queued by append_tokens and not yet taken
         self.next_id = 0
         self.prefixes = [[r.randrange(self.vocab) for _ in range(r.randint(1, 4 * self.bs))] for _ in range(4)]
@@ -135,7 +147,8 @@ class Fuzzer:
         return out
 
     def resident(self):
-        return [i for i, s in self.seqs.items() if not s.swapped]
+        """Sequences on the device whose KV is there (loads confirmed)."""
+        return [i for i, s in self.seqs.items() if not s.swapped and i not in self.loading]
 
     def fail(self, what):
         raise AssertionError(what)
@@ -146,6 +159,44 @@ class Fuzzer:
             self.gpu[dst] = dict(self.gpu.get(src, {}))
             self.fig.copies += 1
         self.pending = False
+
+    def transfer(self):
+        """The runner's tier copies of a step: offloads (device -> host), then loads (host -> device), each
+        failed now and then (a failed copy leaves garbage in its destination); then the loaded sequences'
+        computed tokens must hold their own KV."""
+        r = self.rng
+        ok = []
+        for block, slot in self.bm.take_offloads().tolist():
+            ok.append(r.random() > 0.1)
+            self.host[slot] = dict(self.gpu.get(block, {})) if ok[-1] else {o: "garbage" for o in range(self.bs)}
+        self.bm.complete_offloads(ok)
+        self.fig.offloads += len(ok)
+        self.fig.failed_copies += ok.count(False)
+        ok, failed = [], set()
+        for slot, block in self.bm.take_loads().tolist():
+            ok.append(r.random() > 0.1)
+            self.gpu[block] = dict(self.host.get(slot, {})) if ok[-1] else {o: "garbage" for o in range(self.bs)}
+            if not ok[-1]:
+                failed.add(block)
+        self.bm.complete_loads(ok)
+        self.fig.loads += len(ok)
+        self.fig.failed_copies += ok.count(False)
+        for sid in self.loading:
+            s = self.seqs[sid]
+            computed = self.bm.num_computed_tokens(sid)
+            table = self.bm.block_table(sid)
+            first_failed = next((i for i in range(s.computed // self.bs) if table[i] in failed), None)
+            expected = s.computed if first_failed is None else first_failed * self.bs
+            if computed != expected:
+                self.fail(f"sequence {sid} has {computed} computed tokens after its loads, expected {expected}")
+            s.computed = computed
+            self.fig.loaded_tokens_checked += self.check_kv(sid, computed)
+        self.loading.clear()
+
+    def op_transfer(self):
+        if self.rng.random() < 0.5:
+            self.bm.plan_offloads(self.rng.randint(0, 8))
+        self.transfer()
 
     def held_tables(self, sid):
         """(group, table, first held entry) of each group; checks that released entries are pads."""
@@ -184,7 +235,10 @@ class Fuzzer:
         self.seqs[sid] = Seq(list(tokens), prefix_ids(tokens, salt), salt, computed=cached)
         if cached % self.bs or cached >= len(tokens):  # whole blocks, and the last token is always computed
             self.fail(f"allocate reported {cached} cached tokens of a {len(tokens)}-token prompt")
-        self.fig.hit_tokens_checked += self.check_kv(sid, cached)
+        if self.bm.num_loading_blocks(sid):  # checked once its loads are confirmed
+            self.loading.add(sid)
+        else:
+            self.fig.hit_tokens_checked += self.check_kv(sid, cached)
 
     # --- operations ----------------------------------------------------------------------------------------
     def op_allocate(self):
@@ -302,6 +356,7 @@ class Fuzzer:
             sid = self.rng.choice(list(self.seqs))
             self.bm.free(sid)
             del self.seqs[sid]
+            self.loading.discard(sid)
 
     def op_swap_out(self):
         res = self.resident()
@@ -477,6 +532,8 @@ class Fuzzer:
         """Mirror the cache from its events, as a router would; after a gap (dropped events) resync from
         cached_blocks() and check that the gap is what stats() counts as dropped."""
         events = self.bm.take_events()
+        if not self.nhost and any(e["medium"] != "GPU" for e in events):
+            self.fail("a manager without a host tier recorded an event of another medium than GPU")
         for e in events:
             if e["seq"] != self.next_event:
                 dropped = self.bm.stats()["events_dropped"]
@@ -489,24 +546,28 @@ class Fuzzer:
             self.next_event = e["seq"] + 1
             if self.replayed is None:
                 continue
+            replayed = self.replayed[e["medium"]]
             if e["kind"] == "stored":
-                self.replayed.update(e["block_hashes"])
+                replayed.update(e["block_hashes"])
             elif e["kind"] == "removed":
                 for h in e["block_hashes"]:
-                    if self.replayed[h] <= 0:
-                        self.fail(f"event {e['seq']} removes hash {h}, which no event stored")
-                    self.replayed[h] -= 1
+                    if replayed[h] <= 0:
+                        self.fail(f"event {e['seq']} removes hash {h} from {e['medium']}, which no event stored")
+                    replayed[h] -= 1
             else:
-                self.replayed.clear()
+                for r in self.replayed.values():
+                    r.clear()
         self.fig.events += len(events)
-        cached = Counter(h for h, _ in self.bm.cached_blocks())
+        cached = {m: Counter(h for h, _ in self.bm.cached_blocks(m)) for m in ("GPU", "CPU")}
         if self.replayed is None:
             self.replayed = cached
-        elif +self.replayed != cached:
-            self.fail("replaying the KV events does not give cached_blocks()")
+        for m in ("GPU", "CPU"):
+            if +self.replayed[m] != cached[m]:
+                self.fail(f"replaying the {m} KV events does not give cached_blocks({m!r})")
 
     # --- periodic full check ---------------------------------------------------------------------------------
     def full_check(self):
+        self.transfer()  # no copy pending: every block is a sequence's, a pin's or free
         self.check_pins()
         if self.events:
             self.replay_events()
@@ -517,6 +578,7 @@ class Fuzzer:
         self.perform_copies()
         for sid, s in self.seqs.items():
             self.fig.kv_tokens_checked += self.check_kv(sid, s.computed)
+        self.transfer()  # the probes of check_pins may have queued write-backs
         held = {b for i in self.resident() for _, table, released in self.held_tables(i) for b in table[released:]}
         held |= {b for i in self.pins for b in self.bm.pinned_blocks(i)}
         if self.bm.num_free_blocks + len(held) != self.nb:
@@ -524,7 +586,8 @@ class Fuzzer:
 
 
 WEIGHTS = {"allocate": 14, "allocate_batch": 5, "compute": 22, "append": 18, "speculate": 6, "fork": 5, "free": 12,
-           "swap_out": 5, "swap_in": 5, "reset": 1, "new_pool": 1, "invalid": 5, "clock": 3, "pin": 2, "unpin": 2}
+           "swap_out": 5, "swap_in": 5, "reset": 1, "new_pool": 1, "invalid": 5, "clock": 3, "pin": 2, "unpin": 2,
+           "transfer": 8}
 
 
 def run(num_ops: int, seed: int, quiet: bool = False, groups: int = 1, sliding_window: int | None = None) -> Figures:
@@ -581,7 +644,9 @@ def main():
           f"{fig.retained_prompts:,} prompts with retention ranges; {fig.pins:,} pins ({fig.pins_refused:,} refused "
           f"by the cap), {fig.pinned_hit_tokens_checked:,} pinned prefix tokens hit with their own KV; {fig.events:,} KV events "
           f"replayed to cached_blocks() ({fig.event_resyncs:,} resyncs after a full buffer); "
-          f"{fig.released_blocks_seen:,} released table entries checked; {fig.reserved_chunks:,} prefill chunks reserved")
+          f"{fig.released_blocks_seen:,} released table entries checked; {fig.reserved_chunks:,} prefill chunks reserved; "
+          f"host tier: {fig.offloads:,} offloads, {fig.loads:,} loads, {fig.failed_copies:,} failed copies, "
+          f"{fig.loaded_tokens_checked:,} loaded tokens held their own KV")
     print("operations: " + ", ".join(f"{k} {v:,}" for k, v in sorted(fig.ops.items())))
     return 0
 

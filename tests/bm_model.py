@@ -4,7 +4,9 @@ holds by construction; the free list is one OrderedDict per level in LRU order (
 level 1 + p: cached KV at retention priority p); pins hold references; durations expire on set_time.
 Groups of layers (hybrid models): one table per group, each with its window (None: full attention); a
 windowed table releases the leading blocks no future query reads (a pad, 0, stays in their place), and
-the prefix cache keys each group's blocks apart."""
+the prefix cache keys each group's blocks apart. The host tier (one full-attention group only) is a second
+pool of the same kind keyed by the same prefixes: offloads hold their device block and host slot until
+completed, loads hold theirs, and a failed load truncates its sequence's computed prefix."""
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -28,6 +30,8 @@ class Seq:
     swapped: bool = False
     prompt_len: int = 0
     retention: list = field(default_factory=list)  # (start, end, priority, duration)
+    loading: int = 0              # loads not yet completed
+    serial: int = 0
 
     def __post_init__(self):
         n = len(self.tables)
@@ -99,6 +103,8 @@ class Model:
     expiry_order: int = 0
     pins: dict = field(default_factory=dict)       # seq id -> blocks its pin holds
     pin_count: dict = field(default_factory=dict)
+    num_host_blocks: int = 0
+    host_min_priority: int = 0
 
     def __post_init__(self):
         self.free = FreeLists(range(self.num_blocks))
@@ -108,6 +114,20 @@ class Model:
         self.retention = {b: (self.default_priority, FOREVER) for b in range(self.num_blocks)}
         self.pin_count = {b: 0 for b in range(self.num_blocks)}
         self.max_pinned = int(self.max_pinned_fraction * self.num_blocks)
+        self.tier = self.num_host_blocks > 0 and self.windows == (None,)
+        self.host_free = FreeLists(range(self.num_host_blocks))
+        self.host_ref = {s: 0 for s in range(self.num_host_blocks)}
+        self.host_tag = {}        # slot -> prefix key
+        self.host_registry = {}   # prefix key -> slot
+        self.host_retention = {s: (self.default_priority, FOREVER) for s in range(self.num_host_blocks)}
+        self.host_expiry = {}
+        self.offloading = set()   # keys with a pending offload
+        self.offloads, self.offloads_taken = [], []  # (block, slot, key, epoch)
+        self.loads, self.loads_taken = [], []        # (slot, block, serial, index)
+        self.epoch = 0
+        self.next_serial = 1
+        self.spare = 0            # free blocks write-backs may hold during the current call
+        self.host_evictions = 0
 
     def key(self, tokens, salt, i, g=0):
         return (g, salt, tuple(tokens[: (i + 1) * self.block_size]))
@@ -139,7 +159,17 @@ class Model:
 
     def match(self, tokens, salt):
         """(k, held): the longest k leading blocks every group serves, and each group's cached blocks
-        [released_for(g, k * bs), k) (windows >= 2: the chain then reaches block k - 1)."""
+        [released_for(g, k * bs), k) (windows >= 2: the chain then reaches block k - 1). With the host
+        tier: device blocks, then ("host", slot) entries (a loaded hit is the tail of the hit)."""
+        if self.tier:
+            chain, on_host = [], False
+            for i in range(self.nblocks(len(tokens)) - 1):
+                key = self.key(tokens, salt, i)
+                on_host = on_host or key not in self.registry
+                if on_host and key not in self.host_registry:
+                    break
+                chain.append(("host", self.host_registry[key]) if on_host else self.registry[key])
+            return len(chain), [chain]
         for k in range(self.nblocks(len(tokens)) - 1, -1, -1):
             held = []
             for g in range(len(self.windows)):
@@ -181,6 +211,11 @@ class Model:
         for b in sorted((b for b, e in self.expiry.items() if e[0] <= now), key=self.expiry.get):
             self.retention[b] = (self.default_priority, FOREVER)
             self.relevel(b, 1 + self.default_priority)
+        for s in sorted((s for s, e in self.host_expiry.items() if e[0] <= now), key=self.host_expiry.get):
+            self.host_retention[s] = (self.default_priority, FOREVER)
+            del self.host_expiry[s]
+            self.host_free.remove(s)
+            self.host_free.push(s, 1 + self.default_priority)
 
     def pinned_blocks(self):
         return sum(c > 0 for c in self.pin_count.values())
@@ -214,7 +249,7 @@ class Model:
             return "NEVER"
         k, held = self.match(tokens, salt)
         need = self.blocks_held(self.first_chunk(tokens, k, chunk), k * self.block_size)
-        pinned_hits = sum(self.pin_count[b] > 0 for h in held for b in h)
+        pinned_hits = sum(self.pin_count[b] > 0 for h in held for b in h if isinstance(b, int))
         if need - pinned_hits > self.num_blocks - watermark_blocks - self.pinned_blocks():
             return "NEVER"
         return "OK" if len(self.free) - self.free_blocks_needed(tokens, salt, chunk) >= watermark_blocks else "LATER"
@@ -226,6 +261,20 @@ class Model:
         return "OK" if need <= len(self.free) else "LATER"
 
     def reset(self):
+        self.epoch += 1  # offloads in flight enter nothing; those not taken are dropped
+        for b, slot, _, _ in self.offloads:
+            self.host_release(slot)
+            self.release(b, cold=True)
+        self.offloads = []
+        self.offloading.clear()
+        self.host_registry.clear()
+        self.host_tag.clear()
+        for slot in self.host_free.order():
+            self.host_retention[slot] = (self.default_priority, FOREVER)
+            if self.host_free.where[slot] != 0:
+                self.host_free.remove(slot)
+                self.host_free.push(slot, 0)
+        self.host_expiry.clear()
         self.registry.clear()
         self.tag.clear()
         for q in self.seqs.values():
@@ -241,6 +290,8 @@ class Model:
 
     # --- pool -----------------------------------------------------------------------------------
     def take(self):
+        while self.spare > 0 and self.cached(self.free.order()[0]) and self.write_back(self.free.order()[0]):
+            self.spare -= 1
         b = self.free.pop()
         self.expiry.pop(b, None)
         k = self.tag.pop(b, None)
@@ -250,7 +301,7 @@ class Model:
         self.ref[b] = 1
         return b
 
-    def to_free_list(self, b):
+    def to_free_list(self, b, cold=False):
         if not self.cached(b):
             self.free.push(b, 0, front=True)
             return
@@ -261,12 +312,12 @@ class Model:
                 self.expiry_order += 1
             else:
                 p, d = self.retention[b] = (self.default_priority, FOREVER)
-        self.free.push(b, 1 + p)
+        self.free.push(b, 1 + p, front=cold)
 
     def is_copy_source(self, b):
         return any(src == b for src, _ in self.copies)
 
-    def release(self, b):
+    def release(self, b, cold=False):
         self.ref[b] -= 1
         if self.ref[b] == 0:
             moot = [src for src, dst in self.copies if dst == b]  # its destination is free: drop the copy
@@ -275,7 +326,7 @@ class Model:
                 if self.ref[src] == 0 and not self.is_copy_source(src) and src not in self.free:
                     self.to_free_list(src)
             if not self.is_copy_source(b):  # else held until the copy is taken
-                self.to_free_list(b)
+                self.to_free_list(b, cold)
 
     def take_copies(self):
         copies, self.copies = self.copies, []
@@ -294,44 +345,181 @@ class Model:
         if self.cpu_ref[b] == 0:
             self.cpu_free[b] = None
 
+    # --- host tier --------------------------------------------------------------------------------
+    def host_cached(self, s):
+        k = self.host_tag.get(s)
+        return k is not None and self.host_registry.get(k) == s
+
+    def host_take(self, r):
+        s = self.host_free.pop()
+        self.host_expiry.pop(s, None)
+        k = self.host_tag.pop(s, None)
+        if k is not None and self.host_registry.get(k) == s:
+            del self.host_registry[k]
+            self.host_evictions += 1
+        self.host_ref[s] = 1
+        self.host_retention[s] = r
+        return s
+
+    def host_acquire(self, s):
+        if self.host_ref[s] == 0 and s in self.host_free:
+            self.host_free.remove(s)
+            self.host_expiry.pop(s, None)
+        self.host_ref[s] += 1
+
+    def host_release(self, s):
+        self.host_ref[s] -= 1
+        if self.host_ref[s]:
+            return
+        if not self.host_cached(s):
+            self.host_free.push(s, 0, front=True)
+            return
+        p, d = self.host_retention[s]
+        if d != FOREVER:
+            if self.now + d > self.now:
+                self.host_expiry[s] = (self.now + d, self.expiry_order)
+                self.expiry_order += 1
+            else:
+                p, d = self.host_retention[s] = (self.default_priority, FOREVER)
+        self.host_free.push(s, 1 + p)
+
+    def dirty(self, b):
+        k = self.tag.get(b)
+        return (self.cached(b) and k[0] == 0 and k not in self.host_registry and k not in self.offloading
+                and self.retention[b][0] >= self.host_min_priority)
+
+    def can_take_slot(self, p):
+        if not len(self.host_free):
+            return False
+        front = self.host_free.order()[0]
+        return not self.host_cached(front) or self.host_retention[front][0] <= p
+
+    def queue_offload(self, b):
+        slot = self.host_take(self.retention[b])
+        if b in self.free:
+            self.unfree(b)
+        self.ref[b] += 1
+        self.offloading.add(self.tag[b])
+        self.offloads.append((b, slot, self.tag[b], self.epoch))
+
+    def write_back(self, b):
+        if not self.tier or not self.dirty(b) or not self.can_take_slot(self.retention[b][0]):
+            return False
+        self.queue_offload(b)
+        return True
+
+    def allow_write_backs(self, needed, watermark_blocks=0):
+        self.spare = max(0, len(self.free) - needed - watermark_blocks) if self.tier else 0
+
+    def plan_offloads(self, n):
+        if not self.tier or n <= 0:
+            return 0
+        picked = [b for b in self.free.order() if self.free.where[b] > 0 and self.dirty(b)][:n]
+        queued = 0
+        for b in picked:
+            if not self.can_take_slot(self.retention[b][0]):
+                break
+            self.queue_offload(b)
+            queued += 1
+        return queued
+
+    def take_offloads(self):
+        self.offloads_taken += self.offloads
+        out, self.offloads = [(b, s) for b, s, _, _ in self.offloads], []
+        return out
+
+    def complete_offloads(self, ok):
+        done, self.offloads_taken = self.offloads_taken, []
+        for (b, slot, k, epoch), good in zip(done, ok):
+            current = epoch == self.epoch
+            if good and current:
+                self.host_tag[slot] = k
+                self.host_registry[k] = slot
+            if current:
+                self.offloading.discard(k)
+            self.host_release(slot)
+            self.release(b, cold=True)
+
+    def take_loads(self):
+        self.loads_taken += self.loads
+        out, self.loads = [(s, b) for s, b, _, _ in self.loads], []
+        return out
+
+    def complete_loads(self, ok):
+        done, self.loads_taken = self.loads_taken, []
+        by_serial = {q.serial: (sid, q) for sid, q in self.seqs.items() if q.loading}
+        finished = []
+        for (slot, b, serial, i), good in zip(done, ok):
+            self.host_release(slot)
+            self.release(b)
+            if serial not in by_serial:
+                continue
+            sid, q = by_serial[serial]
+            if not good:
+                q.computed = min(q.computed, i * self.block_size)
+                q.registered[0] = min(q.registered[0], i)
+            q.loading -= 1
+            if q.loading == 0:
+                finished.append(sid)
+        for sid in finished:
+            self.mark_computed(sid, self.seqs[sid].computed)
+
     # --- API ------------------------------------------------------------------------------------
     def allocate(self, sid, tokens, salt=b"", retention=(), chunk=None):
         k, held = self.match(tokens, salt)
         n = self.nblocks(self.first_chunk(tokens, k, chunk))
         s = Seq(list(tokens), [[] for _ in self.windows], salt, prompt_len=len(tokens), retention=list(retention))
         s.computed = k * self.block_size
+        s.serial, self.next_serial = self.next_serial, self.next_serial + 1
         for g, t in enumerate(s.tables):
             s.released[g], s.registered[g] = self.released_for(g, s.computed), k
             t += [PAD] * s.released[g]
             for b in held[g]:
+                if not isinstance(b, int):  # a host hit: its slot is held, a fresh block comes later
+                    self.host_acquire(b[1])
+                    s.registered[g] = min(s.registered[g], len(t))
+                    t.append(b)
+                    continue
                 if self.ref[b] == 0 and b in self.free:
                     self.unfree(b)
                 self.ref[b] += 1
                 self.keep_stronger(b, self.retention_of(s, len(t)))
                 t.append(b)
+        hosted = [i for i, b in enumerate(s.tables[0]) if not isinstance(b, int)]
+        self.allow_write_backs((n - k) * len(s.tables) + len(hosted))
+        for i in hosted:
+            slot = s.tables[0][i][1]
+            b = s.tables[0][i] = self.take()
+            self.retention[b] = self.retention_of(s, i)
+            self.ref[b] += 1  # the load's hold
+            self.loads.append((slot, b, s.serial, i))
+            s.loading += 1
         for t in s.tables:  # after every group's hits: a fresh block never evicts one
             while len(t) < n:
                 b = self.take()
                 self.retention[b] = self.retention_of(s, len(t))
                 t.append(b)
+        self.spare = 0
         self.seqs[sid] = s
         return s.computed
 
     def free_blocks_needed(self, tokens, salt=b"", chunk=None):
         k, held = self.match(tokens, salt)
         n = self.nblocks(self.first_chunk(tokens, k, chunk))
-        return sum(n - k + sum(self.ref[b] == 0 for b in h) for h in held)
+        return sum(n - k + sum(not isinstance(b, int) or self.ref[b] == 0 for b in h) for h in held)
 
     def reserve_need(self, sids, ns):
         return sum(max(0, self.nblocks(n) - len(self.seqs[sid].tables[0])) for sid, n in zip(sids, ns)) * len(self.windows)
 
     def reserve(self, sid, n):
         s = self.seqs[sid]
+        self.allow_write_backs(self.reserve_need([sid], [n]))
         for t in s.tables:
             while len(t) < self.nblocks(n):
                 b = self.take()
                 self.retention[b] = self.retention_of(s, len(t))
                 t.append(b)
+        self.spare = 0
 
     def mark_computed(self, sid, n=None):
         s = self.seqs[sid]
@@ -454,7 +642,10 @@ class Model:
         return self.move(sids, to_cpu=True)
 
     def swap_in(self, sids):
-        return self.move(sids, to_cpu=False)
+        self.allow_write_backs(self.distinct_blocks(sids))
+        mapping = self.move(sids, to_cpu=False)
+        self.spare = 0
+        return mapping
 
     def distinct_blocks(self, sids):
         return len({b for sid in sids for g in range(len(self.seqs[sid].tables)) for b in self.seqs[sid].held(g)})

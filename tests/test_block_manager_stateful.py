@@ -2,7 +2,9 @@
 random calls (retention priorities and durations, clock advances and pins included) and demands identical
 results and block priorities, check_invariants() after every step, and that every prefix hit hands out a
 block whose KV (tracked here) was written for exactly that prefix. It runs for full attention, one
-sliding window and a hybrid of the two (one table per group, windowed entries released)."""
+sliding window and a hybrid of the two (one table per group, windowed entries released), and with a host
+tier: offloads and loads are taken, copied (the KV tracked here moves with them), failed at random and
+completed, and must match the model's."""
 from collections import Counter
 
 import hypothesis.strategies as st
@@ -21,6 +23,7 @@ retention_range = st.tuples(st.integers(0, 8), st.one_of(st.none(), st.integers(
                             st.sampled_from([None, None, 0, 1.0, 2.5])).map(
     lambda r: (r[0], None if r[1] is None else r[0] + r[1], r[2], r[3]))
 retentions = st.one_of(st.none(), st.lists(retention_range, max_size=3))
+outcome = st.sampled_from([True, True, True, False])  # of a tier copy: mostly done, sometimes failed
 
 
 def model_ranges(retention):
@@ -29,19 +32,23 @@ def model_ranges(retention):
 
 class BlockManagerMachine(RuleBasedStateMachine):
     WINDOWS = (None,)  # one entry per group of layers
+    NHOST = 0          # host-tier slots
 
     def __init__(self):
         super().__init__()
         self.bm = BlockManager(NB, BS, num_cpu_blocks=NCPU, hash_algo="weak8", enable_events=True,
-                               group_windows=list(self.WINDOWS))
-        self.replayed = Counter()  # block hashes the KV events say are cached
+                               group_windows=list(self.WINDOWS), num_host_blocks=self.NHOST)
+        self.replayed = {"GPU": Counter(), "CPU": Counter()}  # block hashes the KV events say each medium holds
         self.next_event = 0
-        self.model = Model(NB, BS, NCPU, windows=self.WINDOWS)
+        self.model = Model(NB, BS, NCPU, windows=self.WINDOWS, num_host_blocks=self.NHOST)
+        self.host_kv = {}  # host slot -> the KV it holds, as self.kv
+        self.cached_prompts = []  # prompts cache_prompt computed and freed
         self.kv = {}  # physical block -> tokens of the prefix whose KV it holds (up to its last written slot)
         self.next_id = 0
 
     def resident(self):
-        return [s for s, q in self.model.seqs.items() if not q.swapped]
+        """Sequences on the GPU whose loads (if any) are confirmed."""
+        return [s for s, q in self.model.seqs.items() if not q.swapped and not q.loading]
 
     def complete(self):
         """Resident sequences whose every token has a block (not in the middle of a chunked prefill)."""
@@ -75,7 +82,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for g in range(len(self.WINDOWS)):
             table = self.bm.block_table(sid, group=g)
             assert table == q.tables[g]
-            for p in range(q.released[g] * BS, cached):  # every hit it holds has exactly this prefix's KV
+            loaded = min([i for _, _, serial, i in self.model.loads if serial == q.serial], default=cached // BS)
+            for p in range(q.released[g] * BS, loaded * BS):  # every hit it holds has exactly this prefix's KV
                 assert self.kv[table[p // BS]][p % BS] == tuple(tokens[: p + 1])
 
     @precondition(lambda self: self.model.seqs)
@@ -130,7 +138,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not ok:
             return
         slots = self.bm.append_tokens(sids, [token] * len(sids)).tolist()
+        self.model.allow_write_backs(self.model.append_need(sids))
         assert slots == [self.model.append(s, token) for s in sids]
+        self.model.spare = 0
         if copy_now:  # else the copies stay pending across frees, forks and swaps until the next compute
             self.perform_copies()
 
@@ -148,7 +158,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         toks = [token] * sum(counts)
         slots = self.bm.append_tokens(sids, toks, counts=counts).tolist()
+        self.model.allow_write_backs(self.model.append_need(sids, counts))
         assert slots == [x for sid, c in zip(sids, counts) for x in self.model.append_many(sid, [token] * c)]
+        self.model.spare = 0
         keep = data.draw(st.lists(st.integers(0, 5), min_size=len(sids), max_size=len(sids)))
         lens = [max(1, len(self.model.seqs[sid].tokens) - k) for sid, k in zip(sids, keep)]
         if not all(self.model.can_truncate(sid, n) for sid, n in zip(sids, lens)):
@@ -199,6 +211,74 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for c, g in mapping:
                 self.kv[g] = dict(self.cpu_kv[c])
 
+    @precondition(lambda self: self.model.tier)
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9))
+    def cache_prompt(self, tokens):
+        """A prompt computed and freed at once: its blocks stay cached, dirty until offloaded."""
+        sid = self.next_id
+        self.allocate(tokens, b"", None)
+        if sid not in self.model.seqs or self.model.seqs[sid].loading:
+            return
+        self.cached_prompts.append(tokens)
+        self.perform_copies()
+        self.write_kv(sid)
+        self.bm.mark_computed(sid)
+        self.model.mark_computed(sid)
+        self.bm.free(sid)
+        self.model.free_seq(sid)
+
+    @precondition(lambda self: self.model.tier and self.model.free)
+    @rule()
+    def evict_device_copies(self):
+        """A prompt of new tokens as long as the free list, allocated and freed uncomputed: every free
+        block is reused, so cached prompts survive only in the host tier (or in write-backs)."""
+        self.allocate([3] * (len(self.model.free) * BS), b"", None)
+        sid = self.next_id - 1
+        if sid in self.model.seqs:
+            self.bm.free(sid)
+            self.model.free_seq(sid)
+
+    @precondition(lambda self: self.model.tier and self.cached_prompts)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 2), max_size=2))
+    def allocate_cached_prompt(self, data, extra):
+        """An earlier prompt again, often right after its device copies were evicted: a host hit."""
+        if data.draw(st.booleans()):
+            assert self.bm.plan_offloads(NB) == self.model.plan_offloads(NB)
+            self.complete_offloads(data)
+            if self.model.free:
+                self.evict_device_copies()
+        self.allocate(data.draw(st.sampled_from(self.cached_prompts)) + extra, b"", None)
+
+    def complete_offloads(self, data):
+        """Takes the offloads, copies them (a failed copy leaves garbage in its slot) and completes them."""
+        offloads = self.bm.take_offloads().tolist()
+        assert offloads == [list(p) for p in self.model.take_offloads()]
+        ok = data.draw(st.lists(outcome, min_size=len(offloads), max_size=len(offloads)))
+        for (block, slot), good in zip(offloads, ok):
+            self.host_kv[slot] = dict(self.kv.get(block, {})) if good else {o: "garbage" for o in range(BS)}
+        self.bm.complete_offloads(ok)
+        self.model.complete_offloads(ok)
+
+    @precondition(lambda self: self.model.tier)
+    @rule(data=st.data(), n=st.integers(0, 4))
+    def transfer(self, data, n):
+        """The runner's tier copies: clean ahead n blocks, then the offloads and loads taken, copied (a
+        failed copy leaves garbage) and completed with outcomes drawn here; the loaded sequences' computed
+        tokens must follow the model."""
+        assert self.bm.plan_offloads(n) == self.model.plan_offloads(n)
+        self.complete_offloads(data)
+        loads = self.bm.take_loads().tolist()
+        assert loads == [list(p) for p in self.model.take_loads()]
+        ok = data.draw(st.lists(outcome, min_size=len(loads), max_size=len(loads)))
+        self.perform_copies()  # before the loads write their blocks (a pending copy may read a loaded block's old KV)
+        for (slot, block), good in zip(loads, ok):
+            self.kv[block] = dict(self.host_kv.get(slot, {})) if good else {o: "garbage" for o in range(BS)}
+        self.bm.complete_loads(ok)
+        self.model.complete_loads(ok)
+        for sid, q in self.model.seqs.items():
+            assert self.bm.num_computed_tokens(sid) == q.computed
+            assert self.bm.num_loading_blocks(sid) == q.loading
+
     @rule()
     def reset_cache(self):
         if self.model.seqs and len(self.model.seqs) % 5:
@@ -240,10 +320,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for src, dst in self.model.copies:
             gpu[dst] = dict(self.kv.get(src, {}))
         cpu = getattr(self, "cpu_kv", {})
+        pending = self.model.loads + self.model.loads_taken
         for q in self.model.seqs.values():
             where = cpu if q.swapped else gpu
+            loaded = min([i for _, _, serial, i in pending if serial == q.serial], default=q.computed // BS + 1)
             for g, table in enumerate(q.tables):
-                for p in range(q.released[g] * BS, q.computed):
+                for p in range(q.released[g] * BS, min(q.computed, loaded * BS)):
                     assert where[table[p // BS]][p % BS] == tuple(q.tokens[: p + 1])
 
     @invariant()
@@ -253,23 +335,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for e in self.bm.take_events():
             assert e["seq"] == self.next_event
             self.next_event += 1
+            replayed = self.replayed[e["medium"]]
             if e["kind"] == "stored":
                 assert len(e["token_ids"]) == BS * len(e["block_hashes"])
-                self.replayed.update(e["block_hashes"])
+                replayed.update(e["block_hashes"])
             elif e["kind"] == "removed":
                 for h in e["block_hashes"]:
-                    assert self.replayed[h] > 0
-                    self.replayed[h] -= 1
+                    assert replayed[h] > 0
+                    replayed[h] -= 1
             else:
-                self.replayed.clear()
-        assert +self.replayed == Counter(h for h, _ in self.bm.cached_blocks())
+                for r in self.replayed.values():
+                    r.clear()
+        for medium, replayed in self.replayed.items():
+            assert +replayed == Counter(h for h, _ in self.bm.cached_blocks(medium)), medium
 
     @invariant()
     def agrees_with_model(self):
         self.bm.check_invariants()
         assert self.bm.num_free_blocks == len(self.model.free)
         assert self.bm.num_free_cpu_blocks == len(self.model.cpu_free)
-        assert self.bm.stats()["evictions"] == self.model.evictions
+        stats = self.bm.stats()
+        assert stats["evictions"] == self.model.evictions
+        assert stats["free_host_blocks"] == len(self.model.host_free)
+        assert stats["cached_host_blocks"] == len(self.model.host_registry)
+        assert stats["host_evictions"] == self.model.host_evictions
         assert [self.bm.block_priority(b) for b in range(NB)] == [self.model.retention[b][0] for b in range(NB)]
         assert self.bm.num_pinned_blocks == self.model.pinned_blocks()
         assert all(self.bm.is_pinned(sid) for sid in self.model.pins)
@@ -289,9 +378,15 @@ class HybridMachine(BlockManagerMachine):
     WINDOWS = (None, 3)
 
 
+class TieredMachine(BlockManagerMachine):
+    NHOST = 5
+
+
 TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestWindowedStateful = WindowedMachine.TestCase
 TestWindowedStateful.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestHybridStateful = HybridMachine.TestCase
 TestHybridStateful.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestTieredStateful = TieredMachine.TestCase
+TestTieredStateful.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)

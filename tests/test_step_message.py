@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pagedkv.engine.llama import AttentionMetadata, KVGroupInputs
-from pagedkv.engine.tp.step_message import StepMessage
+from pagedkv.engine.scheduler import ScheduledBatch
+from pagedkv.engine.tp.step_message import MOVES, StepMessage
 
 
 def assert_same(a: StepMessage, b: StepMessage) -> None:
@@ -44,21 +45,23 @@ def random_step(rng: torch.Generator, num_groups: int, speculative: bool):
 def test_round_trip(seed, num_groups, speculative):
     rng = torch.Generator().manual_seed(seed)
     for _ in range(20):
-        moves = [torch.randint(0, 100, (int(torch.randint(0, 4, (), generator=rng)), 2), generator=rng).tolist()
-                 for _ in range(3)]
-        message = StepMessage.of(*moves, random_step(rng, num_groups, speculative))
+        moves = {name: torch.randint(0, 100, (int(torch.randint(0, 4, (), generator=rng)), 2), generator=rng)
+                 for name in MOVES}
+        message = StepMessage.of(ScheduledBatch(**moves), random_step(rng, num_groups, speculative))
         packed = message.pack()
         assert packed.dtype == torch.int64 and packed.dim() == 1
         back = StepMessage.unpack(packed)
         assert_same(message, back)
         ids, positions, meta = back.step()
         assert len(meta.groups) == num_groups
-        assert [m.tolist() for m in (back.swap_in, back.swap_out, back.copies)] == moves
+        assert all(torch.equal(getattr(back, name), moves[name]) for name in MOVES)
 
 
 def test_a_step_that_only_moves_blocks():
-    message = StepMessage.of([(1, 2)], [], [(3, 4), (5, 6)])
+    message = StepMessage.of(ScheduledBatch(swap_in=torch.tensor([(1, 2)]), copies=torch.tensor([(3, 4), (5, 6)]),
+                                            loads=torch.tensor([(7, 8)])))
     back = StepMessage.unpack(message.pack())
     assert_same(message, back)
     assert back.step() is None and back.slot_mappings == [] and back.swap_out.shape == (0, 2)
+    assert back.loads.tolist() == [[7, 8]] and back.offloads.shape == (0, 2)
 

@@ -17,6 +17,10 @@ BlockManagerConfig BlockManager::validated(BlockManagerConfig c) {
   if (c.num_blocks <= 0) throw ValueError(cat("num_blocks must be positive, got ", c.num_blocks));
   if (c.block_size <= 0) throw ValueError(cat("block_size must be positive, got ", c.block_size));
   if (c.num_cpu_blocks < 0) throw ValueError(cat("num_cpu_blocks must be >= 0, got ", c.num_cpu_blocks));
+  if (c.num_host_blocks < 0) throw ValueError(cat("num_host_blocks must be >= 0, got ", c.num_host_blocks));
+  if (c.host_offload_min_priority < kMinPriority || c.host_offload_min_priority > kMaxPriority)
+    throw ValueError(cat("host_offload_min_priority must be in [", kMinPriority, ", ", kMaxPriority, "], got ",
+                         c.host_offload_min_priority));
   if (!(c.watermark >= 0.0 && c.watermark < 1.0))
     throw ValueError(cat("watermark must be in [0, 1), got ", c.watermark));
   for (const auto& [name, p] : {std::pair{"default_priority", c.default_priority}, {"decode_priority", c.decode_priority}})
@@ -39,10 +43,16 @@ BlockManager::BlockManager(BlockManagerConfig config)
       watermark_blocks_(static_cast<int32_t>(config_.watermark * config_.num_blocks)),
       cache_(config_.block_size, config_.num_blocks, config_.hash_algo),
       events_(config_.enable_events, static_cast<size_t>(config_.max_pending_events), &counters_.events_dropped),
-      gpu_(config_.num_blocks, config_.default_priority, &cache_, &events_, &copies_, &counters_),
+      gpu_(config_.num_blocks, Medium::kGpu, config_.default_priority, &cache_, &events_, &copies_,
+           &counters_.evictions),
       cpu_(config_.num_cpu_blocks),
-      pins_(&gpu_, config_.max_pinned_fraction) {
+      pins_(&gpu_, config_.max_pinned_fraction),
+      host_(config_.num_host_blocks, config_.host_offload_min_priority, config_.default_priority, &cache_, &events_,
+            &gpu_, &counters_) {
   for (int64_t w : config_.group_windows) has_windows_ |= w != kFullAttention;
+  // The host tier serves one full-attention group: a failed load then truncates the computed prefix
+  // without needing blocks a window released or another group's shared blocks.
+  if (num_groups() > 1 || has_windows_ || !prefix_caching()) host_.disable();
   seqs_.reserve(static_cast<size_t>(std::min(config_.num_blocks, 1 << 16)));
 }
 
@@ -78,6 +88,12 @@ const BlockManager::Sequence& BlockManager::get_resident(int64_t seq_id, const c
   const Sequence& seq = get(seq_id);
   if (seq.swapped) throw ValueError(cat(what, ": ", seq_str(seq_id), " is swapped out; swap it in first"));
   return seq;
+}
+
+void BlockManager::check_loaded(const Sequence& seq, int64_t seq_id, const char* what) const {
+  if (seq.loading > 0)
+    throw ValueError(cat(what, ": ", seq_str(seq_id), " has ", seq.loading,
+                         " blocks loading from the host tier; complete_loads() first"));
 }
 
 void BlockManager::check_distinct(Span<int64_t> seq_ids, const char* what) {
@@ -204,7 +220,7 @@ AllocStatus BlockManager::fits(int64_t num_tokens, const PrefixMatch& m, int64_t
   if (pins_.num_pinned() > 0) {  // pinned blocks never come free: what does not fit beside them waits forever
     int32_t pinned_hits = 0;
     for (const auto& held : m.held)
-      for (int32_t b : held) pinned_hits += pins_.holds(b);
+      for (int32_t b : held) pinned_hits += b >= 0 && pins_.holds(b);
     if (needed - pinned_hits > num_blocks() - watermark_blocks_ - pins_.num_pinned()) return AllocStatus::kNever;
   }
   return gpu_.num_free() - from_free >= watermark_blocks_ ? AllocStatus::kOk : AllocStatus::kLater;
@@ -225,6 +241,12 @@ int64_t BlockManager::allocate(int64_t seq_id, Span<int64_t> tokens, std::string
   return admit(seq_id, tokens, salt, retention, m, num_new_tokens);
 }
 
+TierHits BlockManager::lookup(Span<int64_t> tokens, std::string_view salt) const {
+  if (tokens.empty()) throw ValueError("lookup: token_ids is empty");
+  const PrefixMatch& m = match_prefix_memo(tokens, salt);
+  return {m.num_blocks - m.host_blocks, m.host_blocks};
+}
+
 int64_t BlockManager::admit(int64_t seq_id, Span<int64_t> tokens, std::string_view salt,
                             const std::vector<RetentionRange>& retention, const PrefixMatch& m,
                             int64_t num_new_tokens) {
@@ -240,9 +262,11 @@ int64_t BlockManager::admit(int64_t seq_id, Span<int64_t> tokens, std::string_vi
   seq.prompt_len = num_tokens;
   seq.retention = retention;
   seq.num_computed = int64_t(m.num_blocks) * block_size_;
+  seq.serial = next_serial_++;
   seq.groups.resize(num_groups());
   int32_t held_hits = 0;
-  // Every group's hits first: a fresh block taken for one group must not evict another group's hit.
+  // Every group's hits first (and the host slots of loaded hits): a fresh block taken for one group must
+  // not evict another group's hit.
   for (int32_t g = 0; g < num_groups(); ++g) {
     GroupTable& t = seq.groups[g];
     t.released = static_cast<int32_t>(released_for(g, seq.num_computed));
@@ -250,21 +274,42 @@ int64_t BlockManager::admit(int64_t seq_id, Span<int64_t> tokens, std::string_vi
     t.blocks.reserve(needed);
     t.blocks.assign(static_cast<size_t>(t.released), kPad);
     for (int32_t b : m.held[g]) {
+      if (b == kHostHit) {  // group 0 of a tiered manager: registered only once loaded
+        host_.hold_slot(m.host_slots[t.blocks.size()]);
+        t.num_registered = std::min(t.num_registered, static_cast<int32_t>(t.blocks.size()));
+        t.blocks.push_back(kHostHit);
+        continue;
+      }
       gpu_.acquire(b);
       gpu_.keep_stronger_retention(b, retention_of(seq, static_cast<int32_t>(t.blocks.size())));
       t.blocks.push_back(b);
     }
     held_hits += static_cast<int32_t>(m.held[g].size());
   }
+  held_hits -= m.host_blocks;
   const int32_t fresh = (needed - m.num_blocks) * num_groups();
+  const int32_t revived = from_free - fresh - m.host_blocks;
   counters_.queries += num_tokens;
   counters_.hits += seq.num_computed;
   counters_.query_blocks += int64_t(total) * num_groups();
   counters_.hit_blocks += int64_t(m.num_blocks) * num_groups();
-  counters_.hit_blocks_in_use += held_hits - (from_free - fresh);  // hits on blocks another sequence holds
-  counters_.hit_blocks_revived += from_free - fresh;
+  counters_.hit_blocks_in_use += held_hits - revived;  // hits on blocks another sequence holds
+  counters_.hit_blocks_revived += revived;
+  counters_.host_hit_blocks += m.host_blocks;
   // From here on m may be stale: taking free blocks changes the prefix cache.
+  allow_write_backs(fresh + m.host_blocks);  // the hits taken back from the free list are out of it already
+  if (m.host_blocks > 0) {
+    std::vector<int32_t>& table = seq.groups[0].blocks;
+    for (int32_t i = 0; i < m.num_blocks; ++i) {
+      if (table[i] != kHostHit) continue;
+      table[i] = gpu_.take_fresh(retention_of(seq, i));
+      host_.queue_load(m.host_slots[i], table[i], seq.serial, i);
+      ++seq.loading;
+    }
+    loading_seqs_.emplace(seq.serial, seq_id);
+  }
   for (GroupTable& t : seq.groups) grow_table(seq, t, static_cast<size_t>(needed));
+  end_write_backs();
   const int64_t cached = seq.num_computed;
   seqs_.emplace(seq_id, std::move(seq));
   return cached;
@@ -331,8 +376,10 @@ void BlockManager::reserve(Span<int64_t> seq_ids, Span<int64_t> num_tokens) {
   if (needed > gpu_.num_free())
     throw OutOfBlocks(cat("reserve: needs ", needed, " free blocks but only ", gpu_.num_free(),
                           " are free (check can_reserve first)"));
+  allow_write_backs(needed);
   for (size_t i = 0; i < seqs.size(); ++i)
     for (GroupTable& t : seqs[i]->groups) grow_table(*seqs[i], t, static_cast<size_t>(blocks_for_tokens(num_tokens[i])));
+  end_write_backs();
 }
 
 int64_t BlockManager::num_allocated_tokens(int64_t seq_id) const { return allocated_tokens(get(seq_id)); }
@@ -350,6 +397,7 @@ void BlockManager::free(int64_t seq_id) {
   auto it = seqs_.find(seq_id);
   if (it == seqs_.end()) throw KeyError(cat("free: unknown ", seq_str(seq_id), " (never allocated or already freed)"));
   const Sequence& seq = it->second;
+  if (seq.loading > 0) loading_seqs_.erase(seq.serial);  // its loads still hold their blocks until confirmed
   BlockPool& pool = seq.swapped ? cpu_ : gpu_;
   // Tail first: prefix blocks are freed last, so they are the last to be evicted.
   for (const GroupTable& t : seq.groups)
@@ -359,8 +407,10 @@ void BlockManager::free(int64_t seq_id) {
 
 void BlockManager::fork(int64_t parent_seq_id, int64_t child_seq_id) {
   const Sequence& parent = get_resident(parent_seq_id, "fork");
+  check_loaded(parent, parent_seq_id, "fork");
   if (seqs_.count(child_seq_id)) throw ValueError(cat("fork: child ", seq_str(child_seq_id), " already exists"));
   Sequence child = parent;
+  child.serial = next_serial_++;
   for (const GroupTable& t : child.groups)
     for (size_t i = static_cast<size_t>(t.released); i < t.blocks.size(); ++i) gpu_.acquire(t.blocks[i]);
   seqs_.emplace(child_seq_id, std::move(child));
@@ -414,6 +464,8 @@ int32_t BlockManager::distinct_blocks(Span<int64_t> seq_ids) const {
 }
 
 bool BlockManager::can_swap_out(Span<int64_t> seq_ids) const {
+  const std::vector<const Sequence*> seqs = resolve(seq_ids, "swap_out", /*unique=*/true);
+  for (size_t i = 0; i < seqs.size(); ++i) check_loaded(*seqs[i], seq_ids[i], "swap_out");
   return distinct_blocks(seq_ids, "swap_out", Where::kResident) <= cpu_.num_free();
 }
 
@@ -442,7 +494,10 @@ std::vector<BlockPair> BlockManager::swap_in(Span<int64_t> seq_ids) {
   if (needed > gpu_.num_free())
     throw OutOfBlocks(cat("swap_in: needs ", needed, " free blocks but only ", gpu_.num_free(),
                           " are free (check can_swap_in first)"));
-  return move_blocks(seq_ids, cpu_, gpu_);
+  allow_write_backs(needed);
+  std::vector<BlockPair> mapping = move_blocks(seq_ids, cpu_, gpu_);
+  end_write_backs();
+  return mapping;
 }
 
 }  // namespace pagedkv

@@ -18,6 +18,7 @@
 #include "core/block_manager_stats.h"
 #include "core/block_pool.h"
 #include "core/hashing.h"
+#include "core/host_tier.h"
 #include "core/kv_event_log.h"
 #include "core/pending_copies.h"
 #include "core/pins.h"
@@ -50,6 +51,14 @@ struct BlockManagerConfig {
   int32_t decode_priority = kDefaultPriority;   // ... and of blocks past the prompt
   double max_pinned_fraction = kDefaultMaxPinnedFraction;  // of num_blocks, in [0, 1)
   std::vector<int64_t> group_windows = {kFullAttention};  // one window (tokens) per group of layers
+  int32_t num_host_blocks = 0;               // host tier slots of the prefix cache (>= 0; 0: no tier)
+  int32_t host_offload_min_priority = kMinPriority;  // blocks below this priority are dropped, not offloaded
+};
+
+// How many leading blocks of a prompt hit, and how many of those the host tier serves (they are loaded).
+struct TierHits {
+  int32_t device_blocks = 0;  // hit blocks whose KV is on the device (taken as they are)
+  int32_t host_blocks = 0;    // hit blocks loaded from the host tier (the tail of the hit)
 };
 
 class BlockManager {
@@ -183,8 +192,33 @@ class BlockManager {
 
   // KV events (only with enable_events): drained in order.
   std::vector<KvEvent> take_events();
-  // (block hash, parent block hash) of every block the prefix cache holds KV for now.
-  std::vector<std::pair<uint64_t, std::optional<uint64_t>>> cached_blocks() const;
+  // (block hash, parent block hash) of every block the prefix cache holds KV for now on `medium`.
+  std::vector<std::pair<uint64_t, std::optional<uint64_t>>> cached_blocks(Medium medium = Medium::kGpu) const;
+
+  // The host tier (num_host_blocks > 0; used by managers of one full-attention group with prefix
+  // caching). Each step the runner takes the offloads and loads, performs the copies before the step's KV
+  // writes, then confirms them. See docs/design.md, "Tiers".
+  bool host_tier_enabled() const { return host_.enabled(); }
+  const BlockPool& host_pool() const { return host_.pool(); }
+  // The prompt's hit as allocate() would take it now: leading blocks, and how many of them are loaded.
+  TierHits lookup(Span<int64_t> tokens, std::string_view salt = {}) const;
+  // Clean ahead: queues copies of the coldest cached free device blocks the host tier lacks (at most
+  // max_blocks), so that reusing them later needs no copy. Returns how many it queued.
+  int32_t plan_offloads(int32_t max_blocks);
+  std::vector<BlockPair> take_offloads();  // (device block, host slot), to copy device -> host
+  // One outcome per offload taken and not yet completed, in the order taken: a failed copy leaves no
+  // host entry. Until then the device blocks are never handed out.
+  void complete_offloads(const std::vector<bool>& ok);
+  std::vector<BlockPair> take_loads();     // (host slot, device block), to copy host -> device
+  // One outcome per load taken and not yet completed, in the order taken. A sequence whose load failed
+  // keeps as computed only the tokens before the first failed block (num_computed_tokens drops; the rest
+  // is recomputed); its loaded blocks are registered once all its loads are confirmed.
+  void complete_loads(const std::vector<bool>& ok);
+  // Blocks of the sequence whose loads are not confirmed yet (mark_computed, append, truncate, fork,
+  // swap_out and pin wait for them).
+  int32_t num_loading_blocks(int64_t seq_id) const;
+  int32_t num_offloads_in_flight() const { return host_.num_offloads_in_flight(); }  // taken, not completed
+  int32_t num_loads_in_flight() const { return host_.num_loads_in_flight(); }
   void reset_prefix_cache();
   void check_invariants() const;  // throws InvariantError naming the first violation
 
@@ -222,7 +256,16 @@ class BlockManager {
     bool swapped = false;
     int64_t prompt_len = 0;
     std::vector<RetentionRange> retention;
+    uint64_t serial = 0;                // identifies this sequence's loads (ids may be reused)
+    int32_t loading = 0;                // loads not yet confirmed
   };
+  void check_loaded(const Sequence& seq, int64_t seq_id, const char* what) const;
+  // Write-backs of cached blocks to the host tier may hold the free blocks beyond `needed` (and the
+  // watermark) while the next fresh blocks are taken.
+  void allow_write_backs(int32_t needed) {
+    if (host_.enabled()) gpu_.allow_write_backs(&host_, std::max(0, gpu_.num_free() - needed - watermark_blocks_));
+  }
+  void end_write_backs() { gpu_.allow_write_backs(nullptr, 0); }
   BlockRetention retention_of(const Sequence& seq, int32_t index) const;  // of the seq's index-th block
   enum class Where { kResident, kSwapped };
 
@@ -257,8 +300,11 @@ class BlockManager {
   void grow_table(const Sequence& seq, GroupTable& t, size_t size);
   // A prefix-cache hit: the leading num_blocks blocks (at most ceil(n/bs) - 1) are computed, and every
   // group holds the cached blocks its window needs, [released_for(g, num_blocks * bs), num_blocks).
+  static constexpr int32_t kHostHit = -3;  // a held entry the host tier serves (a fresh block is loaded)
   struct PrefixMatch {
     int32_t num_blocks = 0;
+    int32_t host_blocks = 0;                  // entries of held[0] that are kHostHit
+    std::vector<int32_t> host_slots;          // group 0's walk: the host slot of each kHostHit, else kNoBlock
     std::vector<uint64_t> keys;               // index keys of the prompt's leading full blocks (those walked)
     std::vector<std::vector<int32_t>> held;   // per group
     std::vector<std::vector<int32_t>> chain;  // per group: scratch of the walk (kept for its capacity)
@@ -323,6 +369,9 @@ class BlockManager {
   BlockPool gpu_;
   BlockPool cpu_;
   Pins pins_;
+  HostTier host_;
+  uint64_t next_serial_ = 1;
+  std::unordered_map<uint64_t, int64_t> loading_seqs_;  // serial -> id of sequences with loads pending
 
   std::unordered_map<int64_t, Sequence> seqs_;
   struct MatchMemo {

@@ -63,12 +63,16 @@ void BlockManager::append_tokens(Span<int64_t> seq_ids, Span<int64_t> token_ids,
     throw ValueError(cat("append_tokens: ", total, counts ? " tokens to append" : " seq_ids", " but ", token_ids.size,
                          " token_ids"));
   const std::vector<Sequence*> seqs = resolve(seq_ids, "append_tokens", /*unique=*/true);
-  for (size_t i = 0; i < n; ++i) check_complete(*seqs[i], seq_ids[i], "append_tokens");
+  for (size_t i = 0; i < n; ++i) {
+    check_complete(*seqs[i], seq_ids[i], "append_tokens");
+    check_loaded(*seqs[i], seq_ids[i], "append_tokens");
+  }
   const int32_t needed = blocks_needed_to_append(seqs.data(), seqs.size(), counts, 0);
   if (needed > gpu_.num_free())
     throw OutOfBlocks(cat("append_tokens: needs ", needed, " free blocks but only ", gpu_.num_free(),
                           " are free (check can_append first)"));
   int64_t* slots_out = slots(total);
+  allow_write_backs(needed);
   const int64_t* next_token = token_ids.data;
   for (size_t i = 0; i < n; ++i) {
     Sequence& seq = *seqs[i];
@@ -94,6 +98,7 @@ void BlockManager::append_tokens(Span<int64_t> seq_ids, Span<int64_t> token_ids,
       *slots_out++ = int64_t(table[pos / block_size_]) * block_size_ + pos % block_size_;
     }
   }
+  end_write_backs();
 }
 
 void BlockManager::truncate(Span<int64_t> seq_ids, Span<int64_t> num_tokens) {
@@ -101,6 +106,7 @@ void BlockManager::truncate(Span<int64_t> seq_ids, Span<int64_t> num_tokens) {
     throw ValueError(cat("truncate: ", seq_ids.size, " seq_ids but ", num_tokens.size, " num_tokens"));
   const std::vector<Sequence*> seqs = resolve(seq_ids, "truncate", /*unique=*/true);
   for (size_t i = 0; i < seqs.size(); ++i) {
+    check_loaded(*seqs[i], seq_ids[i], "truncate");
     if (num_tokens[i] < 1 || num_tokens[i] > static_cast<int64_t>(seqs[i]->tokens.size()))
       throw ValueError(cat("truncate: num_tokens=", num_tokens[i], " for ", seq_str(seq_ids[i]), " must be in [1, ",
                            seqs[i]->tokens.size(), "]"));

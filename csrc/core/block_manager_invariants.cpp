@@ -21,6 +21,12 @@ void BlockManager::check_invariants() const {
   for (const auto& [id, seq] : seqs_) check_sequence(id, seq, &gpu_uses, &cpu_uses);
   pins_.check_invariants();
   pins_.add_uses(&gpu_uses);
+  // Pending offloads and loads hold their device blocks and host slots.
+  std::vector<int32_t> host_uses(host_.pool().num_blocks(), 0);
+  host_.add_uses(&gpu_uses, &host_uses);
+  for (int32_t b = 0; b < host_.pool().num_blocks(); ++b)
+    if (host_.pool().ref_count(b) != host_uses[b])
+      fail(cat("host slot ", b, " has ref_count ", host_.pool().ref_count(b), " but ", host_uses[b], " uses"));
   for (int32_t b = 0; b < num_blocks(); ++b)
     if (gpu_.ref_count(b) != gpu_uses[b])
       fail(cat("block ", b, " has ref_count ", gpu_.ref_count(b), " but ", gpu_uses[b], " uses"));
@@ -30,6 +36,17 @@ void BlockManager::check_invariants() const {
   gpu_.check_invariants();
   cpu_.check_invariants();
   copies_.check_invariants(num_blocks());
+  host_.check_invariants();
+  int32_t loading = 0;
+  for (const auto& [id, seq] : seqs_) {
+    loading += seq.loading;
+    if (seq.loading > 0 && (!loading_seqs_.count(seq.serial) || loading_seqs_.at(seq.serial) != id))
+      fail(cat(seq_str(id), " has ", seq.loading, " loads pending but is not listed as loading"));
+  }
+  if (loading_seqs_.size() > seqs_.size()) fail("a freed sequence is still listed as loading");
+  if (loading > host_.num_loads_queued() + host_.num_loads_in_flight())
+    fail(cat("sequences wait for ", loading, " loads but only ", host_.num_loads_queued() + host_.num_loads_in_flight(),
+             " are pending"));
   check_prefix_cache();
 }
 
@@ -102,7 +119,17 @@ void BlockManager::check_prefix_cache() const {
     if (!live_set.count(tag)) fail(cat("block ", b, " is tagged with a freed prefix-cache node"));
     ++refs[tag];
   }
-  int32_t registered = 0;
+  const BlockPool& host = host_.pool();
+  for (int32_t s = 0; s < host.num_blocks(); ++s) {
+    const PrefixCache::NodeId tag = host.tag(s);
+    if (tag == PrefixCache::kNoNode) continue;
+    if (!live_set.count(tag)) fail(cat("host slot ", s, " is tagged with a freed prefix-cache node"));
+    if (cache_.node(tag).host_slot != s) fail(cat("host slot ", s, " holds content its node does not name"));
+    ++refs[tag];
+  }
+  for (PrefixCache::NodeId id : live)  // pending offloads hold their nodes
+    refs[id] += cache_.node(id).offloading;
+  int32_t registered = 0, host_registered = 0;
   for (PrefixCache::NodeId id : live) {
     const auto& n = cache_.node(id);
     if (!PrefixCache::is_root(n.parent)) ++refs[n.parent];
@@ -114,11 +141,18 @@ void BlockManager::check_prefix_cache() const {
       ++registered;
       if (gpu_.tag(n.block) != id) fail(cat("prefix-cache node ", id, " names block ", n.block, " which holds other content"));
     }
+    if (n.host_slot != PrefixCache::kNoBlock) {
+      ++host_registered;
+      if (n.root != PrefixCache::kRoot) fail(cat("prefix-cache node ", id, " of another group than 0 is in the host tier"));
+      if (host.tag(n.host_slot) != id)
+        fail(cat("prefix-cache node ", id, " names host slot ", n.host_slot, " which holds other content"));
+    }
   }
   for (PrefixCache::NodeId id : live)
     if (cache_.node(id).refs != refs[id])
       fail(cat("prefix-cache node ", id, " has refs ", cache_.node(id).refs, " but ", refs[id], " referrers"));
   if (registered != cache_.num_registered()) fail("prefix-cache registration count is wrong");
+  if (host_registered != cache_.num_registered(Medium::kCpu)) fail("prefix-cache host registration count is wrong");
 }
 
 }  // namespace pagedkv

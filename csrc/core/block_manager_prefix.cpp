@@ -13,6 +13,8 @@ void BlockManager::match_prefix(Span<int64_t> prompt, std::string_view salt, Pre
   const int32_t num_groups = this->num_groups();
   PrefixMatch& m = *out;  // its vectors keep their capacity from one prompt to the next
   m.num_blocks = 0;
+  m.host_blocks = 0;
+  m.host_slots.clear();
   m.held.resize(num_groups);
   m.chain.resize(num_groups);
   for (int32_t g = 0; g < num_groups; ++g) {
@@ -37,11 +39,13 @@ void BlockManager::match_prefix(Span<int64_t> prompt, std::string_view salt, Pre
   };
   std::vector<std::vector<int32_t>>& chain = m.chain;
   int32_t limit = max_hits;
+  const bool tiered = host_.enabled();  // then group 0 is the only group, full attention
   for (int32_t pass = 0; pass < 2; ++pass)  // full-attention groups first: they bound the walk
     for (int32_t g = 0; g < num_groups && limit > 0; ++g) {
       const bool full = group_windows()[g] == kFullAttention;
       if (full != (pass == 0)) continue;
       PrefixCache::NodeId parent = PrefixCache::root(g);
+      bool on_host = false;  // once a block is loaded, the rest of the hit is loaded too
       for (int32_t i = 0; i < limit; ++i) {
         const uint64_t key = key_of(i);
         if (i + 1 < limit && i + 1 < static_cast<int32_t>(m.keys.size()))
@@ -50,7 +54,15 @@ void BlockManager::match_prefix(Span<int64_t> prompt, std::string_view salt, Pre
         const std::string_view block_salt = i == 0 ? salt : std::string_view();
         const PrefixCache::NodeId node = cache_.find(key, parent, block_tokens, block_salt);
         if (node == PrefixCache::kNoNode) break;
-        const int32_t block = cache_.node(node).block;
+        int32_t block = cache_.node(node).block;
+        if (tiered) {
+          // Loaded blocks form the tail of the hit, so a failed load leaves the blocks after it fresh.
+          const int32_t slot = cache_.node(node).host_slot;
+          on_host = on_host || block == PrefixCache::kNoBlock;
+          if (on_host && slot == PrefixCache::kNoBlock) break;
+          m.host_slots.push_back(on_host ? slot : PrefixCache::kNoBlock);
+          if (on_host) block = kHostHit;
+        }
         if (block == PrefixCache::kNoBlock && full) break;
         chain[g].push_back(block);
         parent = node;
@@ -70,6 +82,10 @@ void BlockManager::match_prefix(Span<int64_t> prompt, std::string_view salt, Pre
     if (servable) break;
   }
   m.num_blocks = k;
+  if (tiered) {
+    m.host_slots.resize(static_cast<size_t>(k));
+    for (int32_t i = 0; i < k; ++i) m.host_blocks += chain[0][i] == kHostHit;
+  }
   for (int32_t g = 0; g < num_groups; ++g)
     m.held[g].assign(chain[g].begin() + std::min<int64_t>(released_for(g, int64_t(k) * block_size_), k),
                      chain[g].begin() + k);  // k <= chain[g].size()
@@ -92,7 +108,7 @@ int32_t BlockManager::from_free_for(const PrefixMatch& m, int32_t num_blocks) co
   int32_t from_free = 0;
   for (int32_t g = 0; g < num_groups(); ++g) {
     from_free += num_blocks - m.num_blocks;
-    for (int32_t b : m.held[g]) from_free += gpu_.ref_count(b) == 0;  // in-use hits cost no free block
+    for (int32_t b : m.held[g]) from_free += b == kHostHit || gpu_.ref_count(b) == 0;  // in-use hits cost none
   }
   return from_free;
 }
@@ -173,6 +189,7 @@ void BlockManager::mark_computed(Span<int64_t> seq_ids, std::optional<Span<int64
   if (num_tokens && num_tokens->size != seq_ids.size)
     throw ValueError(cat("mark_computed: ", seq_ids.size, " seq_ids but ", num_tokens->size, " num_tokens"));
   const std::vector<Sequence*> seqs = resolve(seq_ids, "mark_computed", /*unique=*/true);
+  for (size_t i = 0; i < seqs.size(); ++i) check_loaded(*seqs[i], seq_ids[i], "mark_computed");
   for (size_t i = 0; i < seqs.size() && num_tokens; ++i) {
     const int64_t n = (*num_tokens)[i];
     if (n < seqs[i]->num_computed || n > static_cast<int64_t>(seqs[i]->tokens.size()))
@@ -209,7 +226,10 @@ void BlockManager::mark_computed(Span<int64_t> seq_ids, std::optional<Span<int64
 // ---------------------------------------------------------------------------------------------------
 // Retention: the clock and pins
 
-void BlockManager::set_time(double now) { gpu_.set_time(now); }
+void BlockManager::set_time(double now) {
+  gpu_.set_time(now);
+  host_.set_time(now);
+}
 
 int32_t BlockManager::block_priority(int32_t block) const {
   if (block < 0 || block >= num_blocks()) throw ValueError(cat("block_priority: no GPU block ", block));
@@ -218,6 +238,7 @@ int32_t BlockManager::block_priority(int32_t block) const {
 
 int32_t BlockManager::pin(int64_t seq_id) {
   const Sequence& seq = get_resident(seq_id, "pin");
+  check_loaded(seq, seq_id, "pin");
   std::vector<int32_t> blocks;
   for (const GroupTable& t : seq.groups)
     for (int32_t i = t.released; i < t.num_registered; ++i)
@@ -238,17 +259,19 @@ std::optional<uint64_t> BlockManager::parent_hash(PrefixCache::NodeId node) cons
 
 std::vector<KvEvent> BlockManager::take_events() { return events_.take(); }
 
-std::vector<std::pair<uint64_t, std::optional<uint64_t>>> BlockManager::cached_blocks() const {
+std::vector<std::pair<uint64_t, std::optional<uint64_t>>> BlockManager::cached_blocks(Medium medium) const {
   std::vector<std::pair<uint64_t, std::optional<uint64_t>>> out;
-  out.reserve(static_cast<size_t>(cache_.num_registered()));
+  out.reserve(static_cast<size_t>(cache_.num_registered(medium)));
   for (PrefixCache::NodeId id : cache_.live_nodes())  // group 0's, as the events
-    if (cache_.node(id).block != PrefixCache::kNoBlock && cache_.node(id).root == PrefixCache::kRoot)
+    if (PrefixCache::location(cache_.node(id), medium) != PrefixCache::kNoBlock &&
+        cache_.node(id).root == PrefixCache::kRoot)
       out.emplace_back(cache_.hash(id), parent_hash(id));
   return out;
 }
 
 void BlockManager::reset_prefix_cache() {
   if (events_.enabled()) events_.cleared();
+  host_.clear();
   gpu_.clear_tags();
   cache_.clear();
   for (auto& kv : seqs_)
@@ -258,5 +281,52 @@ void BlockManager::reset_prefix_cache() {
   pins_.clear();
   gpu_.reset_free_levels();
 }
+
+}  // namespace pagedkv
+
+namespace pagedkv {
+
+// ---------------------------------------------------------------------------------------------------
+// The host tier: offloads and loads the runner performs
+
+int32_t BlockManager::plan_offloads(int32_t max_blocks) {
+  if (max_blocks < 0) throw ValueError(cat("plan_offloads: max_blocks must be >= 0, got ", max_blocks));
+  return host_.plan_offloads(max_blocks);
+}
+
+std::vector<BlockPair> BlockManager::take_offloads() { return host_.take_offloads(); }
+
+void BlockManager::complete_offloads(const std::vector<bool>& ok) {
+  if (ok.size() != static_cast<size_t>(host_.num_offloads_in_flight()))
+    throw ValueError(cat("complete_offloads: ", ok.size(), " outcomes for ", host_.num_offloads_in_flight(),
+                         " offloads taken and not completed"));
+  host_.complete_offloads(ok);
+}
+
+std::vector<BlockPair> BlockManager::take_loads() { return host_.take_loads(); }
+
+void BlockManager::complete_loads(const std::vector<bool>& ok) {
+  if (ok.size() != static_cast<size_t>(host_.num_loads_in_flight()))
+    throw ValueError(cat("complete_loads: ", ok.size(), " outcomes for ", host_.num_loads_in_flight(),
+                         " loads taken and not completed"));
+  const std::vector<HostTier::Load> done = host_.finish_loads(ok);
+  std::vector<Sequence*> loaded;
+  for (size_t i = 0; i < done.size(); ++i) {
+    const auto it = loading_seqs_.find(done[i].owner);
+    if (it == loading_seqs_.end()) continue;  // freed meanwhile
+    Sequence& seq = seqs_.at(it->second);
+    if (!ok[i]) {  // the prefix before the first failed block stays computed; the rest is recomputed
+      seq.num_computed = std::min(seq.num_computed, int64_t(done[i].index) * block_size_);
+      seq.groups[0].num_registered = std::min(seq.groups[0].num_registered, done[i].index);
+    }
+    if (--seq.loading == 0) {
+      loading_seqs_.erase(it);
+      loaded.push_back(&seq);
+    }
+  }
+  for (Sequence* seq : loaded) register_computed_blocks(*seq, 0);  // the loaded blocks are hits from now on
+}
+
+int32_t BlockManager::num_loading_blocks(int64_t seq_id) const { return get(seq_id).loading; }
 
 }  // namespace pagedkv

@@ -113,6 +113,9 @@ BlockManagerStats BlockManager::stats() const {
   s.num_cpu_blocks = num_cpu_blocks();
   s.free_cpu_blocks = cpu_.num_free();
   s.pinned_blocks = pins_.num_pinned();
+  s.num_host_blocks = host_.pool().num_blocks();
+  s.free_host_blocks = host_.pool().num_free();
+  s.cached_host_blocks = cache_.num_registered(Medium::kCpu);
   return s;
 }
 

@@ -20,6 +20,12 @@
   COUNTER(cow_copies)               /* copy-on-write block copies queued */                        \
   COUNTER(swapped_out_blocks)                                                                       \
   COUNTER(swapped_in_blocks)                                                                        \
+  COUNTER(host_hit_blocks)          /* hit blocks served from the host tier (loaded) */            \
+  COUNTER(offloaded_blocks)         /* device blocks copied to the host tier (confirmed) */        \
+  COUNTER(offload_failures)         /* offloads the runner reported failed */                      \
+  COUNTER(loaded_blocks)            /* host slots copied back to the device (confirmed) */         \
+  COUNTER(load_failures)            /* loads the runner reported failed */                         \
+  COUNTER(host_evictions)           /* host slots reused for other content */                      \
   GAUGE(int32_t, num_blocks)                                                                        \
   GAUGE(int32_t, used_blocks)       /* GPU blocks referenced by a sequence or a pin */             \
   GAUGE(int32_t, free_blocks)                                                                       \
@@ -29,7 +35,10 @@
   GAUGE(int32_t, num_swapped_seqs)                                                                  \
   GAUGE(int32_t, num_cpu_blocks)                                                                    \
   GAUGE(int32_t, free_cpu_blocks)                                                                   \
-  GAUGE(int32_t, pinned_blocks)     /* GPU blocks held by pins */
+  GAUGE(int32_t, pinned_blocks)     /* GPU blocks held by pins */                                  \
+  GAUGE(int32_t, num_host_blocks)   /* host tier slots */                                          \
+  GAUGE(int32_t, free_host_blocks)                                                                  \
+  GAUGE(int32_t, cached_host_blocks) /* host slots registered in the prefix cache */
 
 namespace pagedkv {
 

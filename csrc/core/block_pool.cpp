@@ -11,17 +11,19 @@
 
 namespace pagedkv {
 
-BlockPool::BlockPool(int32_t num_blocks, int32_t default_priority, PrefixCache* cache, KvEventLog* events,
-                     PendingCopies* copies, BlockManagerStats* counters)
+BlockPool::BlockPool(int32_t num_blocks, Medium medium, int32_t default_priority, PrefixCache* cache,
+                     KvEventLog* events, PendingCopies* copies, int64_t* evictions)
     : num_blocks_(num_blocks),
-      device_(true),
-      block_name_("block "),
+      caching_(true),
+      medium_(medium),
+      location_(medium == Medium::kGpu ? &PrefixCache::Node::block : &PrefixCache::Node::host_slot),
+      block_name_(medium == Medium::kGpu ? "block " : "host slot "),
       ref_(num_blocks, 0),
       free_(num_blocks, /*num_levels=*/2 + kMaxPriority),
       cache_(cache),
       events_(events),
       copies_(copies),
-      counters_(counters),
+      evictions_(evictions),
       tag_(num_blocks, PrefixCache::kNoNode),
       default_priority_(default_priority),
       retention_(num_blocks, BlockRetention{default_priority, kForever}),
@@ -30,7 +32,7 @@ BlockPool::BlockPool(int32_t num_blocks, int32_t default_priority, PrefixCache* 
 }
 
 BlockPool::BlockPool(int32_t num_blocks)
-    : num_blocks_(num_blocks), device_(false), block_name_("CPU block "), ref_(num_blocks, 0), free_(num_blocks) {
+    : num_blocks_(num_blocks), caching_(false), block_name_("CPU block "), ref_(num_blocks, 0), free_(num_blocks) {
   for (int32_t b = 0; b < num_blocks; ++b) free_.push_back(b);
 }
 
@@ -38,11 +40,13 @@ BlockPool::BlockPool(int32_t num_blocks)
 // References and the free list
 
 int32_t BlockPool::take_fresh(const BlockRetention& r) {
+  while (write_back_spare_ > 0 && holds_cached_kv(free_.front()) && write_back_->write_back(free_.front()))
+    --write_back_spare_;
   const int32_t block = free_.pop_front();
   ref_[block] = 1;
-  if (!device_) return block;
+  if (!caching_) return block;
   if (holds_cached_kv(block)) {
-    ++counters_->evictions;
+    ++*evictions_;
     --cached_free_;
   }
   untag(block);
@@ -53,18 +57,18 @@ int32_t BlockPool::take_fresh(const BlockRetention& r) {
 void BlockPool::acquire(int32_t block) {
   if (ref_[block]++ == 0 && free_.contains(block)) {  // else held for a pending copy
     free_.remove(block);
-    if (device_ && holds_cached_kv(block)) --cached_free_;
+    if (caching_ && holds_cached_kv(block)) --cached_free_;
   }
 }
 
-void BlockPool::release(int32_t block) {
+void BlockPool::release(int32_t block, bool cold) {
   if (--ref_[block] > 0) return;
   if (copies_ && !copies_->empty()) {
     const int32_t source = copies_->drop_to(block);  // a freed destination drops its copy ...
     if (source >= 0) free_if_unheld(source);          // ... whose source may have been held only for it
     if (copies_->is_source(block)) return;            // held until the copy is taken
   }
-  return_to_free_list(block);
+  return_to_free_list(block, cold);
 }
 
 void BlockPool::free_if_unheld(int32_t block) {
@@ -78,8 +82,8 @@ int32_t BlockPool::content_source(int32_t block) const {
   return source >= 0 ? source : block;
 }
 
-void BlockPool::return_to_free_list(int32_t block) {
-  if (!device_) {
+void BlockPool::return_to_free_list(int32_t block, bool cold) {
+  if (!caching_) {
     free_.push_back(block);
     return;
   }
@@ -101,7 +105,10 @@ void BlockPool::return_to_free_list(int32_t block) {
       r = {default_priority_, kForever};
     }
   }
-  free_.push_back(block, 1 + r.priority);
+  if (cold)
+    free_.push_front(block, 1 + r.priority);
+  else
+    free_.push_back(block, 1 + r.priority);
 }
 
 void BlockPool::move_to_level(int32_t free_block, int32_t level) {
@@ -114,7 +121,7 @@ void BlockPool::move_to_level(int32_t free_block, int32_t level) {
 // Retention
 
 void BlockPool::keep_stronger_retention(int32_t block, const BlockRetention& r) {
-  if (device_ && stronger(r, retention_[block])) retention_[block] = r;
+  if (caching_ && stronger(r, retention_[block])) retention_[block] = r;
 }
 
 void BlockPool::set_time(double now) {
@@ -148,15 +155,15 @@ void BlockPool::expire_durations() {
 
 bool BlockPool::holds_cached_kv(int32_t block) const {
   const PrefixCache::NodeId node = tag_[block];
-  return node != PrefixCache::kNoNode && cache_->node(node).block == block;
+  return node != PrefixCache::kNoNode && location(node) == block;
 }
 
 void BlockPool::untag(int32_t block) {
   const PrefixCache::NodeId node = tag_[block];
   if (node == PrefixCache::kNoNode) return;
-  if (cache_->node(node).block == block) {
-    if (events_->enabled() && cache_->node(node).root == PrefixCache::kRoot) events_->removed(cache_->hash(node));
-    cache_->set_block(node, PrefixCache::kNoBlock);
+  if (location(node) == block) {
+    if (events_->enabled() && cache_->node(node).root == PrefixCache::kRoot) events_->removed(cache_->hash(node), medium_);
+    cache_->set_location(node, medium_, PrefixCache::kNoBlock);
   }
   tag_[block] = PrefixCache::kNoNode;
   cache_->release(node);
@@ -204,10 +211,10 @@ void BlockPool::check_invariants() const {
   int32_t walked = 0, cached_free = 0;
   free_.for_each([&](int32_t b) {
     ++walked;
-    cached_free += device_ && holds_cached_kv(b);
+    cached_free += caching_ && holds_cached_kv(b);
   });
   if (walked != free_.size()) fail(cat("free list walks ", walked, " blocks but counts ", free_.size()));
-  if (!device_) return;
+  if (!caching_) return;
   if (cached_free != cached_free_)
     fail(cat(cached_free, " free blocks hold cached KV but the count says ", cached_free_));
 
@@ -222,10 +229,10 @@ void BlockPool::check_invariants() const {
   for (int32_t b = 0; b < num_blocks_; ++b) {
     const BlockRetention& r = retention_[b];
     if (r.priority < kMinPriority || r.priority > kMaxPriority || !(r.duration >= 0.0))
-      fail(cat("block ", b, " has retention (", r.priority, ", ", r.duration, ")"));
+      fail(cat(block_name_, b, " has retention (", r.priority, ", ", r.duration, ")"));
     if (!free_.contains(b)) continue;
     if (free_.level(b) != free_level(b))
-      fail(cat("free block ", b, " is at level ", free_.level(b), " instead of ", free_level(b)));
+      fail(cat("free ", block_name_, b, " is at level ", free_.level(b), " instead of ", free_level(b)));
     if (holds_cached_kv(b) && (r.duration != kForever) != (live_expiry.count(b) != 0))
       fail(cat("free block ", b, " has duration ", r.duration, " but ", live_expiry.count(b), " live expiry entries"));
   }

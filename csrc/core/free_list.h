@@ -47,6 +47,13 @@ class FreeList {
     if (next_[sentinel(l)] == sentinel(l)) non_empty_[l >> 6] &= ~(uint64_t(1) << (l & 63));
   }
 
+  // Walks levels [first_level, num_levels) in the order pop_front would take them while f(id) is true.
+  template <typename F>
+  void for_each_from(int32_t first_level, F&& f) const {
+    for (int32_t l = first_level; l < num_levels_; ++l)
+      for (int32_t id = next_[sentinel(l)]; id != sentinel(l); id = next_[id])
+        if (!f(id)) return;
+  }
   // Walks the levels from the lowest, each front to back: the order pop_front would take them in.
   template <typename F>
   void for_each(F&& f) const {

@@ -20,8 +20,9 @@ void KvEventLog::record(KvEvent&& event) {
 }
 
 void KvEventLog::stored(uint64_t hash, std::optional<uint64_t> parent, const int64_t* tokens, int32_t block_size,
-                        std::string_view salt) {
-  if (run_open_ && !events_.empty() && parent && events_.back().block_hashes.back() == *parent) {
+                        std::string_view salt, Medium medium) {
+  if (run_open_ && !events_.empty() && parent && events_.back().block_hashes.back() == *parent &&
+      events_.back().medium == medium) {
     KvEvent& run = events_.back();  // the next block of the same chain: one event for both
     run.block_hashes.push_back(hash);
     run.token_ids.insert(run.token_ids.end(), tokens, tokens + block_size);
@@ -33,13 +34,15 @@ void KvEventLog::stored(uint64_t hash, std::optional<uint64_t> parent, const int
   event.parent_hash = parent;
   event.token_ids.assign(tokens, tokens + block_size);
   event.salt.assign(salt);
+  event.medium = medium;
   record(std::move(event));
   run_open_ = true;
 }
 
-void KvEventLog::removed(uint64_t hash) {
+void KvEventLog::removed(uint64_t hash, Medium medium) {
   KvEvent event;
   event.kind = KvEvent::Kind::kRemoved;
+  event.medium = medium;
   event.block_hashes.push_back(hash);
   record(std::move(event));
 }

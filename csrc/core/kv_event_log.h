@@ -9,10 +9,12 @@
 #include <string_view>
 #include <vector>
 
+#include "core/medium.h"
+
 namespace pagedkv {
 
-// Replaying every event from the first (stored adds each hash, removed deletes one, cleared empties)
-// gives exactly the cached blocks, as a multiset, at any moment.
+// Replaying every event of one medium from the first (stored adds each hash, removed deletes one, cleared
+// empties every medium) gives exactly that medium's cached blocks, as a multiset, at any moment.
 struct KvEvent {
   enum class Kind { kStored, kRemoved, kCleared };
   uint64_t seq = 0;                       // consecutive; a gap means events were dropped (buffer full)
@@ -21,6 +23,7 @@ struct KvEvent {
   std::optional<uint64_t> parent_hash;    // stored: the hash of the block before the first one
   std::vector<int64_t> token_ids;         // stored: the blocks' tokens
   std::string salt;                       // stored from block 0: the cache salt
+  Medium medium = Medium::kGpu;           // where the blocks were stored or removed
 };
 
 class KvEventLog {
@@ -32,8 +35,8 @@ class KvEventLog {
   // One full block of block_size tokens entered the cache: extends the open run when it continues its
   // chain (its parent is the run's last block), else starts a stored event.
   void stored(uint64_t hash, std::optional<uint64_t> parent, const int64_t* tokens, int32_t block_size,
-              std::string_view salt);
-  void removed(uint64_t hash);
+              std::string_view salt, Medium medium = Medium::kGpu);
+  void removed(uint64_t hash, Medium medium = Medium::kGpu);
   void cleared();
   void end_run() { run_open_ = false; }  // the next stored block starts an event of its own
   std::vector<KvEvent> take();           // drains the log, oldest first

@@ -83,6 +83,8 @@ PrefixCache::NodeId PrefixCache::create(uint64_t key, NodeId parent, const int64
   std::copy(block_tokens, block_tokens + block_size_, token_pool_.begin() + int64_t(id) * block_size_);
   n.salt.assign(salt);
   n.block = kNoBlock;
+  n.host_slot = kNoBlock;
+  n.offloading = false;
   n.refs = 0;
   live_[id] = true;
   if (!is_root(parent)) add_ref(parent);
@@ -104,11 +106,12 @@ void PrefixCache::prefetch_creates(int32_t count) const {
   }
 }
 
-void PrefixCache::set_block(NodeId id, int32_t block) {
+void PrefixCache::set_location(NodeId id, Medium m, int32_t where) {
   Node& n = nodes_[id];
+  int32_t& slot = m == Medium::kGpu ? n.block : n.host_slot;
   ++version_;
-  num_registered_ += (block != kNoBlock) - (n.block != kNoBlock);
-  n.block = block;
+  num_registered_[static_cast<int>(m)] += (where != kNoBlock) - (slot != kNoBlock);
+  slot = where;
 }
 
 void PrefixCache::release(NodeId id) {
@@ -132,7 +135,7 @@ void PrefixCache::clear() {
   std::fill(live_.begin(), live_.end(), false);
   std::fill(buckets_.begin(), buckets_.end(), kNoNode);
   num_live_ = 0;
-  num_registered_ = 0;
+  num_registered_[0] = num_registered_[1] = 0;
   ++version_;
 }
 

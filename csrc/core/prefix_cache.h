@@ -3,7 +3,8 @@
 // chained XXH3 over the content (key_after: the block's tokens seeded with the parent's key), so a
 // sequence can compute the keys of all its blocks before any node exists and prefetch their buckets. A hit
 // requires the block's tokens AND its whole prefix to be identical: a collision costs a miss, never a
-// wrong hit. A node remembers which physical block currently holds its KV (the latest registration wins).
+// wrong hit. A node remembers where its KV lives in each tier: the device block registered for it (the
+// latest registration wins) and the host slot holding a copy; it stays while any tier (or a chain) holds it.
 // Its chained block hash (hash(): the manager's hash algorithm, for events) is computed only when asked for.
 #pragma once
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "core/hashing.h"
+#include "core/medium.h"
 
 namespace pagedkv {
 
@@ -31,6 +33,8 @@ class PrefixCache {
     NodeId root = kRoot;     // the root this node's chain starts from (its group)
     std::string salt;        // block 0 only
     int32_t block = kNoBlock;  // physical block registered for this content, or kNoBlock
+    int32_t host_slot = kNoBlock;  // host-tier slot holding a copy of the KV, or kNoBlock
+    bool offloading = false;   // a copy to the host tier is pending
     int32_t refs = 0;        // blocks tagged with this node + child nodes; freed at 0
     NodeId next = kNoNode;     // next node in the same hash bucket
     mutable bool hashed = false;   // `hash` holds the chained block hash (computed on first use)
@@ -78,12 +82,17 @@ class PrefixCache {
   uint64_t hash(NodeId id) const;
 
   const Node& node(NodeId id) const { return nodes_[id]; }
-  void set_block(NodeId id, int32_t block);
+  int32_t block_size() const { return block_size_; }
+  void set_block(NodeId id, int32_t block) { set_location(id, Medium::kGpu, block); }
+  // Where the node's KV lives on medium m (kGpu: node.block, kCpu: node.host_slot).
+  static int32_t location(const Node& n, Medium m) { return m == Medium::kGpu ? n.block : n.host_slot; }
+  void set_location(NodeId id, Medium m, int32_t where);
+  void set_offloading(NodeId id, bool offloading) { nodes_[id].offloading = offloading; }
   void add_ref(NodeId id) { ++nodes_[id].refs; }
   void release(NodeId id);  // drops one reference; frees the node (and releases its parent) at 0
 
   int32_t num_nodes() const { return num_created_ - static_cast<int32_t>(free_ids_.size()); }
-  int32_t num_registered() const { return num_registered_; }
+  int32_t num_registered(Medium m = Medium::kGpu) const { return num_registered_[static_cast<int>(m)]; }
   uint64_t version() const { return version_; }  // changes whenever a lookup could answer differently
   void clear();
 
@@ -110,7 +119,7 @@ class PrefixCache {
   // live nodes), so inserting and erasing never allocate.
   std::vector<NodeId> buckets_;
   int32_t num_live_ = 0;
-  int32_t num_registered_ = 0;
+  int32_t num_registered_[kNumMedia] = {0, 0};
   uint64_t version_ = 0;
 };
 

@@ -324,6 +324,46 @@ void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::T
               "not overlap");
 }
 
+// The host tier: [num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (block-major: slot
+// s holds the K and V of every layer of one block in one contiguous region), on the CPU, contiguous, the
+// caches' dtype; pinned when the caches are on a GPU (the copy kernels read or write it in place).
+int64_t check_host_tier_copy(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+                             const at::Tensor& host_cache, const at::Tensor& block_mapping, int64_t first_layer) {
+  check_copy_blocks(key_caches, value_caches, block_mapping);
+  TORCH_CHECK(block_mapping.is_cpu(), "block_mapping must be on the CPU, got ", block_mapping.device());
+  TORCH_CHECK(host_cache.dim() == 6 && host_cache.size(2) == 2,
+              "host_cache must be [num_host_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], got shape ",
+              host_cache.sizes());
+  TORCH_CHECK(host_cache.is_cpu(), "host_cache must be a CPU tensor, got ", host_cache.device());
+  TORCH_CHECK(host_cache.is_contiguous(), "host_cache must be contiguous, got strides ", host_cache.strides());
+  const int64_t num_layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(first_layer >= 0 && first_layer + num_layers <= host_cache.size(1), "layers [", first_layer, ", ",
+              first_layer + num_layers, ") are outside host_cache's ", host_cache.size(1), " layers");
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const at::Tensor& k = key_caches[i];
+    TORCH_CHECK(k.is_contiguous() && value_caches[i].is_contiguous(), "key_caches[", i, "] and value_caches[", i,
+                "] must be contiguous: the host tier moves whole blocks");
+    TORCH_CHECK(k.scalar_type() == host_cache.scalar_type(), "host_cache dtype ", host_cache.scalar_type(),
+                " must equal the caches' dtype ", k.scalar_type());
+    TORCH_CHECK(host_cache.sizes().slice(3) == k.sizes().slice(1), "key_caches[", i, "] blocks are ",
+                k.sizes().slice(1), " but host_cache blocks are ", host_cache.sizes().slice(3),
+                " (block_size, num_kv_heads, head_dim)");
+    if (k.is_cuda()) {
+      TORCH_CHECK(host_cache.is_pinned(), "host_cache must be in pinned memory when the caches are on ", k.device(),
+                  " (allocate it with pagedkv.allocate_host_tier(..., pin_memory=True))");
+    } else {
+      const auto host = memory_span(host_cache);
+      for (const at::Tensor* cache : {&k, &value_caches[i]}) {
+        const auto span = memory_span(*cache);
+        TORCH_CHECK(cache->numel() == 0 || host_cache.numel() == 0 || span.second <= host.first ||
+                        host.second <= span.first,
+                    "host_cache and the caches of layer ", i, " share memory; one is written, so they must not");
+      }
+    }
+  }
+  return num_layers;
+}
+
 // Model-layer ops
 
 void check_rms_norm(const at::Tensor& input, const at::Tensor& weight, double epsilon) {
@@ -599,6 +639,12 @@ TORCH_LIBRARY(pagedkv, m) {
       "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor, Tensor)");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+  // The host tier (tier_ops.cpp, cuda/tier_ops.cu): whole blocks between the paged caches and a block-major
+  // host cache; block_mapping pairs are (device block, host slot) for offload, (host slot, device block) for load.
+  m.def("offload_blocks(Tensor[] key_caches, Tensor[] value_caches, Tensor(a!) host_cache, Tensor block_mapping, "
+        "int first_layer=0) -> ()");
+  m.def("load_blocks(Tensor host_cache, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping, "
+        "int first_layer=0) -> ()");
   // Model-layer ops (layer_ops.cpp, cuda/layer_ops.cu).
   m.def("rms_norm(Tensor input, Tensor weight, float epsilon) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()");

@@ -50,6 +50,10 @@ AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& 
 void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
                        const at::Tensor& block_mapping);
 void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
+// offload_blocks / load_blocks: caches as copy_blocks takes them (contiguous), the block-major host tier
+// covering layers [first_layer, first_layer + layers); returns the number of layers.
+int64_t check_host_tier_copy(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+                             const at::Tensor& host_cache, const at::Tensor& block_mapping, int64_t first_layer);
 // src and dst are the same tensor (blocks move within one pool).
 bool swap_within_one_pool(const at::Tensor& src, const at::Tensor& dst);
 bool is_fp8(at::ScalarType dtype);  // float8_e4m3fn or float8_e5m2

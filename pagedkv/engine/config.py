@@ -336,6 +336,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None             # None: sized from kv_cache_bytes / gpu_memory_utilization
     num_cpu_blocks: int = 0                   # > 0 enables preemption by swap
+    host_cache_bytes: int = 0                 # > 0: the prefix cache keeps evicted blocks in host memory
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
@@ -357,7 +358,11 @@ class EngineConfig:
         if self.num_blocks is not None:
             self.num_blocks = check_int("num_blocks", self.num_blocks, minimum=1, maximum=INT32_MAX)
         self.num_cpu_blocks = check_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0, maximum=INT32_MAX)
+        self.host_cache_bytes = check_int("host_cache_bytes", self.host_cache_bytes, minimum=0)
         self.enable_prefix_caching = check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if self.host_cache_bytes and not self.enable_prefix_caching:
+            raise ValueError("host_cache_bytes > 0 needs enable_prefix_caching=True (the host tier is part of "
+                             "the prefix cache)")
         self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         self.max_num_batched_tokens = check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
         self.kv_cache_bytes = check_int("kv_cache_bytes", self.kv_cache_bytes, minimum=1)

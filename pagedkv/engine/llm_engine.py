@@ -22,9 +22,9 @@ from .kv_events import KVEventPublisher, require_packages as require_kv_events_p
 from .kv_quant import cache_salt
 from .loader import open_checkpoint
 from .metrics import PrometheusExporter, require_prometheus
-from .model_runner import ModelRunner, load_rank_model, pool_size
+from .model_runner import ModelRunner, host_tier_size, load_rank_model, pool_size
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import CompletionOutput, Request, RequestOutput
 from .tp import group
 from .tp.runners import DriverRunner, serve_rank
@@ -33,7 +33,8 @@ from .tp.runners import DriverRunner, serve_rank
 class LLM:
     def __init__(self, model_path: str | os.PathLike, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | str | None = None, block_size: int = 16, num_blocks: int | None = None,
-                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
+                 num_cpu_blocks: int = 0, host_cache_bytes: int = 0, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, kv_cache_bytes: int = 256 << 20,
                  gpu_memory_utilization: float = 0.5, seed: int = 0, pack_cpu_weights: bool = True,
                  history_size: int = 0, tensor_parallel_size: int = 1, distributed_backend: str | None = None,
@@ -46,7 +47,8 @@ class LLM:
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError(f"model_path must be a str or os.PathLike (a checkpoint directory), got {model_path!r}")
         self.config = EngineConfig(device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-                                   num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
+                                   num_cpu_blocks=num_cpu_blocks, host_cache_bytes=host_cache_bytes,
+                                   enable_prefix_caching=enable_prefix_caching,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
                                    tensor_parallel_size=tensor_parallel_size, distributed_backend=distributed_backend,
@@ -124,13 +126,17 @@ class LLM:
         self.model_config = self.model.config
         self.max_model_len = self.model_config.max_position_embeddings
         self.num_blocks = pool_size(self.model, self.config, self.tp)
-        runner_args = (self.model, self.config, self.num_blocks, self.config.num_cpu_blocks, seed)
+        num_host_blocks = host_tier_size(self.model, self.config, self.tp)
+        runner_args = (self.model, self.config, self.num_blocks, self.config.num_cpu_blocks, seed, num_host_blocks)
         self.runner = ModelRunner(*runner_args) if self.tp is None else DriverRunner(*runner_args, self.tp)
         # Windowed layers hold only their window's blocks: one windowed group (Mistral) or a group per window
         # beside the full-attention one (Gemma 2), all in one pool.
         self.bm = BlockManager(self.num_blocks, self.config.block_size, num_cpu_blocks=self.config.num_cpu_blocks,
                                enable_prefix_caching=self.config.enable_prefix_caching, enable_events=enable_events,
-                               group_windows=self.model_config.group_windows)
+                               group_windows=self.model_config.group_windows, num_host_blocks=num_host_blocks)
+        if num_host_blocks and not self.bm.host_tier_enabled:
+            raise ValueError(f"host_cache_bytes > 0: the host tier serves models with full attention in every layer "
+                             f"(one KV group); this model's layer windows are {self.model_config.group_windows}")
 
     def _update_cache_salt(self) -> None:
         """float8 KV: blocks are cached under a salt naming the format and the scales (rank 0's under
@@ -196,6 +202,8 @@ class LLM:
             return []
         snapshot, rng_state = self.scheduler.snapshot(), self.runner.generator.get_state()
         try:
+            if self.bm.host_tier_enabled:
+                self._clean_ahead()
             batch = self.scheduler.schedule()
             if batch.empty:
                 raise RuntimeError("scheduler made no progress: the KV pool is too small for any waiting sequence "
@@ -205,6 +213,11 @@ class LLM:
                 if torch.get_num_threads() != threads:
                     torch.set_num_threads(threads)
             sampled = self.runner.execute(batch, self.bm)
+            if self.bm.host_tier_enabled:
+                # The runner moved the step's host-tier blocks on the stream its kernels run on, so what
+                # runs next sees them; the manager may now hand the offloaded blocks out again.
+                self.bm.complete_offloads(True)
+                self.bm.complete_loads(True)
             self._update_cache_salt()
             finished = self.scheduler.postprocess(batch, sampled)
         except BaseException:
@@ -225,6 +238,15 @@ class LLM:
         for request_id in ended:
             self.requests.pop(request_id, None)
         return list(ended.values())
+
+    def _clean_ahead(self) -> None:
+        """Copies the coldest cached free blocks the host tier lacks (as many as one step may take: a token
+        budget of blocks and one per running sequence) before the step allocates, so that the blocks it
+        reuses are already backed on the host and admission never waits on a copy."""
+        budget = -(-self.config.max_num_batched_tokens // self.config.block_size) + len(self.scheduler.running)
+        if self.bm.plan_offloads(budget):
+            self.runner.move_blocks(ScheduledBatch(offloads=self.bm.take_offloads()))
+            self.bm.complete_offloads(True)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

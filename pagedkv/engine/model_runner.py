@@ -3,7 +3,8 @@ from the block manager, runs the model and samples the next tokens."""
 import torch
 
 from pagedkv import BlockManager
-from pagedkv.cache import allocate_kv_cache, block_bytes
+from pagedkv.cache import allocate_host_tier, allocate_kv_cache, block_bytes
+from pagedkv.ops import load_blocks, offload_blocks
 
 from .config import EngineConfig
 from .cpu_linear import pack_wide_linears
@@ -45,6 +46,19 @@ def pool_size(model: LlamaForCausalLM, config: EngineConfig, tp=None) -> int:
     return num_blocks if tp is None else tp.min_over_ranks(num_blocks)
 
 
+def host_tier_size(model: LlamaForCausalLM, config: EngineConfig, tp=None) -> int:
+    """Slots of the prefix cache's host tier that host_cache_bytes holds (per rank; the smallest rank's)."""
+    if not config.host_cache_bytes:
+        return 0
+    block_bytes = kv_cache_block_bytes(model, config.block_size,
+                                       kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype))
+    if config.host_cache_bytes < block_bytes:
+        raise ValueError(f"host_cache_bytes={config.host_cache_bytes} holds no KV block ({block_bytes} bytes "
+                         "each); raise it, or pass 0 for no host tier")
+    num = min(config.host_cache_bytes // block_bytes, 2**31 - 1)
+    return num if tp is None else tp.min_over_ranks(num)
+
+
 def _num_blocks_for_budget(model: LlamaForCausalLM, config: EngineConfig) -> int:
     block_bytes = kv_cache_block_bytes(model, config.block_size,
                                        kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype))
@@ -64,7 +78,7 @@ def _num_blocks_for_budget(model: LlamaForCausalLM, config: EngineConfig) -> int
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int, num_cpu_blocks: int,
-                 seed: int = 0):
+                 seed: int = 0, num_host_blocks: int = 0):
         self.model = model
         self.device = torch.device(config.device)
         self.block_size = config.block_size
@@ -73,6 +87,11 @@ class ModelRunner:
         self.kv_caches = self._allocate(num_blocks, self.device, dtype)
         self.cpu_kv_caches = self._allocate(num_cpu_blocks, torch.device("cpu"), dtype,
                                             pin=self.device.type == "cuda") if num_cpu_blocks else []
+        cfg = model.config
+        # The prefix cache's host tier: block-major, so a demoted block moves as one region.
+        self.host_tier = (allocate_host_tier(num_host_blocks, num_cache_tensors(model), self.block_size,
+                                             cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
+                                             pin_memory=self.device.type == "cuda") if num_host_blocks else None)
         self.layer_caches = [self.kv_caches[i] for i in model.config.layer_cache_slots]   # what layer i reads
         self.num_groups = len(model.config.group_windows)
         self.generator = torch.Generator(self.device).manual_seed(seed)
@@ -84,7 +103,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, bm: BlockManager) -> list[list[int]]:
-        self._move_blocks(batch.swap_in, batch.swap_out, batch.copies)
+        self._move_blocks(batch)
         if not batch.seqs:
             return []
         input_ids, positions, meta = self._prepare(batch, bm)
@@ -115,13 +134,20 @@ class ModelRunner:
                                  query_start_loc=query_start_loc.to(dev, non_blocking=True),
                                  max_seq_len=max(ends), groups=groups)
 
-    def _move_blocks(self, swap_in, swap_out, copies) -> None:
-        """Block pairs (lists of (a, b) or [n, 2] tensors): swap-ins (cpu, gpu), swap-outs (gpu, cpu) and
-        copy-on-write copies (src, dst)."""
+    @torch.inference_mode()
+    def move_blocks(self, moves: ScheduledBatch) -> None:
+        """Block moves outside a step (the engine's clean-ahead offloads)."""
+        self._move_blocks(moves)
+
+    def _move_blocks(self, moves) -> None:
+        """The step's block moves (a ScheduledBatch or a StepMessage: [n, 2] pairs): swap-ins (cpu, gpu),
+        swap-outs (gpu, cpu), host-tier offloads (gpu, host slot) and loads (host slot, gpu), copy-on-write
+        copies (src, dst)."""
         # The scheduler swaps in before it preempts, so this order is the order of its decisions: a group
         # swapped in may be swapped out again at once, and blocks freed by a swap-out may be the
-        # destination of a copy or of this step's new KV.
-        for mapping, to_cpu in ((swap_in, False), (swap_out, True)):
+        # destination of a copy or of this step's new KV. Offloads read blocks the manager holds for them
+        # and loads write fresh blocks of their sequences: disjoint from each other and from the rest.
+        for mapping, to_cpu in ((moves.swap_in, False), (moves.swap_out, True)):
             if not len(mapping):
                 continue
             pairs = torch.as_tensor(mapping, dtype=torch.int64).view(-1, 2).cpu()
@@ -129,8 +155,13 @@ class ModelRunner:
                 for g, c in zip(gpu, cpu):
                     src, dst = (g, c) if to_cpu else (c, g)
                     torch.ops.pagedkv.swap_blocks(src, dst, pairs)
-        if len(copies):
-            pairs = torch.as_tensor(copies, dtype=torch.int64).view(-1, 2).to(self.device)
+        keys, values = [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches]
+        if len(moves.offloads):
+            offload_blocks(keys, values, self.host_tier, moves.offloads)
+        if len(moves.loads):
+            load_blocks(self.host_tier, keys, values, moves.loads)
+        if len(moves.copies):
+            pairs = torch.as_tensor(moves.copies, dtype=torch.int64).view(-1, 2).to(self.device)
             torch.ops.pagedkv.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
 
     def _prepare(self, batch: ScheduledBatch, bm: BlockManager):

@@ -28,6 +28,8 @@ class ScheduledBatch:
     swap_out: torch.Tensor = field(default_factory=_no_pairs)   # (gpu block, cpu block)
     swap_in: torch.Tensor = field(default_factory=_no_pairs)    # (cpu block, gpu block)
     copies: torch.Tensor = field(default_factory=_no_pairs)     # copy-on-write (src, dst)
+    offloads: torch.Tensor = field(default_factory=_no_pairs)   # to the host tier (gpu block, host slot)
+    loads: torch.Tensor = field(default_factory=_no_pairs)      # host-tier hits (host slot, gpu block)
     admitted: list[Sequence] = field(default_factory=list)          # waiting -> running in this step
     failed: list[Sequence] = field(default_factory=list)            # sequences failed while scheduling
 
@@ -145,7 +147,10 @@ class Scheduler:
         every unfinished sequence waits to be recomputed, its blocks freed. The block manager may have
         done part of the step (appends, allocations, swaps, forks), and the KV a partial forward wrote
         is not trusted, so no unfinished sequence keeps blocks; prefix-cache entries stay (they are
-        registered only once their KV was complete)."""
+        registered only once their KV was complete). Host-tier copies of the step count as failed."""
+        if self.bm.host_tier_enabled:
+            self.bm.complete_offloads(False)
+            self.bm.complete_loads(False)
         waiting = []
         for request, error, seq_states in snap.requests:
             for s in request.seqs[len(seq_states):]:        # forked in the failed step
@@ -197,6 +202,9 @@ class Scheduler:
         if not preempted and not self.swapped:
             self._admit_waiting(batch)
         batch.copies = self.bm.take_copies()
+        if self.bm.host_tier_enabled:
+            # Write-backs of blocks this step reused, and the loads of its host hits.
+            batch.offloads, batch.loads = self.bm.take_offloads(), self.bm.take_loads()
         self.stats["steps"] += 1
         return batch
 

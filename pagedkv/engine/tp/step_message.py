@@ -11,6 +11,7 @@ from ..llama import AttentionMetadata, KVGroupInputs
 INT, TENSOR, TENSOR_LIST = "int", "tensor", "tensor list"
 DTYPES = (torch.int64, torch.int32)     # the header names a tensor's dtype by its index here
 ABSENT = -1                             # the header's dtype of a tensor field that is None
+MOVES = ("swap_in", "swap_out", "copies", "offloads", "loads")   # the block-move fields, [n, 2] each
 
 
 def _field(wire: str, **kwargs):
@@ -27,6 +28,8 @@ class StepMessage:
     swap_in: torch.Tensor = _field(TENSOR)      # [n, 2] (cpu block, gpu block)
     swap_out: torch.Tensor = _field(TENSOR)     # [n, 2] (gpu block, cpu block)
     copies: torch.Tensor = _field(TENSOR)       # [n, 2] copy-on-write (src, dst)
+    offloads: torch.Tensor = _field(TENSOR)     # [n, 2] to the host tier (gpu block, host slot)
+    loads: torch.Tensor = _field(TENSOR)        # [n, 2] from the host tier (host slot, gpu block)
     input_ids: torch.Tensor | None = _field(TENSOR, default=None)      # [T]; None: blocks move only
     positions: torch.Tensor | None = _field(TENSOR, default=None)      # [T]
     seq_lens: torch.Tensor | None = _field(TENSOR, default=None)       # [B] int32
@@ -37,10 +40,10 @@ class StepMessage:
     block_tables: list = _field(TENSOR_LIST, default_factory=list)   # per KV group: [B, M_g] int32
 
     @classmethod
-    def of(cls, swap_in, swap_out, copies, step=None) -> "StepMessage":
-        """The message of a step: its block moves, and `step`, the runner's (input_ids, positions,
-        AttentionMetadata) or None when no sequence runs."""
-        moves = dict(swap_in=_moves(swap_in), swap_out=_moves(swap_out), copies=_moves(copies))
+    def of(cls, moves, step=None) -> "StepMessage":
+        """The message of a step: its block moves (a ScheduledBatch's), and `step`, the runner's (input_ids,
+        positions, AttentionMetadata) or None when no sequence runs."""
+        moves = {name: _moves(getattr(moves, name)) for name in MOVES}
         if step is None:
             return cls(**moves)
         input_ids, positions, meta = step
