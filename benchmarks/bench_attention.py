@@ -9,6 +9,14 @@ share of a measured device-to-device copy. FlexAttention is compiled once per sh
     python benchmarks/bench_attention.py --roofline       # CPU decode against the machine's read bandwidth
     python benchmarks/bench_attention.py --roofline --isa avx2 --threads 1   # one ISA copy, one thread
 
+`--layouts` times paged_attention on the caches other engines allocate (vLLM's interleaved K|V cells,
+FlashInfer's [pages, 2, ...], the HND order), each holding the same K/V as a contiguous pair, against that
+pair on the same shape: the layouts take turns call by call, each gets the median of --repeats calls
+(default 15), and the table prints each layout's time as a ratio to the contiguous one (decode B16 L2048
+and a prefill of 128 queries over 2048 keys, fp32 and bf16, or --dtype's only).
+
+    python benchmarks/bench_attention.py --layouts --device cpu
+
 `--roofline` times CPU decode (best of --repeats calls) on shuffled block tables for fp32, bf16 and fp16
 K/V and prints each case's K/V bytes per second as a share of a streaming read measured in the same
 process (the sum of a 256 MiB fp32 tensor, best of the same number of calls, measured again before
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -80,6 +89,76 @@ def roofline(args):
             line += f"{ms[dtype]:>13.2f}{case.kv_bytes / ms[dtype] / 1e6 / bandwidth:>7.2f}"
             del case
         print(line + f"{ms[torch.float32] / ms[torch.bfloat16]:>18.2f}x", flush=True)
+
+
+def cache_views(layout, shape, dtype, device):
+    """(key_cache, value_cache) [blocks, block_size, Hkv, D] views in one engine's layout (uninitialised)."""
+    n, bs, h, d = shape
+    if layout == "contiguous":
+        return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+    if layout == "vllm_cells":  # one tensor per layer, K|V interleaved in each cell
+        x = torch.empty(n, bs, h, 2 * d, dtype=dtype, device=device)
+        return x[..., :d], x[..., d:]
+    if layout == "flashinfer":  # [pages, 2, page, Hkv, D]
+        x = torch.empty(n, 2, bs, h, d, dtype=dtype, device=device)
+        return x[:, 0], x[:, 1]
+    if layout == "hnd":  # [pages, 2, Hkv, page, D], each half seen in NHD order
+        x = torch.empty(n, 2, h, bs, d, dtype=dtype, device=device)
+        return x[:, 0].transpose(1, 2), x[:, 1].transpose(1, 2)
+    raise ValueError(layout)
+
+
+CACHE_LAYOUTS = ["contiguous", "vllm_cells", "flashinfer", "hnd"]
+LAYOUT_CASES = [(16, 2048, 1), (1, 2048, 128)]
+
+
+def layouts(args, device):
+    """paged_attention on each engine's cache layout against contiguous caches holding the same K/V."""
+    repeats = args.repeats or 15
+    dtypes = [DTYPES[args.dtype]] if args.dtype else [torch.float32, torch.bfloat16]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    print(f"paged_attention on cache views vs contiguous caches: device={device} Hq={args.num_q_heads} "
+          f"Hkv={args.num_kv_heads} D={args.head_dim} block_size={args.block_size} threads={torch.get_num_threads()}"
+          + ("" if device.type == "cuda" else f" isa={_C._cpu_attention_isa()}")
+          + f"; layouts alternate call by call, median of {repeats} calls each; ratio = layout / contiguous")
+    print(f"{'case':<24}{'dtype':<10}{'contiguous ms':>14}" + "".join(f"{name + ' ms':>16}{'ratio':>7}"
+                                                                   for name in CACHE_LAYOUTS[1:]))
+    for batch, ctx, q_len in LAYOUT_CASES:
+        for dtype in dtypes:
+            case = Case(batch, ctx, q_len, num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads,
+                        head_dim=args.head_dim, block_size=args.block_size, dtype=dtype, device=device,
+                        contiguous_copies=False)
+            calls, outs = {}, {}
+            for name in CACHE_LAYOUTS:
+                k, v = cache_views(name, case.key_cache.shape, dtype, device)
+                k.copy_(case.key_cache)
+                v.copy_(case.value_cache)
+                calls[name] = (lambda k=k, v=v: ops.paged_attention(
+                    case.query, k, v, case.block_tables, case.seq_lens, case.query_start_loc, case.scale,
+                    max_seq_len=ctx))
+                outs[name] = calls[name]()  # also the warm-up
+            del case.key_cache, case.value_cache
+            for name in CACHE_LAYOUTS[1:]:
+                assert torch.equal(outs[name], outs["contiguous"]), f"{name} differs from contiguous"
+            samples = {name: [] for name in CACHE_LAYOUTS}
+            for _ in range(args.warmup):
+                for name in CACHE_LAYOUTS:
+                    calls[name]()
+            sync()
+            for r in range(repeats):
+                order = CACHE_LAYOUTS if r % 2 == 0 else CACHE_LAYOUTS[::-1]
+                for name in order:
+                    t0 = time.perf_counter()
+                    calls[name]()
+                    sync()
+                    samples[name].append((time.perf_counter() - t0) * 1e3)
+            ms = {name: statistics.median(s) for name, s in samples.items()}
+            kind = "decode" if q_len == 1 else "prefill"
+            line = f"{f'{kind} B{batch} L{ctx}' + (f' q{q_len}' if q_len > 1 else ''):<24}" \
+                   f"{str(dtype).split('.')[-1]:<10}{ms['contiguous']:>14.3f}"
+            line += "".join(f"{ms[name]:>16.3f}{ms[name] / ms['contiguous']:>6.2f}x" for name in CACHE_LAYOUTS[1:])
+            print(line, flush=True)
+            del calls, outs, case
 
 
 class Case:
@@ -166,6 +245,8 @@ def main():
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiled once per shape)")
     parser.add_argument("--roofline", action="store_true",
                         help="CPU decode as a share of the read bandwidth (fp32, bf16, fp16; default 7 repeats)")
+    parser.add_argument("--layouts", action="store_true",
+                        help="paged_attention on vLLM / FlashInfer / HND cache views vs contiguous caches")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--isa", default="auto", choices=["auto"] + _C._cpu_attention_isas(),
                         help="copy of the CPU attention kernels (default: the best this CPU runs)")
@@ -176,6 +257,8 @@ def main():
     if args.roofline:
         return roofline(args)
     device = torch.device(args.device)
+    if args.layouts:
+        return layouts(args, device)
     cuda = device.type == "cuda"
     dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     repeats = args.repeats or (50 if cuda else 10)

@@ -70,6 +70,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, query's dtype,
             or both ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (any query dtype): element ``x`` is
             read as ``float(x) * scale`` of its KV head and everything else is computed in float32.
+            Views as in :func:`reshape_and_cache` (vLLM's interleaved cells, FlashInfer's pages, HND),
+            read in place, with one condition: ``key_cache`` and ``value_cache`` have the same strides
+            (true of every such layout). Both are only read, so they may even overlap (transformers'
+            page views of one buffer do).
         block_tables: ``[B, M]`` int32; row ``b`` maps logical block ``i`` of sequence ``b`` to a
             physical block. Entries past a sequence's length are never read (may be anything).
         seq_lens: ``[B]`` int32, the KV length of each sequence *including* this step's tokens (which

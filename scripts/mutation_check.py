@@ -18,15 +18,15 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = os.path.join(ROOT, ".venv", "bin", "python")
-COPIED = ["CMakeLists.txt", "csrc", "tests/cpp", "tests/cuda_emu", "build_deps"]  # what the C++ build reads
+COPIED = ["CMakeLists.txt", "csrc", "tests/cpp", "tests/cpu_kernels", "tests/cuda_emu", "build_deps"]  # what the C++ build reads
 SRC = BUILD = ""  # the private copy and its build folder, set in main()
 ATTN, CACHE, LAYER = "csrc/ops/cuda/attention.cuh", "csrc/ops/cuda/cache_ops.cuh", "csrc/ops/cuda/layer_ops.cuh"
 
 # (name, file, original text, mutated text): the original must occur exactly once.
 MUTATIONS = [
-    ("attention: barrier after staging the tile's slots removed", ATTN,
-     "    if (tid < n) slots_s[tid] = checked_slot(p, seq, tile + tid);\n    __syncthreads();\n",
-     "    if (tid < n) slots_s[tid] = checked_slot(p, seq, tile + tid);\n"),
+    ("attention: barrier after staging the tile's row offsets removed", ATTN,
+     "    if (tid < n) key_rows_s[tid] = checked_row_offset(p, seq, tile + tid);\n    __syncthreads();\n",
+     "    if (tid < n) key_rows_s[tid] = checked_row_offset(p, seq, tile + tid);\n"),
     ("attention: barrier between logits and softmax removed", ATTN,
      "      logits_s[i] = s;\n    }\n    __syncthreads();\n",
      "      logits_s[i] = s;\n    }\n"),
@@ -49,8 +49,14 @@ MUTATIONS = [
      "const int n = int(min_i64(KT, keys.end - tile));",
      "const int n = int(min_i64(KT, keys.end - tile - 1));"),
     ("attention: sliding-window mask skipped in the logits", ATTN,
-     "if (j < n && pos >= visible.begin && pos < visible.end && slots_s[j] >= 0)",
-     "if (j < n && pos < visible.end && slots_s[j] >= 0)"),
+     "if (j < n && pos >= visible.begin && pos < visible.end && key_rows_s[j] >= 0)",
+     "if (j < n && pos < visible.end && key_rows_s[j] >= 0)"),
+    ("attention: the cache's head stride taken as head_dim (contiguous caches only)", ATTN,
+     "const int64_t head_offset = kv_head * p.cache_strides.head;",
+     "const int64_t head_offset = kv_head * p.head_dim;"),
+    ("attention: the cache's token stride taken as num_kv_heads * head_dim", ATTN,
+     "return cache_block_offset(block, pos % p.block_size, p.cache_strides);",
+     "return block * p.cache_strides.block + pos % p.block_size * p.num_kv_heads * p.head_dim;"),
     ("attention: P.V runs over the whole tile (masked keys multiplied by zero)", ATTN,
      "        float a = acc_s[i] * alpha_s[r];\n        for (int j = int(max_i64(0, visible.begin - tile)); j < j_end; ++j) {",
      "        float a = acc_s[i] * alpha_s[r];\n        for (int j = 0; j < n; ++j) {"),

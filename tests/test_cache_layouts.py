@@ -1,17 +1,23 @@
-"""reshape_and_cache into the caches other engines allocate: K and V views of one buffer (vLLM's interleaved
-K|V cells, FlashInfer's [pages, 2, ...], the HND order, transformers' alternating pages) against a plain
-PyTorch reference, every byte of the buffer compared (the bytes the op must not write hold NaN); int32
-and int64 slot mappings; the exact K/V aliasing check against a brute-force one; hostile arguments."""
+"""reshape_and_cache and paged_attention on the caches other engines allocate: K and V views of one buffer
+(vLLM's interleaved K|V cells, FlashInfer's [pages, 2, ...], the HND order, transformers' alternating pages)
+against a plain PyTorch reference. Writes: every byte of the buffer compared (the bytes the op must not
+write hold NaN); int32 and int64 slot mappings. Attention: every dtype (float8 with scales), decode and
+both prefill kernels, every CPU ISA copy, NaN in every slot it must not read, and equal to the same call
+on contiguous copies. The exact K/V aliasing check against a brute-force one; hostile arguments."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 import pagedkv.ops as ops
 
-from ops_reference import BF16, DEVICES, F16, F32
+import ops_reference as ref
+from ops_reference import BF16, CPU_ISAS, DEVICES, F16, F32, assert_close, cpu_attention_isa
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 LAYOUTS = ["separate", "vllm_cells", "pages_two", "hnd", "transformers_pages", "mixed"]
@@ -293,16 +299,13 @@ def test_int32_min_and_negative_slots_are_padding():
     assert torch.equal(key_cache[1, 1], key[2]) and torch.equal(value_cache[1, 1], key[2])
 
 
-@pytest.mark.parametrize("op", ["paged_attention", "copy_blocks", "swap_blocks"])
-def test_other_ops_still_refuse_strided_caches(op):
+@pytest.mark.parametrize("op", ["copy_blocks", "swap_blocks"])
+def test_block_copies_still_refuse_strided_caches(op):
     cells = torch.randn(4, 8, 2, 128)
     key_cache, value_cache = cells[..., :64], cells[..., 64:]
     before = cells.clone()
     with pytest.raises(RuntimeError, match="must be contiguous"):
-        if op == "paged_attention":
-            ops.paged_attention(torch.randn(1, 2, 64), key_cache, value_cache, torch.zeros(1, 1, dtype=torch.int32),
-                                torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 0.125)
-        elif op == "copy_blocks":
+        if op == "copy_blocks":
             ops.copy_blocks([key_cache], [value_cache], torch.tensor([[0, 1]]))
         else:
             ops.swap_blocks(key_cache, torch.randn(4, 8, 2, 64), torch.tensor([[0, 1]]))
@@ -333,3 +336,226 @@ def test_views_too_irregular_to_decide_are_refused():
             with pytest.raises(RuntimeError, match="may share memory"):
                 ops.reshape_and_cache(key, key, key_cache, value_cache, torch.tensor([7]))
             assert not buffer.any()
+
+
+# --------------------------------------------------------------------------------------------------
+# paged_attention reads the same views: K and V with equal strides (every layout but "mixed")
+
+ATTENTION_LAYOUTS = [layout for layout in LAYOUTS if layout != "mixed"]
+ATTENTION_CASES = [(F32, F32, "none"), (F16, F16, "none"), (BF16, BF16, "none"),
+                   (BF16, torch.float8_e4m3fn, "head"), (F16, torch.float8_e4m3fn, "tensor"),
+                   (F32, torch.float8_e5m2, "head")]
+# (kernel, prefixes, q_lens, group): decode (one query per sequence), prefill with few rows (the per-row
+# kernel) and with many (the micro-GEMM kernel; AMX tiles for bf16), GQA throughout.
+ATTENTION_SHAPES = {
+    "decode": ([0, 16, 39, 300], [1, 1, 1, 1], 4),
+    "prefill_rows": ([0, 21], [3, 2], 2),
+    "prefill_gemm": ([35, 0], [40, 17], 2),
+}
+
+
+class ViewBatch:
+    """A random paged batch whose caches are K/V views of one NaN-filled buffer in `layout`: only the
+    slots of each sequence's positions hold numbers; unused blocks, the tail of each last block and the
+    other parts of the buffer stay NaN, and block tables are padded with out-of-range ids."""
+
+    def __init__(self, layout, prefixes, q_lens, group, dtype, cache_dtype, scales, device, *, block_size=16,
+                 num_kv_heads=2, head_dim=64):
+        self.seq_lens_list = [p + q for p, q in zip(prefixes, q_lens)]
+        blocks_per_seq = [-(-n // block_size) for n in self.seq_lens_list]
+        num_blocks = sum(blocks_per_seq) + 3
+        dims = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.buffer = sentinel_buffer(buffer_numel(layout, *dims), cache_dtype, device)
+        self.key_cache, self.value_cache = cache_views(self.buffer, layout, *dims)
+        perm = torch.randperm(num_blocks)
+        tables = torch.randint(num_blocks, num_blocks + 1000, (len(q_lens), max(blocks_per_seq) + 2))
+        used = 0
+        for b, n in enumerate(blocks_per_seq):
+            tables[b, :n] = perm[used:used + n]
+            used += n
+        self.k_scale = self.v_scale = None
+        if scales == "tensor":
+            self.k_scale, self.v_scale = torch.tensor(0.05, device=device), torch.tensor(0.3, device=device)
+        elif scales == "head":
+            self.k_scale = torch.rand(num_kv_heads, device=device) * 0.2 + 0.01
+            self.v_scale = torch.rand(num_kv_heads, device=device) + 0.05
+        for b, seq_len in enumerate(self.seq_lens_list):
+            pos = torch.arange(seq_len)
+            slots = (tables[b, pos // block_size].long() * block_size + pos % block_size).to(device)
+            for cache, scale in ((self.key_cache, self.k_scale), (self.value_cache, self.v_scale)):
+                rows = torch.randn(seq_len, num_kv_heads, head_dim, device=device)
+                if cache_dtype in FP8:
+                    reference_write(cache, quantise(rows * (1 if scale is None else scale.view(-1, 1)),
+                                                    scale, cache_dtype), slots)
+                else:
+                    reference_write(cache, rows.to(cache_dtype), slots)
+        self.block_tables = tables.to(torch.int32).to(device)
+        self.seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
+                                            device=device)
+        self.query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, device=device).to(dtype)
+        self.scale = head_dim ** -0.5
+
+    def run(self, key_cache, value_cache):
+        return ops.paged_attention_with_lse(self.query, key_cache, value_cache, self.block_tables, self.seq_lens,
+                                            self.query_start_loc, self.scale, k_scale=self.k_scale,
+                                            v_scale=self.v_scale)
+
+    def reference(self):
+        """float64 (out, lse) from the caches' values times their scales."""
+        def values(cache, scale):
+            x = cache.float()
+            return x if scale is None else x * scale.view(-1, 1).float()
+        return ref.paged_attention(self.query, values(self.key_cache, self.k_scale),
+                                   values(self.value_cache, self.v_scale), self.block_tables, self.seq_lens,
+                                   self.query_start_loc, self.scale)
+
+
+def _check_attention_on_views(batch: ViewBatch, dtype, what: str) -> None:
+    assert not batch.key_cache.is_contiguous() or batch.key_cache.data_ptr() == batch.buffer.data_ptr()
+    before = batch.buffer.view(torch.uint8).clone()
+    out, lse = batch.run(batch.key_cache, batch.value_cache)
+    expected, expected_lse = batch.reference()
+    assert_close(out, expected, dtype, what)
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+    # The same arithmetic as on contiguous caches (the kernels only address rows differently).
+    out_c, lse_c = batch.run(batch.key_cache.contiguous(), batch.value_cache.contiguous())
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c), f"{what}: differs from the contiguous call"
+    assert torch.equal(batch.buffer.view(torch.uint8), before), "paged_attention wrote into its caches"
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("layout", ATTENTION_LAYOUTS)
+@pytest.mark.parametrize("dtype,cache_dtype,scales", ATTENTION_CASES,
+                         ids=[f"{str(d)[6:]}-{str(c)[6:]}-{s}" for d, c, s in ATTENTION_CASES])
+@pytest.mark.parametrize("shape", list(ATTENTION_SHAPES))
+def test_paged_attention_cpu_on_cache_views(isa, layout, dtype, cache_dtype, scales, shape):
+    prefixes, q_lens, group = ATTENTION_SHAPES[shape]
+    batch = ViewBatch(layout, prefixes, q_lens, group, dtype, cache_dtype, scales, "cpu")
+    with cpu_attention_isa(isa):
+        _check_attention_on_views(batch, dtype, f"{isa} {layout} {shape}")
+
+
+@pytest.mark.parametrize("layout", ATTENTION_LAYOUTS)
+@pytest.mark.parametrize("block_size,head_dim", [(5, 40), (1, 24), (32, 128)])
+def test_paged_attention_on_cache_views_odd_shapes(layout, block_size, head_dim):
+    """Blocks that do not hold whole 16-key tiles, head dims that are not multiples of 16 (other kernels)."""
+    for kernel, (prefixes, q_lens, group) in ATTENTION_SHAPES.items():
+        batch = ViewBatch(layout, prefixes, q_lens, group, F32, F32, "none", "cpu", block_size=block_size,
+                          head_dim=head_dim)
+        _check_attention_on_views(batch, F32, f"{layout} {kernel} bs={block_size} D={head_dim}")
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("layout,num_kv_heads", [("vllm_cells", 8), ("separate", 16), ("separate", 8)])
+def test_bf16_decode_with_slots_4k_apart(isa, layout, num_kv_heads):
+    """bf16 rows whose slots are 4 KiB apart (cells of 8 KV heads x 128 dims, contiguous 16 x 128) are
+    staged out of the cache by the AVX-512 decode kernel: the same results as rows read in place."""
+    prefixes, q_lens, group = ATTENTION_SHAPES["decode"]
+    batch = ViewBatch(layout, prefixes, q_lens, group, BF16, BF16, "none", "cpu", num_kv_heads=num_kv_heads,
+                      head_dim=128)
+    with cpu_attention_isa(isa):
+        _check_attention_on_views(batch, BF16, f"{isa} {layout} Hkv={num_kv_heads}")
+
+
+@pytest.mark.skipif(not ref.HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ATTENTION_LAYOUTS)
+@pytest.mark.parametrize("dtype,cache_dtype,scales", ATTENTION_CASES,
+                         ids=[f"{str(d)[6:]}-{str(c)[6:]}-{s}" for d, c, s in ATTENTION_CASES])
+@pytest.mark.parametrize("shape", list(ATTENTION_SHAPES))
+def test_paged_attention_cuda_on_cache_views(layout, dtype, cache_dtype, scales, shape):
+    prefixes, q_lens, group = ATTENTION_SHAPES[shape]
+    batch = ViewBatch(layout, prefixes, q_lens, group, dtype, cache_dtype, scales, "cuda")
+    _check_attention_on_views(batch, dtype, f"cuda {layout} {shape}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_paged_attention_on_interleaved_cells(device):
+    batch = ViewBatch("vllm_cells", [5, 0], [1, 3], 2, F32, F32, "none", device)
+    cells = batch.buffer.view(*batch.key_cache.shape[:3], -1).nan_to_num()  # opcheck compares outputs
+    args = (batch.query, cells[..., :64], cells[..., 64:], batch.block_tables, batch.seq_lens,
+            batch.query_start_loc, batch.scale)
+    torch.library.opcheck(torch.ops.pagedkv.paged_attention.default, args)
+    torch.library.opcheck(torch.ops.pagedkv.paged_attention_with_lse.default, args)
+
+
+def test_paged_attention_on_cache_views_compiles():
+    batch = ViewBatch("hnd", [9, 0], [1, 5], 2, F32, F32, "none", "cpu")
+    fn = torch.compile(lambda q, k, v: ops.paged_attention(q, k, v, batch.block_tables, batch.seq_lens,
+                                                           batch.query_start_loc, batch.scale), fullgraph=True)
+    out = fn(batch.query, batch.key_cache, batch.value_cache)
+    assert_close(out, batch.reference()[0], F32, "compiled")
+
+
+def _hostile_attention_views():
+    n, bs, h, d = 4, 8, 2, 16
+    cells = torch.randn(n, bs, h, 2 * d)  # vLLM's layout
+    pages = torch.randn(n, 2, bs, h, d)   # FlashInfer's
+    hnd = torch.randn(n, h, bs, d)
+    return {
+        r"key_cache strides \[512, 64, 32, 1\] and value_cache strides \[256, 16, 128, 1\] must be equal":
+            (cells[..., :d], hnd.transpose(1, 2)),
+        r"key_cache strides \[512, 32, 16, 1\] and value_cache strides \[512, 16, 128, 1\] must be equal":
+            (pages[:, 0], pages[:, 1].as_strided((n, bs, h, d), (512, 16, 128, 1))),  # K NHD, V HND
+        r"key_cache must have a contiguous head_dim": (cells[..., ::2], cells[..., 1::2]),
+        r"value_cache has elements that share memory .*each cache element holds one value":
+            (pages[:, 0], pages[:1, 1].expand(n, bs, h, d)),
+        r"key_cache has elements that share memory":
+            (cells.as_strided((n, bs, h, d), (0, 2 * h * d, 2 * d, 1)), cells[..., d:]),
+    }
+
+
+@pytest.mark.parametrize("case", list(_hostile_attention_views()))
+def test_hostile_attention_cache_views_raise(case):
+    """Checked before anything is read; each call runs in a child process too, so a missing check that
+    crashes the kernel fails the test instead of the run."""
+    key_cache, value_cache = _hostile_attention_views()[case]
+    query = torch.randn(2, 4, key_cache.shape[-1])
+    tables = torch.tensor([[0, 3], [1, 2]], dtype=torch.int32)
+    seq_lens = torch.tensor([9, 12], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=case):
+        ops.paged_attention(query, key_cache, value_cache, tables, seq_lens, qsl, 0.25)
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_paged_attention_on_overlapping_page_views(isa):
+    """transformers' page views: each layer's K pages and, one page later, its V pages as two contiguous
+    [pages, page, Hkv, D] views of the whole buffer (they overlap; only reads). Block b of layer 1 of a
+    2-layer group is page 4 b of both views: the same output as the [blocks, ...] strided views."""
+    batch = ViewBatch("transformers_pages", *ATTENTION_SHAPES["prefill_rows"], F32, F32, "none", "cpu")
+    pages = batch.buffer.view(-1, *batch.key_cache.shape[1:])  # K0 V0 K1 V1 per block
+    key_pages, value_pages = pages[2:-1], pages[3:]            # layer 1's K and V page views
+    assert key_pages.is_contiguous() and value_pages.is_contiguous()
+    tables = batch.block_tables.clone()
+    real = tables < batch.key_cache.shape[0]
+    tables[real] *= 4
+    with cpu_attention_isa(isa):
+        out, lse = ops.paged_attention_with_lse(batch.query, key_pages, value_pages, tables, batch.seq_lens,
+                                                batch.query_start_loc, batch.scale)
+        want, want_lse = batch.run(batch.key_cache, batch.value_cache)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert_close(out, batch.reference()[0], F32, "overlapping page views")
+
+
+def test_hostile_attention_cache_views_do_not_crash_a_process():
+    code = textwrap.dedent("""
+        import re, torch, pagedkv.ops as ops
+        from test_cache_layouts import _hostile_attention_views
+        for case, (k, v) in _hostile_attention_views().items():
+            q = torch.randn(2, 4, k.shape[-1])
+            try:
+                ops.paged_attention(q, k, v, torch.tensor([[0, 3], [1, 2]], dtype=torch.int32),
+                                    torch.tensor([9, 12], dtype=torch.int32),
+                                    torch.tensor([0, 1, 2], dtype=torch.int32), 0.25)
+            except RuntimeError as e:
+                assert re.search(case, str(e)), (case, str(e))
+            else:
+                raise AssertionError("accepted: " + case)
+        print("all refused")
+    """)
+    import os
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests_dir), tests_dir]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "all refused" in done.stdout, done.stderr[-2000:]

@@ -21,8 +21,9 @@ constexpr int64_t kMaxPartitions = 64;
 struct AttentionParams {
   const void* query;  // [T, Hq, D], strides in elements
   int64_t q_stride_token, q_stride_head, q_stride_dim;
-  const void* key_cache;  // [num_blocks, block_size, Hkv, D], contiguous
+  const void* key_cache;  // [num_blocks, block_size, Hkv, D] views, head_dim contiguous
   const void* value_cache;
+  CacheStrides cache_strides;      // of both views (elements): K and V have the same strides
   const int32_t* block_tables;     // [B, max_blocks]
   const int32_t* seq_lens;         // [B]
   const int32_t* query_start_loc;  // [B + 1]

@@ -95,8 +95,10 @@ void check_no_overlap(const at::Tensor& written, const std::string& written_name
               "separate tensors");
 }
 
-// An output whose elements alias each other (an expand()ed or as_strided view) would be updated twice.
-void check_no_internal_overlap(const at::Tensor& t, const std::string& name) {
+// An output whose elements alias each other (an expand()ed or as_strided view) would be updated twice;
+// `why` says why the tensor needs elements of its own.
+void check_no_internal_overlap(const at::Tensor& t, const std::string& name,
+                               const char* why = "it is written in place") {
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions with size > 1
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
@@ -105,27 +107,41 @@ void check_no_internal_overlap(const at::Tensor& t, const std::string& name) {
   int64_t extent = 1;  // elements spanned by the dimensions so far
   for (const auto& [stride, size] : dims) {
     TORCH_CHECK(stride >= extent, name, " has elements that share memory (strides ", t.strides(), ", shape ",
-                t.sizes(), "), e.g. an expand()ed view; it is written in place, so pass a tensor without "
-                "overlapping elements");
+                t.sizes(), "), e.g. an expand()ed view; ", why, ", so pass a tensor without overlapping elements");
     extent = stride * (size - 1) + extent;
   }
 }
 
-// The cache of paged_attention, copy_blocks and swap_blocks: one contiguous tensor.
+// The cache of copy_blocks: one contiguous tensor.
 void check_cache(const at::Tensor& cache, const std::string& name) {
   check_cache_shape_and_dtype(cache, name);
   TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous, got strides ", cache.strides(), " for shape ",
-              cache.sizes(), " (only reshape_and_cache writes into strided cache views)");
+              cache.sizes(), " (reshape_and_cache and paged_attention take strided cache views, copy_blocks "
+              "does not)");
 }
 
-// The cache of reshape_and_cache: any strides on the block, token and head dimensions (a view of a
-// larger buffer), a contiguous head_dim, no two elements at one address.
-void check_cache_view(const at::Tensor& cache, const std::string& name) {
+// The cache of reshape_and_cache and paged_attention: any strides on the block, token and head
+// dimensions (a view of a larger buffer), a contiguous head_dim, no two elements at one address.
+void check_cache_view(const at::Tensor& cache, const std::string& name, const char* why = "it is written in place") {
   check_cache_shape_and_dtype(cache, name);
   TORCH_CHECK(cache.size(3) == 1 || cache.stride(3) == 1, name,
               " must have a contiguous head_dim (stride 1), got strides ", cache.strides(), " for shape ",
               cache.sizes());
-  check_no_internal_overlap(cache, name);
+  check_no_internal_overlap(cache, name, why);
+}
+
+// paged_attention reads K and V through one set of row offsets: their views must have the same strides
+// (those of a dimension of size 1 never matter). Both are only read, so they may overlap: transformers'
+// page views of one buffer do (V's view starts one page into K's; the block tables address K pages).
+void check_kv_cache_views(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  bool same_strides = true;
+  for (int64_t d = 0; d < 3; ++d) {
+    same_strides = same_strides && (key_cache.size(d) <= 1 || key_cache.stride(d) == value_cache.stride(d));
+  }
+  TORCH_CHECK(same_strides, "key_cache strides ", key_cache.strides(), " and value_cache strides ",
+              value_cache.strides(), " must be equal: paged_attention reads K and V at the same offsets (the K "
+              "and V views of vLLM's interleaved cells, FlashInfer's [pages, 2, ...] and the HND layout have "
+              "equal strides); pass views of one layout, or contiguous caches");
 }
 
 void check_block_mapping_shape(const at::Tensor& block_mapping) {
@@ -223,8 +239,9 @@ AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& 
                                      const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_q_heads, head_dim], got shape ", query.sizes());
   check_float_dtype(query, "query");
-  check_cache(key_cache, "key_cache");
-  check_cache(value_cache, "value_cache");
+  constexpr const char* kRead = "each cache element holds one value";
+  check_cache_view(key_cache, "key_cache", kRead);
+  check_cache_view(value_cache, "value_cache", kRead);
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "value_cache shape ", value_cache.sizes(),
               " must equal key_cache shape ", key_cache.sizes());
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() &&
@@ -258,6 +275,7 @@ AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& 
   check_same_device(block_tables, "block_tables", query, "query");
   check_same_device(seq_lens, "seq_lens", query, "query");
   check_same_device(query_start_loc, "query_start_loc", query, "query");
+  check_kv_cache_views(key_cache, value_cache);
   return AttentionShape{query.size(0),     query.size(1),         num_kv_heads,      query.size(2),
                         num_seqs,          block_tables.size(1),  key_cache.size(0), key_cache.size(1)};
 }
@@ -498,8 +516,6 @@ void check_block_mapping_values(const at::Tensor& block_mapping, int64_t num_src
 // CPU kernels of the cache ops
 
 namespace {
-
-CacheStrides cache_strides(const at::Tensor& cache) { return {cache.stride(0), cache.stride(1), cache.stride(2)}; }
 
 // Writes each token's [Hkv, D] rows (any strides) into its cache slot (cache views with any block, token
 // and head strides): cache element d of head h of token t becomes store(element, h) for the input

@@ -80,6 +80,11 @@ void check_attention_metadata_values(const AttentionShape& shape, const at::Tens
 void check_block_mapping_values(const at::Tensor& block_mapping, int64_t num_src_blocks, int64_t num_dst_blocks,
                                 bool same_pool = false);
 
+// Strides (elements) of the block, token and head dimensions of a [num_blocks, block_size, Hkv, D] cache.
+inline CacheStrides cache_strides(const at::Tensor& cache) {
+  return {cache.stride(0), cache.stride(1), cache.stride(2)};
+}
+
 // The parameters of a paged_attention call (checked shapes; metadata tensors contiguous; lse may be
 // undefined). Split-K buffers and the index check are the backend's to fill.
 inline AttentionParams attention_params(const AttentionShape& shape, const at::Tensor& query, const at::Tensor& key_cache,
@@ -94,6 +99,7 @@ inline AttentionParams attention_params(const AttentionShape& shape, const at::T
   p.q_stride_dim = query.stride(2);
   p.key_cache = key_cache.data_ptr();
   p.value_cache = value_cache.data_ptr();
+  p.cache_strides = cache_strides(key_cache);  // value_cache's too (checked)
   p.block_tables = block_tables.data_ptr<int32_t>();
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.query_start_loc = query_start_loc.data_ptr<int32_t>();

@@ -30,11 +30,6 @@ PAGEDKV_HD int64_t slot_of_position(const int32_t* block_table, int64_t pos, int
   return static_cast<int64_t>(block_table[pos / block_size]) * block_size + pos % block_size;
 }
 
-// Element offset of (slot, kv_head, 0) in a contiguous NHD cache.
-PAGEDKV_HD int64_t cache_row_offset(int64_t slot, int64_t kv_head, int64_t num_kv_heads, int64_t head_dim) {
-  return (slot * num_kv_heads + kv_head) * head_dim;
-}
-
 // Strides (in elements) of a [num_blocks, block_size, num_kv_heads, head_dim] cache view whose head_dim
 // is contiguous: a contiguous tensor, or a view of a larger one (vLLM's interleaved K|V cells,
 // FlashInfer's [pages, 2, ...] halves, an HND tensor transposed).
@@ -44,10 +39,34 @@ struct CacheStrides {
   int64_t head;
 };
 
+// Whether every row of a cache view (head_dim contiguous by contract) whose data starts at `data` starts
+// 16-byte aligned: the CUDA kernels then move rows in 16-byte chunks.
+inline bool cache_rows_16b_aligned(const void* data, int64_t elem_size, CacheStrides s) {
+  const int64_t per_vec = 16 / elem_size;
+  return s.block % per_vec == 0 && s.token % per_vec == 0 && s.head % per_vec == 0 &&
+         reinterpret_cast<uintptr_t>(data) % 16 == 0;
+}
+
 // Element offset of (slot, 0, 0) in a cache view with these strides; head h's row is h * s.head further.
 PAGEDKV_HD int64_t cache_slot_offset(int64_t slot, int64_t block_size, CacheStrides s) {
   const SlotLocation loc = decode_slot(slot, block_size);
   return loc.block * s.block + loc.offset * s.token;
+}
+
+// The strides of a contiguous cache.
+PAGEDKV_HD CacheStrides contiguous_cache_strides(int64_t block_size, int64_t num_kv_heads, int64_t head_dim) {
+  return {block_size * num_kv_heads * head_dim, num_kv_heads * head_dim, head_dim};
+}
+
+// Element offset of (token `offset` of physical block `block`, head 0) in a cache view with these strides.
+PAGEDKV_HD int64_t cache_block_offset(int64_t block, int64_t offset, CacheStrides s) {
+  return block * s.block + offset * s.token;
+}
+
+// Element offset of (KV position pos, head 0) of a sequence whose block table row is block_table (the
+// slot of slot_of_position, without dividing it again).
+PAGEDKV_HD int64_t cache_position_offset(const int32_t* block_table, int64_t pos, int64_t block_size, CacheStrides s) {
+  return cache_block_offset(block_table[pos / block_size], pos % block_size, s);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 // headers only): the work plan, the kernels on a few threads and the split-K merge against a float64
 // reference. Decode and prefill over cached prefixes, GQA groups 1..20, block sizes that do and do not
 // divide the kernels' tiles, head dims with and without a last 8 columns, sliding window, softcap,
-// fp32 / fp16 / bf16 and float8 caches with per-head scales. Cache rows the kernels must not read (the
+// fp32 / fp16 / bf16 and float8 caches with per-head scales, contiguous caches and strided K/V views of
+// one buffer (vLLM's interleaved cells, FlashInfer's HND pages). Cache rows the kernels must not read (the
 // tail of each sequence's last block, blocks of no sequence) hold NaN and block tables are padded with
 // -1. On x86-64 this runs the AVX2 / AVX-512 / AMX copies where the CPU has them; built for aarch64
 // (make test-cpp-arm) it runs the NEON copy under qemu-user.
@@ -34,6 +35,13 @@ struct Shape {
   int threads;
 };
 
+// Where K and V live: two contiguous caches, or views of one buffer with equal strides.
+enum class Layout { kContiguous, kCells, kHndPages };
+
+const char* layout_name(Layout l) {
+  return l == Layout::kContiguous ? "contiguous" : l == Layout::kCells ? "cells" : "hnd_pages";
+}
+
 std::string shape_name(const Shape& s) {
   std::string lens;
   for (size_t b = 0; b < s.seq_lens.size(); ++b) lens += "_" + std::to_string(s.seq_lens[b]) + "q" + std::to_string(s.q_lens[b]);
@@ -59,13 +67,20 @@ double tolerance() {
 template <typename scalar_t, typename cache_t>
 struct Batch {
   Shape s;
+  Layout layout;
   int num_q_heads, num_tokens, max_blocks, num_blocks;
   std::vector<int32_t> block_tables, seq_lens, query_start_loc;
   std::vector<scalar_t> query, out;
-  std::vector<cache_t> key_cache, value_cache;
+  std::vector<cache_t> kv;  // both caches: K at k_offset, V at v_offset, each with strides cs
+  size_t k_offset = 0, v_offset = 0;
+  pagedkv::CacheStrides cs{};
   std::vector<float> lse, k_scale, v_scale;
 
-  Batch(const Shape& shape, std::mt19937_64& rng) : s(shape) {
+  size_t at(size_t base, int64_t block, int64_t token, int64_t head) const {
+    return base + size_t(block * cs.block + token * cs.token + head * cs.head);
+  }
+
+  Batch(const Shape& shape, Layout layout_, std::mt19937_64& rng) : s(shape), layout(layout_) {
     const int B = int(s.seq_lens.size()), D = s.head_dim, Hkv = s.num_kv_heads, bs = s.block_size;
     num_q_heads = Hkv * s.group;
     query_start_loc.assign(1, 0);
@@ -96,13 +111,23 @@ struct Batch {
     query.resize(size_t(num_tokens) * num_q_heads * D);
     for (auto& x : query) x = scalar_t(normal(rng));
     const size_t cache_size = size_t(num_blocks) * bs * Hkv * D;
-    key_cache.resize(cache_size);
-    value_cache.resize(cache_size);
+    if (layout == Layout::kContiguous) {
+      cs = pagedkv::contiguous_cache_strides(bs, Hkv, D), k_offset = 0, v_offset = cache_size;
+    } else if (layout == Layout::kCells) {  // [blocks, bs, Hkv, 2D]: K | V in each cell
+      cs = {int64_t(bs) * Hkv * 2 * D, int64_t(Hkv) * 2 * D, 2 * int64_t(D)}, k_offset = 0, v_offset = D;
+    } else {  // [pages, 2, Hkv, page, D]
+      cs = {2 * int64_t(Hkv) * bs * D, D, int64_t(bs) * D}, k_offset = 0, v_offset = size_t(Hkv) * bs * D;
+    }
     const float nan = std::numeric_limits<float>::quiet_NaN();
-    for (size_t i = 0; i < cache_size; ++i) {
-      const size_t slot = i / (size_t(Hkv) * D);
-      key_cache[i] = cache_t(used[slot] ? normal(rng) * stored : nan);
-      value_cache[i] = cache_t(used[slot] ? normal(rng) * stored : nan);
+    kv.assign(2 * cache_size, cache_t(nan));
+    for (int64_t slot = 0; slot < int64_t(num_blocks) * bs; ++slot) {
+      if (!used[slot]) continue;
+      for (int h = 0; h < Hkv; ++h) {
+        for (int d = 0; d < D; ++d) {
+          kv[at(k_offset, slot / bs, slot % bs, h) + d] = cache_t(normal(rng) * stored);
+          kv[at(v_offset, slot / bs, slot % bs, h) + d] = cache_t(normal(rng) * stored);
+        }
+      }
     }
     out.assign(query.size(), scalar_t(nan));
     lse.assign(size_t(num_tokens) * num_q_heads, nan);
@@ -114,8 +139,9 @@ struct Batch {
     a.q_stride_token = int64_t(num_q_heads) * s.head_dim;
     a.q_stride_head = s.head_dim;
     a.q_stride_dim = 1;
-    a.key_cache = key_cache.data();
-    a.value_cache = value_cache.data();
+    a.key_cache = kv.data() + k_offset;
+    a.value_cache = kv.data() + v_offset;
+    a.cache_strides = cs;
     a.block_tables = block_tables.data();
     a.seq_lens = seq_lens.data();
     a.query_start_loc = query_start_loc.data();
@@ -161,17 +187,17 @@ struct Batch {
 
   // Output row (token, head) and its lse in float64, from the stored values times their scales.
   void reference(int b, int token, int head, std::vector<double>& o, double& lse_out) const {
-    const int D = s.head_dim, Hkv = s.num_kv_heads, kv = head / s.group, bs = s.block_size;
+    const int D = s.head_dim, h = head / s.group, bs = s.block_size;
     const int q_len = s.q_lens[b], j = token - query_start_loc[b];
     const int64_t pos = pagedkv::query_position(s.seq_lens[b], q_len, j);
     const pagedkv::KeyRange keys = pagedkv::visible_keys(pos, s.sliding_window);
     const double scale = 1.0 / std::sqrt(double(D));
     std::vector<double> logits;
     for (int64_t p = keys.begin; p < keys.end; ++p) {
-      const size_t row = (size_t(block_tables[size_t(b) * max_blocks + p / bs]) * bs + p % bs) * Hkv * D + size_t(kv) * D;
+      const size_t row = at(k_offset, block_tables[size_t(b) * max_blocks + p / bs], p % bs, h);
       double dot = 0;
       for (int d = 0; d < D; ++d) {
-        dot += double(float(query[(size_t(token) * num_q_heads + head) * D + d])) * float(key_cache[row + d]) * k_scale[kv];
+        dot += double(float(query[(size_t(token) * num_q_heads + head) * D + d])) * float(kv[row + d]) * k_scale[h];
       }
       double x = dot * scale;
       if (s.softcap > 0) x = s.softcap * std::tanh(x / s.softcap);
@@ -182,9 +208,9 @@ struct Batch {
     for (double& x : logits) sum += (x = std::exp(x - m));
     o.assign(D, 0.0);
     for (int64_t p = keys.begin; p < keys.end; ++p) {
-      const size_t row = (size_t(block_tables[size_t(b) * max_blocks + p / bs]) * bs + p % bs) * Hkv * D + size_t(kv) * D;
+      const size_t row = at(v_offset, block_tables[size_t(b) * max_blocks + p / bs], p % bs, h);
       const double w = logits[p - keys.begin] / sum;
-      for (int d = 0; d < D; ++d) o[d] += w * float(value_cache[row + d]) * v_scale[kv];
+      for (int d = 0; d < D; ++d) o[d] += w * float(kv[row + d]) * v_scale[h];
     }
     lse_out = m + std::log(sum);
   }
@@ -202,13 +228,15 @@ struct Batch {
           for (int d = 0; d < s.head_dim && failures < 5; ++d) {
             const double got = float(out[row * s.head_dim + d]);
             if (!(std::abs(got - o[d]) <= tol + tol * std::abs(o[d]))) {
-              ADD_FAILURE() << isa << " " << shape_name(s) << ": out[token " << t << ", head " << h << ", " << d
+              ADD_FAILURE() << isa << " " << layout_name(layout) << " " << shape_name(s) << ": out[token " << t
+                            << ", head " << h << ", " << d
                             << "] = " << got << ", reference " << o[d];
               ++failures;
             }
           }
           if (failures < 5 && !(std::abs(lse[row] - ref_lse) <= 1e-4 + 1e-4 * std::abs(ref_lse))) {
-            ADD_FAILURE() << isa << " " << shape_name(s) << ": lse[token " << t << ", head " << h << "] = " << lse[row]
+            ADD_FAILURE() << isa << " " << layout_name(layout) << " " << shape_name(s) << ": lse[token " << t
+                          << ", head " << h << "] = " << lse[row]
                           << ", reference " << ref_lse;
             ++failures;
           }
@@ -254,10 +282,13 @@ template <typename scalar_t, typename cache_t>
 void check_every_isa_and_shape() {
   std::mt19937_64 rng(std::hash<std::string>{}(::testing::UnitTest::GetInstance()->current_test_info()->name()));
   for (cpu::Isa isa : isas()) {
-    for (const Shape& shape : kShapes) {
-      Batch<scalar_t, cache_t> batch(shape, rng);
-      batch.run(isa);
-      batch.expect_matches_reference(cpu::isa_name(isa));
+    for (size_t i = 0; i < kShapes.size(); ++i) {
+      // Every shape contiguous, and each in one of the strided layouts (alternating).
+      for (Layout layout : {Layout::kContiguous, i % 2 ? Layout::kCells : Layout::kHndPages}) {
+        Batch<scalar_t, cache_t> batch(kShapes[i], layout, rng);
+        batch.run(isa);
+        batch.expect_matches_reference(cpu::isa_name(isa));
+      }
     }
   }
 }

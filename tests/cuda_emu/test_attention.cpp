@@ -1,7 +1,8 @@
 // The CUDA paged attention kernels (csrc/ops/cuda/attention.cuh) run on the CPU emulator against a
 // float64 reference: every dtype, the 16-byte and the scalar staging paths, both schedules; decode,
 // prefill over a cached prefix, GQA up to 32, more than 32 sequences, split-K, sliding window,
-// softcap, head sizes up to 256, strided queries; float8 caches (e4m3fn, e5m2) under every query dtype
+// softcap, head sizes up to 256, strided queries; K/V cache views of one buffer (vLLM's interleaved
+// cells, FlashInfer's NHD and HND pages) on both staging paths; float8 caches (e4m3fn, e5m2) under every query dtype
 // with no, per-tensor and per-head scales, against the reference of the stored bytes times the scale. Cache entries that must never be read (unused
 // blocks, the tail of a sequence's last block) hold NaN; masked keys hold inf/NaN and must contribute
 // nothing; metadata pointing outside the cache is skipped and reported under the index check.
@@ -49,6 +50,19 @@ struct AttnCase {
 // Float8 caches: how the scales are given.
 enum class Scales { kNone, kTensor, kHead };
 
+// Where K and V live: two contiguous caches, or views of one buffer with equal strides: vLLM's
+// [blocks, bs, Hkv, 2D] cells (K | V), FlashInfer's [pages, 2, page, Hkv, D] and [pages, 2, Hkv, page, D].
+enum class Layout { kContiguous, kCells, kPagesNhd, kPagesHnd };
+
+const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::kContiguous: return "contiguous";
+    case Layout::kCells: return "cells";
+    case Layout::kPagesNhd: return "pages_nhd";
+    default: return "pages_hnd";
+  }
+}
+
 const double kNaN = std::numeric_limits<double>::quiet_NaN();
 const double kInf = std::numeric_limits<double>::infinity();
 
@@ -59,13 +73,17 @@ struct AttnRun {
   int B, T_total, Hq, Hkv, D, bs, num_blocks, max_blocks, q_token_stride;
   std::vector<int32_t> q_lens, seq_lens, query_start_loc, block_tables;
   Buffer<T> query;
-  Buffer<C> key_cache, value_cache;
+  Layout layout;
+  Buffer<C> kv;  // both caches: K's view at k_offset, V's at v_offset, each with strides cs
+  size_t k_offset = 0, v_offset = 0;
+  pagedkv::CacheStrides cs{};
   std::vector<std::pair<int, int64_t>> planted;  // (seq, pos) holding inf K / NaN V, masked for most rows
   float scale;
   Scales scales;
   std::vector<float> k_scale, v_scale;  // one per KV head (all equal for kTensor; 1 for kNone)
 
-  AttnRun(const AttnCase& cs, std::mt19937_64& rng, Scales sc = Scales::kNone) : c(cs), scales(sc) {
+  AttnRun(const AttnCase& ac, std::mt19937_64& rng, Scales sc = Scales::kNone, Layout lay = Layout::kContiguous)
+      : c(ac), scales(sc), layout(lay) {
     B = int(c.q_lens.size());
     Hq = c.num_q_heads, Hkv = c.num_kv_heads, D = c.head_dim, bs = c.block_size;
     q_lens = std::vector<int32_t>(c.q_lens.begin(), c.q_lens.end());
@@ -101,20 +119,23 @@ struct AttnRun {
       v_scale.push_back(scales == Scales::kNone ? 1.f : scales == Scales::kTensor ? v_all : float(std::exp(log_scale(rng))));
     }
     const size_t cache_elems = size_t(num_blocks) * bs * Hkv * D;
-    key_cache = Buffer<C>(cache_elems);
-    value_cache = Buffer<C>(cache_elems);
-    std::uniform_real_distribution<double> unit(-1.0, 1.0);
-    for (size_t i = 0; i < cache_elems; ++i) {
-      key_cache[i] = from_double<C>(kNaN);
-      value_cache[i] = from_double<C>(kNaN);
+    const int64_t page = int64_t(bs) * Hkv * D;
+    switch (layout) {
+      case Layout::kContiguous: cs = pagedkv::contiguous_cache_strides(bs, Hkv, D), v_offset = cache_elems; break;
+      case Layout::kCells: cs = {2 * page, 2 * int64_t(Hkv) * D, 2 * int64_t(D)}, v_offset = D; break;
+      case Layout::kPagesNhd: cs = {2 * page, int64_t(Hkv) * D, D}, v_offset = page; break;
+      case Layout::kPagesHnd: cs = {2 * page, D, int64_t(bs) * D}, v_offset = page; break;
     }
+    kv = Buffer<C>(2 * cache_elems);
+    std::uniform_real_distribution<double> unit(-1.0, 1.0);
+    for (size_t i = 0; i < kv.size; ++i) kv[i] = from_double<C>(kNaN);
     for (int b = 0; b < B; ++b) {
       for (int64_t pos = 0; pos < seq_lens[b]; ++pos) {
         for (int h = 0; h < Hkv; ++h) {
           for (int d = 0; d < D; ++d) {
             const size_t at = cache_at(b, pos, h, d);
-            key_cache[at] = from_double<C>(unit(rng) / k_scale[h]);
-            value_cache[at] = from_double<C>(unit(rng) / v_scale[h]);
+            kv[k_offset + at] = from_double<C>(unit(rng) / k_scale[h]);
+            kv[v_offset + at] = from_double<C>(unit(rng) / v_scale[h]);
           }
         }
       }
@@ -127,8 +148,8 @@ struct AttnRun {
       for (int h = 0; h < Hkv; ++h) {
         for (int d = 0; d < D; ++d) {
           const size_t at = cache_at(b, pos, h, d);
-          key_cache[at] = from_double<C>(d % 2 ? kInf : -kInf);
-          value_cache[at] = from_double<C>(d % 3 ? kNaN : kInf);
+          kv[k_offset + at] = from_double<C>(d % 2 ? kInf : -kInf);
+          kv[v_offset + at] = from_double<C>(d % 3 ? kNaN : kInf);
         }
       }
     }
@@ -140,10 +161,10 @@ struct AttnRun {
     scale = float(1.0 / std::sqrt(double(D)));
   }
 
-  // Element (pos, kv head, d) of sequence b in the cache.
+  // Element (pos, kv head, d) of sequence b in a cache view (from its first element).
   size_t cache_at(int b, int64_t pos, int h, int d) const {
     const int64_t block = block_tables[size_t(b) * max_blocks + pos / bs];
-    return ((size_t(block) * bs + pos % bs) * Hkv + h) * D + d;
+    return size_t(block * cs.block + pos % bs * cs.token + h * cs.head + d);
   }
 
   // Runs the kernels as attention.cu launches them; returns out [T, Hq, D] and lse [T, Hq].
@@ -154,13 +175,13 @@ struct AttnRun {
     p.q_stride_token = q_token_stride;
     p.q_stride_head = D;
     p.q_stride_dim = 1;
-    // The scalar path: copies of the caches one element off 16-byte alignment.
-    const size_t cache_elems = size_t(num_blocks) * bs * Hkv * D;
-    Buffer<C> k_shifted(cache_elems + 1), v_shifted(cache_elems + 1);
-    std::copy(key_cache.get(), key_cache.get() + cache_elems, k_shifted.get() + 1);
-    std::copy(value_cache.get(), value_cache.get() + cache_elems, v_shifted.get() + 1);
-    p.key_cache = scalar_path ? k_shifted.get() + 1 : key_cache.get();
-    p.value_cache = scalar_path ? v_shifted.get() + 1 : value_cache.get();
+    // The scalar path: a copy of the caches one element off 16-byte alignment.
+    Buffer<C> shifted(kv.size + 1);
+    std::copy(kv.get(), kv.get() + kv.size, shifted.get() + 1);
+    const C* base = scalar_path ? shifted.get() + 1 : kv.get();
+    p.key_cache = base + k_offset;
+    p.value_cache = base + v_offset;
+    p.cache_strides = cs;
     p.block_tables = block_tables.data();
     p.seq_lens = seq_lens.data();
     p.query_start_loc = query_start_loc.data();
@@ -178,8 +199,8 @@ struct AttnRun {
       p.k_scale = pagedkv::KvScale{k_scale.data(), scales == Scales::kHead ? 1 : 0};
       p.v_scale = pagedkv::KvScale{v_scale.data(), scales == Scales::kHead ? 1 : 0};
     }
-    const bool aligned = reinterpret_cast<uintptr_t>(p.key_cache) % 16 == 0 &&
-                         reinterpret_cast<uintptr_t>(p.value_cache) % 16 == 0;
+    const bool aligned = pagedkv::cache_rows_16b_aligned(p.key_cache, sizeof(C), cs) &&
+                         pagedkv::cache_rows_16b_aligned(p.value_cache, sizeof(C), cs);
     const attn::AttentionLaunch launch = attn::plan_paged_attention(p, sizeof(C), aligned, max_seq_len, c.multiprocessors);
     ASSERT_TRUE(launch.smem_fits);
     ASSERT_EQ(launch.vec16, !scalar_path && (D * sizeof(C)) % 16 == 0);
@@ -205,8 +226,8 @@ struct AttnRun {
   unsigned splits = 1;
 
   // What the kernel must read: the stored element times its head's scale.
-  double kv_value(const Buffer<C>& cache, const std::vector<float>& sc, int b, int64_t pos, int h, int d) const {
-    return to_double(cache.data[cache_at(b, pos, h, d)]) * double(sc[h]);
+  double kv_value(size_t view_offset, const std::vector<float>& sc, int b, int64_t pos, int h, int d) const {
+    return to_double(kv.data[view_offset + cache_at(b, pos, h, d)]) * double(sc[h]);
   }
 
   // float64 reference of row (token of sequence b, query j, head h); false when the row sees a
@@ -217,13 +238,13 @@ struct AttnRun {
     for (const auto& [pb, ppos] : planted) {
       if (pb == b && ppos >= vis.begin && ppos < vis.end) return false;
     }
-    const int kv = h / (Hq / Hkv);
+    const int kv_head = h / (Hq / Hkv);
     const size_t q_off = size_t(query_start_loc[b] + j) * q_token_stride + size_t(h) * D;
     std::vector<double> logits;
     double m = -kInf;
     for (int64_t k = vis.begin; k < vis.end; ++k) {
       double s = 0;
-      for (int d = 0; d < D; ++d) s += to_double(query.data[q_off + d]) * kv_value(key_cache, k_scale, b, k, kv, d);
+      for (int d = 0; d < D; ++d) s += to_double(query.data[q_off + d]) * kv_value(k_offset, k_scale, b, k, kv_head, d);
       s *= double(scale);
       if (c.softcap > 0) s = c.softcap * std::tanh(s / c.softcap);
       logits.push_back(s);
@@ -234,7 +255,7 @@ struct AttnRun {
     for (int64_t k = vis.begin; k < vis.end; ++k) {
       const double w = std::exp(logits[k - vis.begin] - m);
       l += w;
-      for (int d = 0; d < D; ++d) (*out)[d] += w * kv_value(value_cache, v_scale, b, k, kv, d);
+      for (int d = 0; d < D; ++d) (*out)[d] += w * kv_value(v_offset, v_scale, b, k, kv_head, d);
     }
     for (double& o : *out) o /= l;
     *lse = m + std::log(l);
@@ -275,15 +296,16 @@ struct AttnRun {
 };
 
 template <typename T, typename C = T>
-void run_all_variants(const AttnCase& c, bool expect_split, Scales scales = Scales::kNone) {
+void run_all_variants(const AttnCase& c, bool expect_split, Scales scales = Scales::kNone,
+                      Layout layout = Layout::kContiguous) {
   for (const cuda_emu::Schedule schedule : schedules()) {
     for (const bool scalar_path : {false, true}) {
-      SCOPED_TRACE(std::string(dtype_name<T>()) + " query, " + dtype_name<C>() + " cache, scales " +
-                   std::to_string(int(scales)) + (scalar_path ? ", scalar" : ", 16-byte") + " path, " +
+      SCOPED_TRACE(std::string(dtype_name<T>()) + " query, " + dtype_name<C>() + " cache (" + layout_name(layout) +
+                   "), scales " + std::to_string(int(scales)) + (scalar_path ? ", scalar" : ", 16-byte") + " path, " +
                    schedule_name(schedule) + " schedule");
       const ScheduleScope scope(schedule);
       std::mt19937_64 rng = make_rng();
-      AttnRun<T, C> run(c, rng, scales);
+      AttnRun<T, C> run(c, rng, scales, layout);
       pagedkv::IndexError error{};
       std::vector<double> out;
       std::vector<float> lse;
@@ -298,10 +320,10 @@ void run_all_variants(const AttnCase& c, bool expect_split, Scales scales = Scal
   }
 }
 
-void run_case(const AttnCase& c, bool expect_split = false) {
-  run_all_variants<float>(c, expect_split);
-  run_all_variants<c10::Half>(c, expect_split);
-  run_all_variants<c10::BFloat16>(c, expect_split);
+void run_case(const AttnCase& c, bool expect_split = false, Layout layout = Layout::kContiguous) {
+  run_all_variants<float>(c, expect_split, Scales::kNone, layout);
+  run_all_variants<c10::Half>(c, expect_split, Scales::kNone, layout);
+  run_all_variants<c10::BFloat16>(c, expect_split, Scales::kNone, layout);
 }
 
 TEST(CudaAttention, DecodeGqa) { run_case({"decode", 8, 2, 64, 16, {1, 1, 1}, 0, 90}); }
@@ -330,6 +352,33 @@ TEST(CudaAttention, Softcap) { run_case({"softcap", 4, 2, 64, 16, {6, 1}, 0, 40,
 TEST(CudaAttention, HeadDim256) { run_case({"d256", 2, 1, 256, 16, {1, 3}, 60, 100}); }
 
 TEST(CudaAttention, OddHeadDimStridedQuery) { run_case({"d36_strided", 6, 2, 36, 8, {4, 1}, 0, 20, -1, 0.f, 1.0, true}); }
+
+// K/V views of one buffer: decode (GQA) and prefill over a cached prefix in each layout, split-K decode
+// and a float8 cache with per-head scales in the interleaved cells.
+const Layout kStridedLayouts[] = {Layout::kCells, Layout::kPagesNhd, Layout::kPagesHnd};
+
+TEST(CudaAttentionStrided, DecodeGqa) {
+  for (const Layout layout : kStridedLayouts) {
+    run_case({"strided_decode", 8, 2, 64, 16, {1, 1, 1}, 0, 90}, false, layout);
+  }
+}
+
+TEST(CudaAttentionStrided, PrefillOverCachedPrefix) {
+  for (const Layout layout : kStridedLayouts) {
+    run_case({"strided_prefill", 4, 2, 32, 8, {5, 17, 1}, 0, 30}, false, layout);
+  }
+}
+
+TEST(CudaAttentionStrided, SplitKDecodeOddHeadDim) {
+  run_case({"strided_splitk", 4, 2, 40, 16, {1}, 600, 700, -1, 0.f, 1.0, false, 132}, true, Layout::kCells);
+}
+
+TEST(CudaAttentionStrided, Float8CellsWithHeadScales) {
+  for (const Layout layout : {Layout::kCells, Layout::kPagesHnd}) {
+    run_all_variants<c10::BFloat16, c10::Float8_e4m3fn>({"strided_fp8", 8, 2, 64, 16, {1, 6, 1}, 0, 40}, false,
+                                                        Scales::kHead, layout);
+  }
+}
 
 // Float8 caches: every query dtype x both formats x three kinds of scales.
 template <typename C>

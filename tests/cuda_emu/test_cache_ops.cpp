@@ -136,8 +136,8 @@ void reshape_and_cache_case(Layout layout, CacheLayout cache_layout, int H, int 
     bits_t* value_cache = buffer.data() + views.value_offset;
     const bool vec = cache::rows_16b_aligned(key.data(), sizeof(bits_t), D, in) &&
                      cache::rows_16b_aligned(value.data(), sizeof(bits_t), D, in) &&
-                     cache::cache_rows_16b_aligned(key_cache, sizeof(bits_t), views.key_strides) &&
-                     cache::cache_rows_16b_aligned(value_cache, sizeof(bits_t), views.value_strides);
+                     pagedkv::cache_rows_16b_aligned(key_cache, sizeof(bits_t), views.key_strides) &&
+                     pagedkv::cache_rows_16b_aligned(value_cache, sizeof(bits_t), views.value_strides);
     // Every cache stride and view offset is a multiple of D: 16-byte rows iff D's bytes are.
     EXPECT_EQ(vec, layout != Layout::kInterleaved && (D * sizeof(bits_t)) % 16 == 0);
     const auto kernel = vec ? cache::reshape_and_cache_kernel<bits_t, true, slot_t>

@@ -77,9 +77,10 @@ Isa best_isa(Isa limit) {
   return Isa::kBaseline;
 }
 
-// A decode sequence is one item over all its KV heads (a block's rows for those heads are adjacent in
-// memory); a prefill sequence gives one item per (KV head, chunk of queries; micro-GEMM chunks of
-// kGemmRowsPerItem rows, whose row blocks share each staged K/V tile). With fewer items than
+// A decode sequence is one item over all its KV heads (one walk over its block table serves them all,
+// and in an NHD cache a slot's rows for those heads are adjacent); a prefill sequence gives one item
+// per (KV head, chunk of queries; micro-GEMM chunks of kGemmRowsPerItem rows, whose row blocks share
+// each staged K/V tile). With fewer items than
 // kItemsPerThread (decode: kDecodeItemsPerThread) per thread, long key ranges are split into
 // partitions merged afterwards (split-K), and decode sequences too short to split are divided over
 // their KV heads instead.

@@ -32,13 +32,13 @@ int multiprocessor_count(int device) {
   return count;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 template <typename scalar_t, typename cache_t>
 void launch_paged_attention(KernelParams p, int64_t max_seq_len, int device, cudaStream_t stream,
                             const at::TensorOptions& float_options) {
   const AttentionLaunch launch =
-      attention_cuda::plan_paged_attention(p, sizeof(cache_t), aligned16(p.key_cache) && aligned16(p.value_cache),
+      attention_cuda::plan_paged_attention(p, sizeof(cache_t),
+                                           cache_rows_16b_aligned(p.key_cache, sizeof(cache_t), p.cache_strides) &&
+                                               cache_rows_16b_aligned(p.value_cache, sizeof(cache_t), p.cache_strides),
                                            max_seq_len, multiprocessor_count(device));
   TORCH_CHECK(launch.smem_fits, "paged_attention: head_dim ", p.head_dim, " needs too much shared memory");
   at::Tensor partial_out, partial_lse;

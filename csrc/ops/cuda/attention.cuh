@@ -33,7 +33,7 @@ __device__ __forceinline__ int64_t max_i64(int64_t a, int64_t b) { return a > b 
 
 // Shared-memory layout of one CTA (byte offsets, each section 16-byte aligned).
 struct SmemLayout {
-  size_t q, acc, logits, state, alpha, slots, k_tile, v_tile, total;
+  size_t q, acc, logits, state, alpha, key_rows, k_tile, v_tile, total;
   int row_stride;  // elements per staged KV row (head_dim + padding against bank conflicts)
 
   PAGEDKV_HD static size_t align16(size_t x) { return (x + 15) / 16 * 16; }
@@ -46,7 +46,7 @@ struct SmemLayout {
     s.logits = off, off = align16(off + sizeof(float) * kMaxRows * key_tile);
     s.state = off, off = align16(off + sizeof(OnlineSoftmax) * kMaxRows);
     s.alpha = off, off = align16(off + sizeof(float) * kMaxRows);
-    s.slots = off, off = align16(off + sizeof(int64_t) * key_tile);
+    s.key_rows = off, off = align16(off + sizeof(int64_t) * key_tile);
     s.k_tile = off, off = align16(off + size_t(elem_size) * key_tile * s.row_stride);
     s.v_tile = off, off = align16(off + size_t(elem_size) * key_tile * s.row_stride);
     s.total = off;
@@ -68,9 +68,9 @@ struct AttentionLaunch {
 };
 
 // Launch planning (host, torch-free). Fills p's tiling fields (heads_per_cta, head_chunks,
-// queries_per_cta, key_tile) from its shapes. caches_aligned16: both cache pointers are 16-byte
-// aligned; max_seq_len: the caller's hint (<= 0: the block tables' capacity); multiprocessors: SMs of
-// the device.
+// queries_per_cta, key_tile) from its shapes. caches_aligned16: every row of both cache views starts
+// 16-byte aligned (cache_rows_16b_aligned); max_seq_len: the caller's hint (<= 0: the block tables'
+// capacity); multiprocessors: SMs of the device.
 inline AttentionLaunch plan_paged_attention(KernelParams& p, int elem_size, bool caches_aligned16,
                                             int64_t max_seq_len, int multiprocessors) {
   AttentionLaunch launch{};
@@ -125,9 +125,10 @@ __device__ inline void find_query_tile(const KernelParams& p, int tile, int* seq
   }
 }
 
-// Slot of key position pos of sequence seq, or -1 when the metadata points outside the cache
-// (recorded in p.index_error when checking is on): the key then takes part in nothing.
-__device__ __forceinline__ int64_t checked_slot(const KernelParams& p, int seq, int64_t pos) {
+// Element offset of the row (KV head 0) of key position pos of sequence seq in the cache views, or -1
+// when the metadata points outside the cache (recorded in p.index_error when checking is on): the key
+// then takes part in nothing.
+__device__ __forceinline__ int64_t checked_row_offset(const KernelParams& p, int seq, int64_t pos) {
   const int64_t column = pos / p.block_size;
   if (column >= p.max_blocks) {
     report_bad_index(p.index_error, kBadSeqLen, p.seq_lens[seq], seq);
@@ -138,7 +139,7 @@ __device__ __forceinline__ int64_t checked_slot(const KernelParams& p, int seq, 
     report_bad_index(p.index_error, kBadBlockId, block, int64_t(seq) * p.max_blocks + column);
     return -1;
   }
-  return block * p.block_size + pos % p.block_size;
+  return cache_block_offset(block, pos % p.block_size, p.cache_strides);
 }
 
 // scalar_t: the query and output type; cache_t: the caches' (scalar_t, or a float8 type staged as such
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
   float* logits_s = reinterpret_cast<float*>(smem + L.logits);
   OnlineSoftmax* state_s = reinterpret_cast<OnlineSoftmax*>(smem + L.state);
   float* alpha_s = reinterpret_cast<float*>(smem + L.alpha);
-  int64_t* slots_s = reinterpret_cast<int64_t*>(smem + L.slots);
+  int64_t* key_rows_s = reinterpret_cast<int64_t*>(smem + L.key_rows);  // cache row offsets (KV head 0) of the tile
   cache_t* k_s = reinterpret_cast<cache_t*>(smem + L.k_tile);
   cache_t* v_s = reinterpret_cast<cache_t*>(smem + L.v_tile);
   PAGEDKV_SHARED(int, seq_s);
@@ -196,11 +197,12 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
 
   const auto* key_cache = static_cast<const cache_t*>(p.key_cache);
   const auto* value_cache = static_cast<const cache_t*>(p.value_cache);
+  const int64_t head_offset = kv_head * p.cache_strides.head;
   constexpr int kPerVec = 16 / sizeof(cache_t);
   for (int64_t tile = keys.begin; tile < keys.end; tile += KT) {
     const int n = int(min_i64(KT, keys.end - tile));
-    __syncthreads();  // previous tile's readers are done with slots, KV and logits
-    if (tid < n) slots_s[tid] = checked_slot(p, seq, tile + tid);
+    __syncthreads();  // previous tile's readers are done with rows, KV and logits
+    if (tid < n) key_rows_s[tid] = checked_row_offset(p, seq, tile + tid);
     __syncthreads();
 
     // --- stage K and V rows of this tile (each read once for all rows of the CTA); the rows of
@@ -210,8 +212,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
       for (int i = tid; i < n * vecs; i += kThreads) {
         const int j = i / vecs, c = (i % vecs) * kPerVec;
         uint4 k_raw = make_uint4(0u, 0u, 0u, 0u), v_raw = k_raw;
-        if (slots_s[j] >= 0) {
-          const int64_t src = cache_row_offset(slots_s[j], kv_head, p.num_kv_heads, D) + c;
+        if (key_rows_s[j] >= 0) {
+          const int64_t src = key_rows_s[j] + head_offset + c;
           k_raw = *reinterpret_cast<const uint4*>(key_cache + src);
           v_raw = *reinterpret_cast<const uint4*>(value_cache + src);
         }
@@ -222,8 +224,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
       for (int i = tid; i < n * D; i += kThreads) {
         const int j = i / D, d = i % D;
         cache_t k = static_cast<cache_t>(0.f), v = k;
-        if (slots_s[j] >= 0) {
-          const int64_t src = cache_row_offset(slots_s[j], kv_head, p.num_kv_heads, D) + d;
+        if (key_rows_s[j] >= 0) {
+          const int64_t src = key_rows_s[j] + head_offset + d;
           k = key_cache[src];
           v = value_cache[src];
         }
@@ -240,7 +242,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
       const KeyRange visible =
           visible_keys(query_position(seq_len, q_len, q_begin + r / num_heads), p.sliding_window);
       const int64_t pos = tile + j;
-      if (j < n && pos >= visible.begin && pos < visible.end && slots_s[j] >= 0) {
+      if (j < n && pos >= visible.begin && pos < visible.end && key_rows_s[j] >= 0) {
         const float* q = q_s + r * D;
         const cache_t* k = k_s + j * L.row_stride;
         float dot = 0.f;

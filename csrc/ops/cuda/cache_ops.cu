@@ -21,14 +21,12 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 cache_cuda::TokenStrides token_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
-CacheStrides cache_strides(const at::Tensor& cache) { return {cache.stride(0), cache.stride(1), cache.stride(2)}; }
-
 bool rows_16b_aligned(const at::Tensor& t) {
   return cache_cuda::rows_16b_aligned(t.data_ptr(), t.element_size(), t.size(2), token_strides(t));
 }
 
 bool cache_rows_16b_aligned(const at::Tensor& cache) {
-  return cache_cuda::cache_rows_16b_aligned(cache.data_ptr(), cache.element_size(), cache_strides(cache));
+  return pagedkv::cache_rows_16b_aligned(cache.data_ptr(), cache.element_size(), cache_strides(cache));
 }
 
 // Calls fn with a value of the slot type of a (checked) int32 / int64 slot mapping.

@@ -118,13 +118,6 @@ inline bool rows_16b_aligned(const void* data, int64_t elem_size, int64_t head_d
          reinterpret_cast<uintptr_t>(data) % 16 == 0;
 }
 
-// The same for a cache view (head_dim contiguous by contract): every row starts 16-byte aligned.
-inline bool cache_rows_16b_aligned(const void* data, int64_t elem_size, CacheStrides s) {
-  const int64_t per_vec = 16 / elem_size;
-  return s.block % per_vec == 0 && s.token % per_vec == 0 && s.head % per_vec == 0 &&
-         reinterpret_cast<uintptr_t>(data) % 16 == 0;
-}
-
 // One CTA per (src, dst) pair of one layer: copies the key block and the value block in chunks of
 // Chunk (uint4 = 16 bytes when the blocks are aligned, else bytes). Out-of-range ids (only possible
 // with a device-side mapping) are skipped, and recorded in index_error (argument 0, at the flat index
