@@ -198,8 +198,6 @@ class PagedKVAttentionImpl(AttentionImpl[PagedKVAttentionMetadata]):
         m = attn_metadata
         n = m.num_actual_tokens
         key_cache, value_cache = kv_cache_views(kv_cache, self.head_size, self.kv_cache_dtype)
-        # TEMPORARY until paged_attention reads strided caches: contiguous copies of the layer's caches.
-        key_cache, value_cache = key_cache.contiguous(), value_cache.contiguous()
         k_scale, v_scale = self._scales(layer)
         out = ops.paged_attention(query[:n], key_cache, value_cache, m.block_table, m.seq_lens, m.query_start_loc,
                                   self.scale, max_seq_len=m.max_seq_len, sliding_window=self.sliding_window,
