@@ -106,4 +106,6 @@ setup(
                     "events": ["pyzmq", "msgspec"],          # LLM(kv_events_endpoint=...)
                     "metrics": ["prometheus_client"],        # LLM(metrics_port=...)
                     "transformers": ["transformers>=5.23"]},  # pagedkv.integrations.transformers
+    # vLLM runs this in each of its processes; it does nothing unless PAGEDKV_VLLM_ATTENTION=1.
+    entry_points={"vllm.general_plugins": ["pagedkv = pagedkv.integrations.vllm:register"]},
 )
