@@ -1,0 +1,196 @@
+"""Records of the prefix cache's disk tier: one block's KV bytes behind a header that says what they are.
+
+The block manager decides which block goes to which disk record (``take_disk_writes`` / ``take_disk_reads``);
+a ``DiskStore`` moves the bytes between a host-tier slot and its record in one file, and checks on every read
+that the record holds what the manager expects: the model fingerprint, the block's hash, its parent's hash
+and its token ids, and a checksum of the bytes. A record that fails any check (never written, torn by a crash,
+written for another block or another model) reads as a miss, never as KV.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import struct
+import tempfile
+import zlib
+from collections.abc import Sequence
+
+import torch
+
+from .validation import check_int
+
+__all__ = ["DiskStore", "record_identity"]
+
+_MAGIC = b"PKVDISK1"
+_VERSION = 1
+# magic, version, header bytes, fingerprint digest, block hash, parent hash, has parent, tokens,
+# payload bytes, payload crc32; then the token ids (int64) and the crc32 of everything before it.
+_FIXED = struct.Struct("<8sII32sQQIIQI")
+_ALIGN = 4096
+_U64 = (1 << 64) - 1
+
+
+def record_identity(block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> tuple[int, int | None,
+                                                                                                  tuple[int, ...]]:
+    """The identity a record is written under and checked against: (block hash, parent hash or None, tokens)."""
+    return int(block_hash) & _U64, None if parent_hash is None else int(parent_hash) & _U64, tuple(map(int, token_ids))
+
+
+class DiskStore:
+    """``num_records`` records of ``record_bytes`` each in one file under ``directory``.
+
+    ``fingerprint`` (str or bytes) names what the bytes mean (model, KV dtype and scales, layout, block size):
+    a record written under another fingerprint reads as a miss. The file is created with a unique name and
+    unlinked at once, so its space returns to the file system when the store is closed or the process ends,
+    crash included; it is allocated up front (``posix_fallocate``), so a full disk fails here, not mid-run.
+    ``write`` and ``read`` are thread-safe (positioned I/O on one descriptor) and release the GIL while the
+    kernel copies, so a background thread can run them beside the model.
+    """
+
+    def __init__(self, directory: str | os.PathLike, num_records: int, record_bytes: int, *, block_size: int,
+                 fingerprint: str | bytes):
+        check_int("num_records", num_records, minimum=1)
+        check_int("record_bytes", record_bytes, minimum=1)
+        check_int("block_size", block_size, minimum=1)
+        if not isinstance(fingerprint, (str, bytes)):
+            raise TypeError(f"fingerprint must be str or bytes, got {type(fingerprint).__name__}")
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            raise ValueError(f"disk cache directory {directory!r} does not exist (or is not a directory)")
+        self.num_records, self.record_bytes, self.block_size = int(num_records), int(record_bytes), int(block_size)
+        raw = fingerprint.encode() if isinstance(fingerprint, str) else bytes(fingerprint)
+        self.fingerprint = hashlib.sha256(raw).digest()
+        self.header_bytes = _round_up(_FIXED.size + 8 * self.block_size + 4, _ALIGN)
+        self.stride = self.header_bytes + _round_up(self.record_bytes, _ALIGN)
+        size = self.stride * self.num_records
+        if size >= 1 << 62:
+            raise ValueError(f"a disk cache of {self.num_records} records of {self.stride} bytes is too large")
+        fd, path = tempfile.mkstemp(prefix="pagedkv-", suffix=".kv", dir=directory)
+        try:
+            os.unlink(path)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno not in (95, 22):     # EOPNOTSUPP / EINVAL: a file system without fallocate
+                    raise OSError(e.errno, f"cannot reserve {size} bytes for the disk cache in {directory!r}: "
+                                           f"{e.strerror}") from None
+                os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self.directory = directory
+
+    # ---- records ----------------------------------------------------------------------------------------
+    def write(self, record: int, payload: torch.Tensor, identity) -> None:
+        """Writes ``payload`` (a contiguous CPU tensor of record_bytes bytes: one host-tier slot) to ``record``
+        under ``identity`` (block hash, parent hash or None, token ids). OSError when the write fails."""
+        view = self._payload_view(payload, writable=False)
+        block_hash, parent, tokens = self._check_identity(identity)
+        record = self._check_record(record)
+        crc = zlib.crc32(view)
+        fixed = _FIXED.pack(_MAGIC, _VERSION, self.header_bytes, self.fingerprint, block_hash,
+                            0 if parent is None else parent, parent is not None, len(tokens), self.record_bytes, crc)
+        body = fixed + struct.pack(f"<{len(tokens)}q", *tokens)
+        header = body + struct.pack("<I", zlib.crc32(body))
+        header += bytes(self.header_bytes - len(header))
+        offset = record * self.stride
+        written = os.pwritev(self._fd, [header, view], offset)
+        if written != self.header_bytes + self.record_bytes:
+            raise OSError(f"short write to disk record {record}: {written} of {self.header_bytes + self.record_bytes}"
+                          " bytes")
+
+    def read(self, record: int, out: torch.Tensor, identity) -> bool:
+        """Reads ``record`` into ``out`` (a contiguous CPU tensor of record_bytes bytes) and checks it: True when
+        the header names this store's fingerprint and ``identity`` and the bytes match their checksum; False
+        (a miss) otherwise, with ``out`` holding whatever was read."""
+        view = self._payload_view(out, writable=True)
+        block_hash, parent, tokens = self._check_identity(identity)
+        record = self._check_record(record)
+        header = bytearray(self.header_bytes)
+        try:
+            got = os.preadv(self._fd, [header, view], record * self.stride)
+        except OSError:
+            return False
+        if got != self.header_bytes + self.record_bytes:
+            return False
+        (magic, version, header_bytes, fingerprint, h, p, has_parent, n, nbytes,
+         crc) = _FIXED.unpack_from(header, 0)
+        if (magic != _MAGIC or version != _VERSION or header_bytes != self.header_bytes or n != len(tokens)
+                or nbytes != self.record_bytes):
+            return False
+        end = _FIXED.size + 8 * n
+        if struct.unpack_from("<I", header, end)[0] != zlib.crc32(memoryview(header)[:end]):
+            return False
+        if (fingerprint != self.fingerprint or h != block_hash or bool(has_parent) != (parent is not None)
+                or (parent is not None and p != parent)
+                or struct.unpack_from(f"<{n}q", header, _FIXED.size) != tokens):
+            return False
+        return zlib.crc32(view) == crc
+
+    def fileno(self) -> int:
+        """The records' file descriptor (the file itself has no name)."""
+        self._check_open()
+        return self._fd
+
+    def close(self) -> None:
+        """Releases the file (its space returns to the file system). Idempotent."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "DiskStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            self.close()
+
+    def __repr__(self) -> str:
+        return (f"DiskStore({self.directory!r}, num_records={self.num_records}, record_bytes={self.record_bytes}, "
+                f"block_size={self.block_size})")
+
+    # ---- checks ------------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._fd < 0:
+            raise ValueError("the disk store is closed")
+
+    def _check_record(self, record) -> int:
+        self._check_open()
+        check_int("record", record, minimum=0)
+        if record >= self.num_records:
+            raise ValueError(f"record {record} is out of range [0, {self.num_records})")
+        return int(record)
+
+    def _check_identity(self, identity) -> tuple[int, int | None, tuple[int, ...]]:
+        try:
+            block_hash, parent, tokens = identity
+        except (TypeError, ValueError):
+            raise TypeError("identity must be (block_hash, parent_hash or None, token_ids)") from None
+        ident = record_identity(block_hash, parent, tokens)
+        if not 1 <= len(ident[2]) <= self.block_size:
+            raise ValueError(f"identity holds {len(ident[2])} token ids; a record holds 1 to {self.block_size}")
+        return ident
+
+    def _payload_view(self, tensor, *, writable: bool) -> memoryview:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"the record's tensor must be a contiguous CPU tensor, got {tensor.device} "
+                             f"{'contiguous' if tensor.is_contiguous() else 'strided'}")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes != self.record_bytes:
+            raise ValueError(f"the record's tensor holds {nbytes} bytes; records hold {self.record_bytes}")
+        if writable and tensor.requires_grad:
+            raise ValueError("cannot read into a tensor that requires grad")
+        # A byte view of the tensor's memory (no numpy needed): the kernel copies straight between it and the
+        # file. The caller holds the tensor for the duration of the call.
+        return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
