@@ -116,26 +116,9 @@ def backend_attention(impl, case, block_size, generator):
     return step
 
 
-def kernel_attention(case, block_size, generator):
-    """pagedkv's paged_attention alone on two contiguous caches of the same block size (its own layout)."""
-    from bench_vs_vllm import HEAD_DIM, NUM_KV_HEADS, shuffled_pool
-
-    import pagedkv
-
-    num_blocks, tables, slots = shuffled_pool(case.batch, case.ctx, block_size, generator)
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    key_cache, value_cache = torch.empty(shape, dtype=case.dtype), torch.empty(shape, dtype=case.dtype)
-    pagedkv.ops.reshape_and_cache(case.key, case.value, key_cache, value_cache, slots)
-
-    def step():
-        return pagedkv.ops.paged_attention(case.query, key_cache, value_cache, tables, case.seq_lens,
-                                           case.query_start_loc, case.scale, max_seq_len=case.ctx)
-    return step
-
-
 def run_attention(args) -> None:
     from bench_vs_vllm import (AGREEMENT_TOLERANCE, ATTENTION_CASES, DTYPES, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS,
-                               AttentionCase, vllm_attention)
+                               AttentionCase, pagedkv_attention, vllm_attention)
     from timing import time_ms
 
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -158,7 +141,7 @@ def run_attention(args) -> None:
                 generator = torch.Generator().manual_seed(seed)
                 ours = backend_attention(impl, case, block_size, generator)
                 theirs = vllm_attention(case, block_size)
-                kernel = kernel_attention(case, block_size, generator)
+                kernel = pagedkv_attention(case, block_size, generator)   # its own layout, same block size
                 tol = AGREEMENT_TOLERANCE[dtype]
                 for name, step in (("vLLM", theirs), ("contiguous", kernel)):
                     torch.testing.assert_close(ours().float(), step().float(), atol=tol, rtol=tol,

@@ -113,10 +113,12 @@ class AttentionCase:
         self.kv_bytes = 2 * self.key.numel() * self.key.element_size()  # what one call must read
 
 
-def pagedkv_attention(case):
-    """pagedkv's step for the case: NHD cache [num_blocks, block_size, Hkv, D], block 16."""
-    num_blocks, tables, slots = shuffled_pool(case.batch, case.ctx, PAGEDKV_BLOCK_SIZE, case.generator)
-    shape = (num_blocks, PAGEDKV_BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+def pagedkv_attention(case, block_size=PAGEDKV_BLOCK_SIZE, generator=None):
+    """pagedkv's step for the case: NHD caches [num_blocks, block_size, Hkv, D] (its own layout), block 16
+    unless told; the pool shuffled by `generator` (default: the case's)."""
+    generator = case.generator if generator is None else generator
+    num_blocks, tables, slots = shuffled_pool(case.batch, case.ctx, block_size, generator)
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     key_cache, value_cache = torch.empty(shape, dtype=case.dtype), torch.empty(shape, dtype=case.dtype)
     pagedkv.ops.reshape_and_cache(case.key, case.value, key_cache, value_cache, slots)
 
