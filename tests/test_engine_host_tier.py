@@ -139,3 +139,31 @@ def test_host_tier_is_sized_from_host_cache_bytes(tiny):
     per_block = model_runner.kv_cache_block_bytes(llm.model, 8, torch.float32)
     assert llm.bm.num_host_blocks == HOST_BYTES // per_block
     assert tuple(llm.runner.host_tier.shape[:3]) == (HOST_BYTES // per_block, llm.model_config.num_layers, 2)
+
+
+def test_loads_arrive_layer_by_layer_just_before_each_layer_runs(tiny, monkeypatch):
+    """A step's host-tier loads are copied one layer at a time (on a GPU: queued on a side stream, each layer
+    waiting for its own event), and layer l's blocks arrive before layer l reads them."""
+    path, vocab = tiny
+    rounds = conversations(vocab, seed=4)
+    single, tiered = engines(path)
+    want = run(single, rounds)
+    trace = []
+    real_load = model_runner.load_blocks
+
+    def load(host, keys, values, mapping, first_layer=0):
+        trace.append(("load", first_layer, len(keys)))
+        return real_load(host, keys, values, mapping, first_layer)
+
+    monkeypatch.setattr(model_runner, "load_blocks", load)
+    for i, layer in enumerate(tiered.model.model.layers):
+        def traced(*args, _i=i, _forward=layer.forward, **kwargs):
+            trace.append(("layer", _i))
+            return _forward(*args, **kwargs)
+        monkeypatch.setattr(layer, "forward", traced)
+    assert run(tiered, rounds) == want
+    loads = [i for i, t in enumerate(trace) if t[0] == "load"]
+    assert loads and tiered.stats()["loaded_blocks"] > 0
+    for i in loads:
+        _, layer, num_caches = trace[i]
+        assert num_caches == 1 and trace[i + 1] == ("layer", layer), trace[i - 2:i + 3]

@@ -3,6 +3,7 @@ writes the paged KV cache through torch.ops.pagedkv. Mistral is this model with 
 layer; gemma2.py builds Gemma 2 from these pieces."""
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ class AttentionMetadata:
     groups: list[KVGroupInputs]
     logits_indices: torch.Tensor | None = None   # [R] int64: the tokens whose hidden states are returned
                                                  # (None: each sequence's last token)
+    layer_loads: Any = None        # the step's host-tier loads, waited for layer by layer (model_runner.LayerLoads)
 
 
 class RMSNorm(nn.Module):
@@ -199,7 +201,10 @@ class LlamaModel(nn.Module):
         Submodules are called through `.forward`: the hot path skips nn.Module.__call__ (hooks,
         about 7 us a call), a tenth of a CPU decode step of a small model."""
         h, residual = self.embed(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        loads = meta.layer_loads
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if loads is not None:
+                loads.wait(i)
             h, residual = layer.forward(positions, h, residual, self.rotary_emb, kv_cache, meta)
         if meta.logits_indices is not None:            # speculative verification: several per sequence
             h, residual = h[meta.logits_indices], residual[meta.logits_indices]

@@ -103,13 +103,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, bm: BlockManager) -> list[list[int]]:
-        self._move_blocks(batch)
+        loads = self._move_blocks(batch, defer_loads=bool(batch.seqs))
         if not batch.seqs:
             return []
         input_ids, positions, meta = self._prepare(batch, bm)
-        hidden = self.model(input_ids, positions, self.layer_caches, meta)
+        hidden = self._forward(input_ids, positions, meta, loads)
         logits = self.model.compute_logits(hidden)
         return self._sample(logits, batch)
+
+    def _forward(self, input_ids, positions, meta: AttentionMetadata, loads: "LayerLoads | None") -> torch.Tensor:
+        """The model on the step's inputs, with the step's host-tier loads arriving layer by layer."""
+        meta.layer_loads = loads
+        hidden = self.model(input_ids, positions, self.layer_caches, meta)
+        if loads is not None:       # a forward that raised fails the step: its loads count as failed
+            loads.finish()
+        return hidden
 
     @torch.inference_mode()
     def forward_chunk(self, token_ids: list[int], start: int, bm: BlockManager, seq_id: int) -> torch.Tensor:
@@ -139,10 +147,11 @@ class ModelRunner:
         """Block moves outside a step (the engine's clean-ahead offloads)."""
         self._move_blocks(moves)
 
-    def _move_blocks(self, moves) -> None:
+    def _move_blocks(self, moves, defer_loads: bool = False) -> "LayerLoads | None":
         """The step's block moves (a ScheduledBatch or a StepMessage: [n, 2] pairs): swap-ins (cpu, gpu),
         swap-outs (gpu, cpu), host-tier offloads (gpu, host slot) and loads (host slot, gpu), copy-on-write
-        copies (src, dst)."""
+        copies (src, dst). defer_loads (a forward follows): the loads are returned as LayerLoads for the
+        forward to take layer by layer, unless a copy-on-write copy must follow them."""
         # The scheduler swaps in before it preempts, so this order is the order of its decisions: a group
         # swapped in may be swapped out again at once, and blocks freed by a swap-out may be the
         # destination of a copy or of this step's new KV. Offloads read blocks the manager holds for them
@@ -158,11 +167,16 @@ class ModelRunner:
         keys, values = [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches]
         if len(moves.offloads):
             offload_blocks(keys, values, self.host_tier, moves.offloads)
+        layer_loads = None
         if len(moves.loads):
-            load_blocks(self.host_tier, keys, values, moves.loads)
+            if defer_loads and not len(moves.copies):
+                layer_loads = LayerLoads(self.host_tier, self.kv_caches, moves.loads, self.model.config.layer_cache_slots)
+            else:
+                load_blocks(self.host_tier, keys, values, moves.loads)
         if len(moves.copies):
             pairs = torch.as_tensor(moves.copies, dtype=torch.int64).view(-1, 2).to(self.device)
             torch.ops.pagedkv.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
+        return layer_loads
 
     def _prepare(self, batch: ScheduledBatch, bm: BlockManager):
         """The step's (input_ids, positions, AttentionMetadata): each decode's input token (and its drafts
@@ -224,3 +238,50 @@ class ModelRunner:
             out.append(tokens[i:i + c])
             i += c
         return out
+
+
+class LayerLoads:
+    """A step's host-tier loads, one layer at a time, so that the blocks of layer l + 1 arrive while layer l
+    computes. On a GPU every layer's copy is queued at once on a side stream, with an event each, and the
+    model's stream waits for a layer's event just before that layer runs; on the CPU, where there is one
+    stream, each layer's blocks are copied just before the layer (the same order and checks, no overlap).
+    `finish` (after the forward) makes every copy part of the step."""
+
+    _streams: dict = {}        # one side stream per CUDA device, made on first use
+
+    def __init__(self, host_tier: torch.Tensor, kv_caches, mapping: torch.Tensor, layer_cache_slots: list[int]):
+        self.host_tier, self.kv_caches, self.slots = host_tier, kv_caches, layer_cache_slots
+        self.mapping = torch.as_tensor(mapping, dtype=torch.int64).view(-1, 2).cpu()
+        device = kv_caches[0][0].device
+        self.events = None
+        self.loaded = [False] * len(kv_caches)
+        if device.type == "cuda":
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            # The side stream starts after what the step queued so far (the blocks' earlier readers).
+            stream.wait_stream(torch.cuda.current_stream(device))
+            self.events = []
+            with torch.cuda.stream(stream):
+                for t, (k, v) in enumerate(kv_caches):
+                    load_blocks(host_tier, [k], [v], self.mapping, first_layer=t)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    self.events.append(event)
+
+    def wait(self, layer: int) -> None:
+        """Before layer `layer` reads its cache: its blocks are there (or queued ahead of it on the GPU)."""
+        self._wait_tensor(self.slots[layer])
+
+    def finish(self) -> None:
+        """Every cache tensor's blocks are part of the step (those of tensors no layer waited for too)."""
+        for t in range(len(self.kv_caches)):
+            self._wait_tensor(t)
+
+    def _wait_tensor(self, t: int) -> None:
+        if self.events is not None:
+            torch.cuda.current_stream(self.kv_caches[t][0].device).wait_event(self.events[t])
+        elif not self.loaded[t]:
+            k, v = self.kv_caches[t]
+            load_blocks(self.host_tier, [k], [v], self.mapping, first_layer=t)
+            self.loaded[t] = True

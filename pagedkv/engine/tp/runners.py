@@ -30,11 +30,11 @@ class DriverRunner(ModelRunner):
         message = StepMessage.of(batch, step)
         try:
             self.tp.send(message.pack())
-            self._move_blocks(message)
+            loads = self._move_blocks(message, defer_loads=step is not None)
             if step is None:
                 return []
             input_ids, positions, meta = step
-            logits = self.model.compute_logits(self.model(input_ids, positions, self.layer_caches, meta))
+            logits = self.model.compute_logits(self._forward(input_ids, positions, meta, loads))
         except BaseException:
             self.tp.close(stop_workers=False)
             raise
@@ -57,11 +57,11 @@ def serve(runner: ModelRunner, tp) -> None:
     """Replays rank 0's steps until it closes."""
     while (packed := tp.receive()) is not None:
         message = StepMessage.unpack(packed, runner.device)
-        runner._move_blocks(message)
         step = message.step()
+        loads = runner._move_blocks(message, defer_loads=step is not None)
         if step is not None:
             input_ids, positions, meta = step
-            runner.model.compute_logits(runner.model(input_ids, positions, runner.layer_caches, meta))
+            runner.model.compute_logits(runner._forward(input_ids, positions, meta, loads))
 
 
 def serve_rank(tp, config: EngineConfig, model_path: str, seed: int, pack_cpu_weights: bool):
