@@ -52,7 +52,7 @@ def test_offload_then_host_hit_loads_into_fresh_device_blocks():
     assert bm.stats()["cached_host_blocks"] == 3 and bm.num_free_blocks == 4
     slot_of = dict(offloads.tolist())
     cache_prompt(bm, 2, toks(16, 100))  # evicts the device copies
-    assert bm.lookup(prompt) == (0, 3)
+    assert bm.lookup(prompt) == (0, 3, 0)
     assert bm.allocate(3, prompt) == 12
     assert bm.num_loading_blocks(3) == 3
     loads = bm.take_loads()
@@ -63,7 +63,7 @@ def test_offload_then_host_hit_loads_into_fresh_device_blocks():
         bm.mark_computed(3)
     bm.complete_loads([True, True, True])
     assert bm.num_computed_tokens(3) == 12 and bm.num_loading_blocks(3) == 0
-    assert bm.lookup(prompt) == (3, 0)
+    assert bm.lookup(prompt) == (3, 0, 0)
     s = bm.stats()
     assert s["loaded_blocks"] == 3 and s["host_hit_blocks"] == 3 and s["offloaded_blocks"] == 3
     bm.check_invariants()
