@@ -74,15 +74,27 @@ void DiskTier::queue_write(int32_t slot) {
   host_->acquire(slot);  // never reused while its write is pending
   cache_->add_ref(node);
   cache_->set_disk_writing(node, true);
-  writes_.push_back({slot, record, node, epoch_, identity_of(node)});
+  queue(&writes_, {slot, record, node, epoch_});
+}
+
+void DiskTier::queue(std::vector<Transfer>* to, const Transfer& t) {
+  pending_identity_.emplace(t.record, identity_of(t.node));
+  to->push_back(t);
+}
+
+DiskTier::Identity DiskTier::forget_pending(int32_t record) {
+  auto it = pending_identity_.find(record);
+  Identity id = std::move(it->second);
+  pending_identity_.erase(it);
+  return id;
 }
 
 std::vector<BlockPair> DiskTier::take_writes() {
   std::vector<BlockPair> out;
   out.reserve(writes_.size());
-  for (Transfer& w : writes_) {
+  for (const Transfer& w : writes_) {
     out.emplace_back(w.slot, w.record);
-    writes_taken_.push_back(std::move(w));
+    writes_taken_.push_back(w);
   }
   writes_.clear();
   return out;
@@ -96,14 +108,13 @@ void DiskTier::complete_writes(const std::vector<bool>& ok) {
 
 void DiskTier::finish_write(const Transfer& w, bool ok) {
   const bool current = w.epoch == epoch_;  // else the cache was cleared: the node is gone
+  const Identity id = forget_pending(w.record);
   if (ok && current) {
     disk_.set_tag(w.record, w.node);
     cache_->set_location(w.node, Medium::kDisk, w.record);
-    if (events_->enabled()) {
-      const PrefixCache::Node& n = cache_->node(w.node);
-      events_->stored(w.identity.hash, w.identity.parent, w.identity.tokens.data(), cache_->block_size(), n.salt,
+    if (events_->enabled())
+      events_->stored(id.hash, id.parent, id.tokens.data(), cache_->block_size(), cache_->node(w.node).salt,
                       Medium::kDisk);
-    }
     ++counters_->disk_writes;
   }
   if (!ok) ++counters_->disk_write_failures;
@@ -128,7 +139,7 @@ bool DiskTier::queue_read(PrefixCache::NodeId node) {
   }
   cache_->add_ref(node);
   cache_->set_disk_reading(node, true);
-  reads_.push_back({slot, record, node, epoch_, identity_of(node)});
+  queue(&reads_, {slot, record, node, epoch_});
   ++counters_->disk_hit_blocks;
   return true;
 }
@@ -136,9 +147,9 @@ bool DiskTier::queue_read(PrefixCache::NodeId node) {
 std::vector<BlockPair> DiskTier::take_reads() {
   std::vector<BlockPair> out;
   out.reserve(reads_.size());
-  for (Transfer& r : reads_) {
+  for (const Transfer& r : reads_) {
     out.emplace_back(r.record, r.slot);
-    reads_taken_.push_back(std::move(r));
+    reads_taken_.push_back(r);
   }
   reads_.clear();
   return out;
@@ -152,17 +163,16 @@ void DiskTier::complete_reads(const std::vector<bool>& ok) {
 
 void DiskTier::finish_read(const Transfer& r, bool ok) {
   const bool current = r.epoch == epoch_;
+  const Identity id = forget_pending(r.record);
   ++(ok ? counters_->disk_reads : counters_->disk_read_failures);
   if (current) {
     cache_->set_disk_reading(r.node, false);
     if (ok && cache_->node(r.node).host_slot == PrefixCache::kNoBlock) {
       host_->set_tag(r.slot, r.node);
       cache_->set_location(r.node, Medium::kCpu, r.slot);
-      if (events_->enabled()) {
-        const PrefixCache::Node& n = cache_->node(r.node);
-        events_->stored(r.identity.hash, r.identity.parent, r.identity.tokens.data(), cache_->block_size(), n.salt,
+      if (events_->enabled())
+        events_->stored(id.hash, id.parent, id.tokens.data(), cache_->block_size(), cache_->node(r.node).salt,
                         Medium::kCpu);
-      }
     } else if (!ok && disk_.tag(r.record) == r.node) {
       disk_.forget(r.record);  // a stale or foreign file: the entry is gone (a removed event)
     }
@@ -175,15 +185,8 @@ void DiskTier::finish_read(const Transfer& r, bool ok) {
 // ---------------------------------------------------------------------------------------------------
 // Identity, reset and invariants
 
-const DiskTier::Transfer* DiskTier::pending(int32_t record) const {
-  for (const auto* queue : {&writes_, &writes_taken_, &reads_, &reads_taken_})
-    for (const Transfer& t : *queue)
-      if (t.record == record) return &t;
-  return nullptr;
-}
-
 std::optional<DiskTier::Identity> DiskTier::identity(int32_t record) const {
-  if (const Transfer* t = pending(record)) return t->identity;
+  if (const auto it = pending_identity_.find(record); it != pending_identity_.end()) return it->second;
   if (disk_.holds_cached_kv(record)) return identity_of(disk_.tag(record));
   return std::nullopt;
 }
@@ -191,11 +194,13 @@ std::optional<DiskTier::Identity> DiskTier::identity(int32_t record) const {
 void DiskTier::clear() {
   ++epoch_;
   for (const Transfer& w : writes_) {  // not taken: nothing writes them
+    pending_identity_.erase(w.record);
     disk_.release(w.record);
     host_->release(w.slot, /*cold=*/true);
   }
   writes_.clear();
   for (const Transfer& r : reads_) {  // not taken: nothing reads them
+    pending_identity_.erase(r.record);
     host_->release(r.slot);
     disk_.release(r.record);
   }
@@ -216,6 +221,14 @@ void DiskTier::check_invariants() const {
   const auto fail = [](const std::string& what) { throw InvariantError("BlockManager invariant violated: " + what); };
   disk_.check_invariants();
   std::unordered_set<PrefixCache::NodeId> writing, reading;
+  size_t num_pending = 0;
+  for (const auto* queue : {&writes_, &writes_taken_, &reads_, &reads_taken_}) {
+    num_pending += queue->size();
+    for (const Transfer& t : *queue)
+      if (!pending_identity_.count(t.record)) fail(cat("disk record ", t.record, " has a pending transfer without an identity"));
+  }
+  if (num_pending != pending_identity_.size())
+    fail(cat(pending_identity_.size(), " pending disk identities for ", num_pending, " pending transfers"));
   for (const auto* queue : {&writes_, &writes_taken_})
     for (const Transfer& w : *queue) {
       if (w.epoch != epoch_) continue;

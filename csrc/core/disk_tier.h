@@ -6,6 +6,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 #include "core/block_manager_stats.h"
@@ -79,14 +80,14 @@ class DiskTier final : public WriteBack {
     int32_t record;
     PrefixCache::NodeId node;
     uint64_t epoch;  // the cache's epoch when queued: a cleared cache makes the node id meaningless
-    Identity identity;  // kept: the runner may ask for it after the cache was cleared
   };
   bool can_take_record(int32_t priority) const;
   Identity identity_of(PrefixCache::NodeId node) const;
   void queue_write(int32_t slot);
   void finish_write(const Transfer& w, bool ok);
   void finish_read(const Transfer& r, bool ok);
-  const Transfer* pending(int32_t record) const;
+  void queue(std::vector<Transfer>* to, const Transfer& t);
+  Identity forget_pending(int32_t record);  // the identity of a finished or dropped transfer
 
   bool enabled_;
   PrefixCache* cache_;
@@ -96,6 +97,9 @@ class DiskTier final : public WriteBack {
   BlockManagerStats* counters_;
   BlockPool disk_;
   std::vector<Transfer> writes_, writes_taken_, reads_, reads_taken_;
+  // The identity of each record with a pending transfer (a record has at most one), kept from the moment
+  // it is queued: the runner may ask for it after the cache was cleared.
+  std::unordered_map<int32_t, Identity> pending_identity_;
   uint64_t epoch_ = 0;
 };
 
