@@ -36,11 +36,11 @@ class PrefixCache {
     int32_t block = kNoBlock;  // physical block registered for this content, or kNoBlock
     int32_t host_slot = kNoBlock;  // host-tier slot holding a copy of the KV, or kNoBlock
     int32_t disk_record = kNoBlock;  // disk-tier record holding a copy of the KV, or kNoBlock
+    int32_t refs = 0;        // blocks tagged with this node + child nodes; freed at 0
+    NodeId next = kNoNode;     // next node in the same hash bucket
     bool offloading = false;   // a copy to the host tier is pending
     bool disk_writing = false; // a copy from its host slot to the disk tier is pending
     bool disk_reading = false; // a copy from its disk record to a host slot is pending
-    int32_t refs = 0;        // blocks tagged with this node + child nodes; freed at 0
-    NodeId next = kNoNode;     // next node in the same hash bucket
     mutable bool hashed = false;   // `hash` holds the chained block hash (computed on first use)
     mutable uint64_t hash = 0;
   };
