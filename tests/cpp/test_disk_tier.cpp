@@ -315,6 +315,45 @@ TEST(DiskTier, SaltsKeepDiskEntriesApart) {
   bm.check_invariants();
 }
 
+TEST(DiskTier, UnderWeak8CollisionsAReadIsAlwaysItsOwnBlockAndAnUnseenBlockMisses) {
+  BlockManagerConfig c = tiered(4, 2, 2, 512);
+  c.hash_algo = HashAlgo::kWeak8;  // 8-bit hashes and index keys: 400 blocks collide all over
+  BlockManager bm(c);
+  std::mt19937 rng(5);
+  std::vector<std::vector<int64_t>> cached;
+  std::map<uint64_t, int> stored_hashes;
+  for (int k = 0; k < 400; ++k) {
+    const std::vector<int64_t> t = {int64_t(rng() % 100000), int64_t(rng() % 100000), 7};
+    cache_prompt(bm, k, t);
+    offload_all(bm);
+    write_all(bm);
+    cached.push_back(t);
+    ++stored_hashes[hash_block_tokens(t.data(), 2, std::nullopt, HashAlgo::kWeak8)];
+  }
+  EXPECT_GT(bm.stats().cached_disk_blocks, 300);
+  int read = 0;
+  for (const std::vector<int64_t>& t : cached) {
+    if (bm.prefetch(t) == 0) continue;
+    const std::vector<BlockPair> reads = bm.take_disk_reads();
+    ASSERT_EQ(reads.size(), 1u);
+    EXPECT_EQ(bm.disk_record_identity(reads[0].first).tokens, std::vector<int64_t>(t.begin(), t.begin() + 2));
+    bm.complete_disk_reads(all(1));
+    EXPECT_EQ(bm.lookup(t).host_blocks, 1);
+    ++read;
+  }
+  EXPECT_GT(read, 300);
+  int collisions = 0;
+  for (int k = 0; k < 200; ++k) {  // blocks never cached: their hashes collide with stored ones, yet no hit
+    const std::vector<int64_t> t = {int64_t(100000 + rng() % 100000), int64_t(rng() % 100000), 7};
+    collisions += stored_hashes.count(hash_block_tokens(t.data(), 2, std::nullopt, HashAlgo::kWeak8)) != 0;
+    const TierHits hits = bm.lookup(t);
+    EXPECT_EQ(hits.device_blocks + hits.host_blocks + hits.disk_blocks, 0);
+    EXPECT_EQ(bm.prefetch(t), 0);
+  }
+  EXPECT_GT(collisions, 100);
+  bm.check_invariants();
+}
+
 TEST(DiskTier, ResetForgetsDiskEntriesAndInFlightTransfersEnterNothing) {
   BlockManager bm(tiered(4, 4, 4, 12));
   const std::vector<int64_t> a = tokens_from(13, 0);
