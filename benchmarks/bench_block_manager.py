@@ -120,7 +120,7 @@ def tier_lookup_allocate(bm, prompt, reps):
     for sid in range(reps):
         bm.lookup([1, 2, 3])  # the manager remembers only its last lookup: this one walks the trie again
         t0 = time.perf_counter()
-        device_blocks, host_blocks = bm.lookup(prompt)
+        device_blocks, host_blocks, _ = bm.lookup(prompt)
         bm.allocate(sid, prompt)
         times.append(time.perf_counter() - t0)
         assert device_blocks + host_blocks == len(prompt) // BLOCK_SIZE - 1
@@ -146,7 +146,7 @@ def tier_managers():
     tiered.complete_offloads(True)
     tiered.allocate(-2, np.arange(2 * blocks * BLOCK_SIZE, dtype=np.int64) + 100_000)  # evicts the device copies
     tiered.free(-2)
-    assert device.lookup(prompt) == (blocks - 1, 0) and tiered.lookup(prompt)[1] == blocks - 1
+    assert device.lookup(prompt) == (blocks - 1, 0, 0) and tiered.lookup(prompt)[1] == blocks - 1
     return prompt, device, tiered
 
 

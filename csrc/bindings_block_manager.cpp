@@ -129,11 +129,12 @@ py::object window_object(int64_t w) {
 }
 
 // Block pairs as the int64 [n, 2] (src, dst) CPU tensor that copy_blocks and swap_blocks take.
-// medium: "GPU" or "CPU".
+// medium: "GPU", "CPU" or "DISK".
 Medium medium_arg(const std::string& medium) {
   if (medium == "GPU") return Medium::kGpu;
   if (medium == "CPU") return Medium::kCpu;
-  throw ValueError("medium must be 'GPU' or 'CPU', got '" + medium + "'");
+  if (medium == "DISK") return Medium::kDisk;
+  throw ValueError("medium must be 'GPU', 'CPU' or 'DISK', got '" + medium + "'");
 }
 
 // ok: one bool for all n outcomes, or a list / tuple / 1-D bool or integer tensor of n outcomes.
@@ -242,7 +243,7 @@ void bind_block_manager(py::module_& m) {
                        double watermark, const std::string& hash_algo, bool enable_events, int64_t max_pending_events,
                        int32_t default_priority, std::optional<int32_t> decode_priority, double max_pinned_fraction,
                        const py::object& sliding_window, const py::object& group_windows, int32_t num_host_blocks,
-                       int32_t host_offload_min_priority) {
+                       int32_t host_offload_min_priority, int32_t num_disk_blocks) {
              BlockManagerConfig config;
              config.num_blocks = num_blocks;
              config.block_size = block_size;
@@ -258,6 +259,7 @@ void bind_block_manager(py::module_& m) {
              config.group_windows = group_windows_arg(sliding_window, group_windows);
              config.num_host_blocks = num_host_blocks;
              config.host_offload_min_priority = host_offload_min_priority;
+             config.num_disk_blocks = num_disk_blocks;
              return new BlockManager(std::move(config));
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(), py::arg("num_cpu_blocks") = 0,
@@ -266,7 +268,8 @@ void bind_block_manager(py::module_& m) {
            py::arg("default_priority") = kDefaultPriority, py::arg("decode_priority") = py::none(),
            py::arg("max_pinned_fraction") = BlockManager::kDefaultMaxPinnedFraction,
            py::arg("sliding_window") = py::none(), py::arg("group_windows") = py::none(),
-           py::arg("num_host_blocks") = 0, py::arg("host_offload_min_priority") = kMinPriority)
+           py::arg("num_host_blocks") = 0, py::arg("host_offload_min_priority") = kMinPriority,
+           py::arg("num_disk_blocks") = 0)
       .def(
           "can_allocate",
           [](const BlockManager& bm, const py::object& token_ids, const std::optional<py::object>& cache_salt,
@@ -580,12 +583,13 @@ void bind_block_manager(py::module_& m) {
           },
           "Drains the KV events recorded since the previous call, in order (enable_events=True): dicts with\n"
           "seq, kind ('stored' | 'removed' | 'cleared'), block_hashes, parent_block_hash, token_ids and\n"
-          "cache_salt (stored), block_size, medium ('GPU', or 'CPU': the host tier).")
+          "cache_salt (stored), block_size, medium ('GPU', 'CPU': the host tier, or 'DISK': the disk tier).")
       .def(
           "cached_blocks", [](const BlockManager& bm, const std::string& medium) { return bm.cached_blocks(medium_arg(medium)); },
           py::arg("medium") = "GPU",
           "(block_hash, parent_block_hash) of every block whose KV the prefix cache holds now on `medium` ('GPU':\n"
-          "device blocks, 'CPU': the host tier); replaying that medium's KV events gives the same multiset.")
+          "device blocks, 'CPU': the host tier, 'DISK': the disk tier); replaying that medium's KV events gives\n"
+          "the same multiset.")
       .def_property_readonly("host_tier_enabled", &BlockManager::host_tier_enabled,
                              "Whether the host tier is in use: num_host_blocks > 0, prefix caching, one full-attention group.")
       .def_property_readonly("num_host_blocks", [](const BlockManager& bm) { return bm.config().num_host_blocks; })
@@ -597,11 +601,13 @@ void bind_block_manager(py::module_& m) {
           [](const BlockManager& bm, const py::object& token_ids, const std::optional<py::object>& cache_salt) {
             Int64Array tokens(token_ids, "token_ids");
             const TierHits hits = bm.lookup(tokens.span(), salt_bytes(cache_salt));
-            return py::make_tuple(hits.device_blocks, hits.host_blocks);
+            return py::make_tuple(hits.device_blocks, hits.host_blocks, hits.disk_blocks);
           },
           py::arg("token_ids"), py::kw_only(), py::arg("cache_salt") = py::none(),
-          "The prompt's prefix hit as allocate() would take it now: (device_blocks, host_blocks), the leading\n"
-          "blocks hit on the device and, after them, those loaded from the host tier.")
+          "The prompt's prefix hit as allocate() would take it now: (device_blocks, host_blocks, disk_blocks),\n"
+          "the leading blocks hit on the device, after them those loaded from the host tier, and after the hit\n"
+          "the blocks that would hit once the disk tier's reads are confirmed (those prefetch() reads and the\n"
+          "host entries between them).")
       .def("plan_offloads", &BlockManager::plan_offloads, py::arg("max_blocks"),
            "Clean ahead: of the max_blocks cached free device blocks the pool would evict first, queues copies to\n"
            "the host tier of those it lacks, so that reusing them later needs no copy; returns how many it queued.")
@@ -630,6 +636,60 @@ void bind_block_manager(py::module_& m) {
           "block: num_computed_tokens drops and the rest is recomputed.")
       .def("num_loading_blocks", &BlockManager::num_loading_blocks, py::arg("seq_id"),
            "Blocks of the sequence whose loads from the host tier are not confirmed yet.")
+      .def_property_readonly("disk_tier_enabled", &BlockManager::disk_tier_enabled,
+                             "Whether the disk tier is in use: num_disk_blocks > 0 below an enabled host tier.")
+      .def_property_readonly("num_disk_blocks", [](const BlockManager& bm) { return bm.config().num_disk_blocks; })
+      .def_property_readonly("num_free_disk_blocks", [](const BlockManager& bm) { return bm.disk_pool().num_free(); })
+      .def_property_readonly("num_pending_disk_reads", &BlockManager::num_pending_disk_reads,
+                             "Disk reads queued by prefetch() and not yet completed (taken or not).")
+      .def("plan_disk_writes", &BlockManager::plan_disk_writes, py::arg("max_slots"),
+           "Clean ahead: of the max_slots cached free host slots the host tier would evict first, queues writes\n"
+           "to the disk tier of those it lacks; returns how many it queued.")
+      .def("take_disk_writes", [](BlockManager& bm) { return pairs_tensor(bm.take_disk_writes()); },
+           "Drains the queued disk writes: an int64 [n, 2] CPU tensor of (host slot, disk record). Each host slot\n"
+           "is held (never reused) until complete_disk_writes.")
+      .def(
+          "complete_disk_writes",
+          [](BlockManager& bm, const py::object& ok) {
+            bm.complete_disk_writes(outcomes(ok, bm.num_disk_writes_in_flight()));
+          },
+          py::arg("ok") = true,
+          "The outcome of every disk write taken and not yet completed, in the order taken (one bool for all, or\n"
+          "one per write): a confirmed write stores the entry on disk (a 'DISK' stored event); a failed one\n"
+          "leaves no disk entry.")
+      .def(
+          "prefetch",
+          [](BlockManager& bm, const py::object& token_ids, const std::optional<py::object>& cache_salt) {
+            Int64Array tokens(token_ids, "token_ids");
+            return bm.prefetch(tokens.span(), salt_bytes(cache_salt));
+          },
+          py::arg("token_ids"), py::kw_only(), py::arg("cache_salt") = py::none(),
+          "Queues reads from the disk tier into host slots for the prompt's blocks after its device/host hit\n"
+          "that only the disk holds (up to the first block no tier holds), evicting host entries of at most the\n"
+          "block's priority; stops when no slot can be taken. Returns how many reads it queued.")
+      .def("take_disk_reads", [](BlockManager& bm) { return pairs_tensor(bm.take_disk_reads()); },
+           "Drains the queued disk reads: an int64 [n, 2] CPU tensor of (disk record, host slot); both are held\n"
+           "until complete_disk_reads, and allocate() treats the block as not on the host meanwhile.")
+      .def(
+          "complete_disk_reads",
+          [](BlockManager& bm, const py::object& ok) {
+            bm.complete_disk_reads(outcomes(ok, bm.num_disk_reads_in_flight()));
+          },
+          py::arg("ok") = true,
+          "The outcome of every disk read taken and not yet completed, in the order taken (one bool for all, or\n"
+          "one per read): a confirmed read gives the entry its host slot (a 'CPU' stored event; it stays on\n"
+          "disk); a failed one (stale or foreign file) drops the disk entry (a 'DISK' removed event).")
+      .def(
+          "disk_record_identity",
+          [](const BlockManager& bm, int32_t record) {
+            const DiskTier::Identity id = bm.disk_record_identity(record);
+            return py::make_tuple(id.hash, id.parent ? py::object(py::int_(*id.parent)) : py::object(py::none()),
+                                  py::cast(id.tokens));
+          },
+          py::arg("record"),
+          "(block_hash, parent_block_hash or None, token_ids) of what the disk record holds or is being written\n"
+          "or read: what the runner writes in the record's header and checks on read (the events' hashes).\n"
+          "ValueError for a record out of range, KeyError for one that holds nothing.")
       .def("set_time", &BlockManager::set_time, py::arg("now"),
            "Advances the manager's clock (the unit of retention durations; it starts at 0 and is never read\n"
            "from the wall): free blocks whose priority duration has run out fall back to the default.")

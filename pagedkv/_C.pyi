@@ -68,6 +68,16 @@ class _Stats(TypedDict):
     num_host_blocks: int
     free_host_blocks: int
     cached_host_blocks: int    # host slots whose KV the prefix cache holds
+    disk_hit_blocks: int       # blocks prefetch() queued to read from the disk tier
+    disk_writes: int           # host slots written to the disk tier (confirmed)
+    disk_write_failures: int
+    disk_reads: int            # disk records read into host slots (confirmed)
+    disk_read_failures: int    # failed reads (their disk entries dropped)
+    disk_evictions: int        # disk records reused for other content
+    num_disk_blocks: int
+    free_disk_blocks: int
+    used_disk_blocks: int      # disk records held by pending writes and reads
+    cached_disk_blocks: int    # disk records whose KV the prefix cache holds
 
 
 class _KvEvent(TypedDict):
@@ -79,7 +89,7 @@ class _KvEvent(TypedDict):
     token_ids: list[int] | None                     # stored: the blocks' tokens
     cache_salt: bytes | None                        # stored from block 0: the salt
     block_size: int
-    medium: Literal["GPU", "CPU"]                   # CPU: the host tier
+    medium: Literal["GPU", "CPU", "DISK"]           # CPU: the host tier, DISK: the disk tier
 
 
 @type_check_only
@@ -166,7 +176,7 @@ class BlockManager(metaclass=_pybind11_type):
                  default_priority: SupportsIndex = 35, decode_priority: SupportsIndex | None = None,
                  max_pinned_fraction: float = 0.5, sliding_window: SupportsIndex | None = None,
                  group_windows: Sequence[SupportsIndex | None] | None = None, num_host_blocks: SupportsIndex = 0,
-                 host_offload_min_priority: SupportsIndex = 0) -> None:
+                 host_offload_min_priority: SupportsIndex = 0, num_disk_blocks: SupportsIndex = 0) -> None:
         """A manager of num_blocks GPU blocks of block_size tokens; every block is usable.
 
         num_cpu_blocks: CPU blocks for swap_out / swap_in (0: no swapping). watermark: the fraction of
@@ -177,7 +187,8 @@ class BlockManager(metaclass=_pybind11_type):
         (None: the default): the retention priority (0-100) of prompt / decode blocks no retention range
         covers. max_pinned_fraction: the most of the pool pins may hold. num_host_blocks: host-tier slots
         of the prefix cache (0: no tier; see take_offloads / take_loads); blocks below
-        host_offload_min_priority are dropped, not offloaded. group_windows: one window
+        host_offload_min_priority are dropped, not offloaded. num_disk_blocks: disk-tier records below the
+        host tier (0: no tier; it needs num_host_blocks > 0; see take_disk_writes / prefetch). group_windows: one window
         (tokens; None: full attention) per group of layers (default: one group, full attention).
         sliding_window=w (deprecated, a DeprecationWarning) is group_windows=[w]; give one or neither. A
         second call on a live manager is a TypeError.
@@ -401,12 +412,13 @@ class BlockManager(metaclass=_pybind11_type):
     def take_events(self) -> list[_KvEvent]:
         """Drains the KV events recorded since the previous call, in order (enable_events=True): dicts with
         seq, kind ('stored' | 'removed' | 'cleared'), block_hashes, parent_block_hash, token_ids and
-        cache_salt (stored), block_size, medium ('GPU', or 'CPU': the host tier).
+        cache_salt (stored), block_size, medium ('GPU', 'CPU': the host tier, or 'DISK': the disk tier).
         """
 
-    def cached_blocks(self, medium: Literal["GPU", "CPU"] = "GPU") -> list[tuple[int, int | None]]:
+    def cached_blocks(self, medium: Literal["GPU", "CPU", "DISK"] = "GPU") -> list[tuple[int, int | None]]:
         """(block_hash, parent_block_hash) of every block whose KV the prefix cache holds now on `medium` ('GPU':
-        device blocks, 'CPU': the host tier); replaying that medium's KV events gives the same multiset.
+        device blocks, 'CPU': the host tier, 'DISK': the disk tier); replaying that medium's KV events gives
+        the same multiset.
         """
 
     @property
@@ -425,9 +437,11 @@ class BlockManager(metaclass=_pybind11_type):
     def host_offload_min_priority(self) -> int:
         """Blocks below this retention priority are dropped, not offloaded."""
 
-    def lookup(self, token_ids: _Ints, *, cache_salt: _Salt = None) -> tuple[int, int]:
-        """The prompt's prefix hit as allocate() would take it now: (device_blocks, host_blocks), the leading
-        blocks hit on the device and, after them, those loaded from the host tier.
+    def lookup(self, token_ids: _Ints, *, cache_salt: _Salt = None) -> tuple[int, int, int]:
+        """The prompt's prefix hit as allocate() would take it now: (device_blocks, host_blocks, disk_blocks),
+        the leading blocks hit on the device, after them those loaded from the host tier, and after the hit
+        the blocks that would hit once the disk tier's reads are confirmed (those prefetch() reads and the
+        host entries between them).
         """
 
     def plan_offloads(self, max_blocks: SupportsIndex) -> int:
@@ -458,6 +472,61 @@ class BlockManager(metaclass=_pybind11_type):
 
     def num_loading_blocks(self, seq_id: SupportsIndex) -> int:
         """Blocks of the sequence whose loads from the host tier are not confirmed yet."""
+
+    @property
+    def disk_tier_enabled(self) -> bool:
+        """Whether the disk tier is in use: num_disk_blocks > 0 below an enabled host tier."""
+
+    @property
+    def num_disk_blocks(self) -> int:
+        """Disk-tier records (num_disk_blocks)."""
+
+    @property
+    def num_free_disk_blocks(self) -> int:
+        """Disk-tier records that no pending write or read holds (those with cached KV included)."""
+
+    @property
+    def num_pending_disk_reads(self) -> int:
+        """Disk reads queued by prefetch() and not yet completed (taken or not)."""
+
+    def plan_disk_writes(self, max_slots: SupportsIndex) -> int:
+        """Clean ahead: of the max_slots cached free host slots the host tier would evict first, queues writes
+        to the disk tier of those it lacks; returns how many it queued.
+        """
+
+    def take_disk_writes(self) -> torch.Tensor:
+        """Drains the queued disk writes: an int64 [n, 2] CPU tensor of (host slot, disk record). Each host slot
+        is held (never reused) until complete_disk_writes.
+        """
+
+    def complete_disk_writes(self, ok: bool | Sequence[bool] | torch.Tensor = True) -> None:
+        """The outcome of every disk write taken and not yet completed, in the order taken (one bool for all, or
+        one per write): a confirmed write stores the entry on disk (a 'DISK' stored event); a failed one
+        leaves no disk entry.
+        """
+
+    def prefetch(self, token_ids: _Ints, *, cache_salt: _Salt = None) -> int:
+        """Queues reads from the disk tier into host slots for the prompt's blocks after its device/host hit
+        that only the disk holds (up to the first block no tier holds), evicting host entries of at most the
+        block's priority; stops when no slot can be taken. Returns how many reads it queued.
+        """
+
+    def take_disk_reads(self) -> torch.Tensor:
+        """Drains the queued disk reads: an int64 [n, 2] CPU tensor of (disk record, host slot); both are held
+        until complete_disk_reads, and allocate() treats the block as not on the host meanwhile.
+        """
+
+    def complete_disk_reads(self, ok: bool | Sequence[bool] | torch.Tensor = True) -> None:
+        """The outcome of every disk read taken and not yet completed, in the order taken (one bool for all, or
+        one per read): a confirmed read gives the entry its host slot (a 'CPU' stored event; it stays on
+        disk); a failed one (stale or foreign file) drops the disk entry (a 'DISK' removed event).
+        """
+
+    def disk_record_identity(self, record: SupportsIndex) -> tuple[int, int | None, list[int]]:
+        """(block_hash, parent_block_hash or None, token_ids) of what the disk record holds or is being written
+        or read: what the runner writes in the record's header and checks on read (the events' hashes).
+        ValueError for a record out of range, KeyError for one that holds nothing.
+        """
 
     def set_time(self, now: float) -> None:
         """Advances the manager's clock (the unit of retention durations; it starts at 0 and is never read

@@ -16,8 +16,12 @@ group's held blocks are checked, released entries must be pads that slot_mapping
 into released blocks must be refused. Pools with a host tier offload (clean ahead and write-back) and load
 (host hits) through copies the fuzzer performs and sometimes fails (a failed copy scribbles over its
 destination): every loaded prefix must hold its own KV once confirmed, a failed load must lower the
-computed tokens, and each medium's events must replay to its cached blocks. Prints the figures; exits 1 at
-the first failure.
+computed tokens, and each medium's events must replay to its cached blocks. Pools with a disk tier below
+the host tier write host slots to records (clean ahead and write-back) and prefetch them back into host
+slots, the I/O lagging a step behind as on a background thread; each record keeps the identity the manager
+gave when it was written as its header, a read whose header is not the record's identity now (or that
+fails at random) is reported failed, and the device -> host -> disk -> host -> device round trip must
+leave every loaded prefix with its own KV. Prints the figures; exits 1 at the first failure.
 
     python scripts/fuzz_block_manager.py --ops 1000000 [--seed N] [--groups 2] [--sliding-window 0]
 """
@@ -65,6 +69,11 @@ class Figures:
     loads: int = 0
     failed_copies: int = 0
     loaded_tokens_checked: int = 0
+    disk_writes: int = 0
+    disk_reads: int = 0
+    failed_disk_io: int = 0
+    stale_headers: int = 0
+    prefetched_blocks: int = 0
 
 
 def prefix_ids(tokens, salt):
@@ -97,7 +106,10 @@ class Fuzzer:
         self.bs = r.choice([1, 2, 3, 4, 8, 16])
         self.nb = r.randint(8, 96)
         self.ncpu = r.choice([0, r.randint(4, 64)])
-        self.nhost = r.choice([0, r.randint(4, 96), r.randint(4, 96)])
+        self.nhost = r.choice([0, r.randint(4, 96), r.randint(4, 24)])
+        self.ndisk = r.choice([0, r.randint(4, 160)]) if self.nhost else 0
+        if self.ndisk:  # upper tiers smaller than the prompts' prefixes: blocks end up only on disk
+            self.nb = r.randint(8, 32)
         self.vocab = r.randint(2, 6)
         self.events = r.random() < 0.6
         self.windows = self.pool_windows()
@@ -107,9 +119,10 @@ class Fuzzer:
                                enable_events=self.events, max_pending_events=r.choice([64, 1 << 16, 1 << 16]),
                                default_priority=r.choice([35, 35, 0, 60]), decode_priority=r.choice([None, 10, 80]),
                                max_pinned_fraction=r.choice([0.0, 0.25, 0.5, 0.9]), group_windows=self.windows,
-                               num_host_blocks=self.nhost, host_offload_min_priority=r.choice([0, 0, 35, 50]))
+                               num_host_blocks=self.nhost, host_offload_min_priority=r.choice([0, 0, 35, 50]),
+                               num_disk_blocks=self.ndisk)
         self.pins: dict[int, tuple] = {}  # seq id -> (tokens, ids, salt, pinned leading blocks)
-        self.replayed = {"GPU": Counter(), "CPU": Counter()}  # block hashes the events say each medium holds
+        self.replayed = {m: Counter() for m in MEDIA}  # block hashes the events say each medium holds
         self.next_event = 0
         self.dropped_seen = 0
         self.seqs: dict[int, Seq] = {}
@@ -117,9 +130,13 @@ class Fuzzer:
         self.cpu: dict[int, dict] = {}
         self.host: dict[int, dict] = {}  # host-tier slot -> {offset: prefix identity}
         self.loading: set[int] = set()   # sequences whose loads are not confirmed yet
+        self.disk: dict[int, tuple] = {}  # disk record -> (header: the identity written, {offset: prefix identity})
+        self.disk_writes: list = []       # (host slot, disk record, identity) taken, completed next step
+        self.disk_reads: list = []        # (disk record, host slot, identity) taken, completed next step
         self.pending = False              # copies queued by append_tokens and not yet taken
         self.next_id = 0
-        self.prefixes = [[r.randrange(self.vocab) for _ in range(r.randint(1, 4 * self.bs))] for _ in range(4)]
+        num_prefixes = 12 if self.ndisk else 4  # more distinct prefixes than the upper tiers hold
+        self.prefixes = [[r.randrange(self.vocab) for _ in range(r.randint(1, 4 * self.bs))] for _ in range(num_prefixes)]
         self.fig.pools += 1
 
     def new_id(self):
@@ -197,6 +214,61 @@ class Fuzzer:
         if self.rng.random() < 0.5:
             self.bm.plan_offloads(self.rng.randint(0, 8))
         self.transfer()
+        if self.ndisk:
+            if self.rng.random() < 0.5:
+                self.bm.plan_disk_writes(self.rng.randint(0, 8))
+            self.disk_io()
+
+    def disk_io(self, lag=True):
+        """The runner's disk I/O: completes the writes and reads taken at the previous call (a background
+        thread's files), then takes the new ones (lag=False: completes those too). A write stores the host
+        slot's KV under the record's identity as header; a read succeeds only if the header is the identity
+        the manager gives now, and fails now and then (a failed read leaves garbage in its slot)."""
+        r, bm = self.rng, self.bm
+        for _ in range(1 if lag else 2):
+            ok = []
+            for slot, record, identity in self.disk_writes:
+                ok.append(r.random() > 0.1)
+                if ok[-1]:  # a whole file or nothing: a failed write leaves the old file
+                    self.disk[record] = (identity, dict(self.host.get(slot, {})))
+            if ok:
+                bm.complete_disk_writes(ok)
+            self.fig.disk_writes += ok.count(True)
+            self.fig.failed_disk_io += ok.count(False)
+            ok = []
+            for record, slot, identity in self.disk_reads:
+                header, kv = self.disk.get(record, (None, {}))
+                if header != identity:
+                    self.fig.stale_headers += 1
+                ok.append(header == identity and r.random() > 0.1)
+                self.host[slot] = dict(kv) if ok[-1] else {o: "garbage" for o in range(self.bs)}
+            if ok:
+                bm.complete_disk_reads(ok)
+            self.fig.disk_reads += ok.count(True)
+            self.fig.failed_disk_io += ok.count(False)
+            self.disk_writes = [(s, d, bm.disk_record_identity(d)) for s, d in bm.take_disk_writes().tolist()]
+            self.disk_reads = [(d, s, bm.disk_record_identity(d)) for d, s in bm.take_disk_reads().tolist()]
+        if bm.num_pending_disk_reads != len(self.disk_reads):
+            self.fail(f"{bm.num_pending_disk_reads} disk reads pending, {len(self.disk_reads)} taken")
+
+    def op_prefetch(self):
+        """An engine prefetches a waiting prompt: the blocks it reads are disk-only blocks after the hit."""
+        tokens, salt = self.prompt()
+        device, host, disk = self.bm.lookup(tokens, cache_salt=salt)
+        if device + host + disk > max(0, (len(tokens) - 1) // self.bs):
+            self.fail(f"lookup found {device} + {host} + {disk} blocks of a {len(tokens)}-token prompt")
+        if disk and not self.ndisk:
+            self.fail("lookup found disk blocks without a disk tier")
+        queued = self.bm.prefetch(tokens, cache_salt=salt)
+        if queued > disk:
+            self.fail(f"prefetch queued {queued} reads but lookup said {disk} disk blocks")
+        self.fig.prefetched_blocks += queued
+        if queued and self.rng.random() < 0.5:  # the reads are done: admit the prompt, its hit loaded
+            self.disk_io(lag=False)
+            if self.bm.can_allocate(tokens, cache_salt=salt) == AllocStatus.OK:
+                sid = self.new_id()
+                self.admitted(sid, tokens, salt, self.bm.allocate(sid, tokens, cache_salt=salt))
+                self.transfer()
 
     def held_tables(self, sid):
         """(group, table, first held entry) of each group; checks that released entries are pads."""
@@ -446,7 +518,8 @@ class Fuzzer:
     # --- invalid calls: the documented exception, and nothing changed ------------------------------------
     def snapshot(self):
         bm = self.bm
-        return (bm.num_free_blocks, bm.num_free_cpu_blocks, bm.stats(), bm.now,
+        return (bm.num_free_blocks, bm.num_free_cpu_blocks, bm.num_free_host_blocks, bm.num_free_disk_blocks,
+                bm.num_pending_disk_reads, bm.stats(), bm.now,
                 [bm.block_priority(b) for b in range(self.nb)], {i: bm.pinned_blocks(i) for i in self.pins},
                 {i: ([bm.block_table(i, group=g) for g in range(len(self.windows))], bm.num_tokens(i),
                      bm.num_computed_tokens(i), bm.is_swapped(i)) for i in self.seqs})
@@ -475,6 +548,12 @@ class Fuzzer:
             (ValueError, lambda: bm.set_time(bm.now - 1.0)),
             (KeyError, lambda: bm.pin(unknown)),
             (KeyError, lambda: bm.unpin(unknown)),
+            (ValueError, lambda: bm.plan_disk_writes(-1)),
+            (ValueError, lambda: bm.disk_record_identity(self.ndisk)),
+            (ValueError, lambda: bm.prefetch([])),
+            (ValueError, lambda: bm.complete_disk_writes([True] * (len(self.disk_writes) + 1))),
+            (ValueError, lambda: bm.complete_disk_reads([True] * (len(self.disk_reads) + 1))),
+            (ValueError, lambda: bm.cached_blocks("disk")),
         ]
         if self.seqs:
             calls += [
@@ -558,10 +637,10 @@ class Fuzzer:
                 for r in self.replayed.values():
                     r.clear()
         self.fig.events += len(events)
-        cached = {m: Counter(h for h, _ in self.bm.cached_blocks(m)) for m in ("GPU", "CPU")}
+        cached = {m: Counter(h for h, _ in self.bm.cached_blocks(m)) for m in MEDIA}
         if self.replayed is None:
             self.replayed = cached
-        for m in ("GPU", "CPU"):
+        for m in MEDIA:
             if +self.replayed[m] != cached[m]:
                 self.fail(f"replaying the {m} KV events does not give cached_blocks({m!r})")
 
@@ -585,9 +664,10 @@ class Fuzzer:
             self.fail("blocks leaked or double counted")
 
 
+MEDIA = ("GPU", "CPU", "DISK")
 WEIGHTS = {"allocate": 14, "allocate_batch": 5, "compute": 22, "append": 18, "speculate": 6, "fork": 5, "free": 12,
            "swap_out": 5, "swap_in": 5, "reset": 1, "new_pool": 1, "invalid": 5, "clock": 3, "pin": 2, "unpin": 2,
-           "transfer": 8}
+           "transfer": 8, "prefetch": 4}
 
 
 def run(num_ops: int, seed: int, quiet: bool = False, groups: int = 1, sliding_window: int | None = None) -> Figures:
@@ -646,7 +726,9 @@ def main():
           f"replayed to cached_blocks() ({fig.event_resyncs:,} resyncs after a full buffer); "
           f"{fig.released_blocks_seen:,} released table entries checked; {fig.reserved_chunks:,} prefill chunks reserved; "
           f"host tier: {fig.offloads:,} offloads, {fig.loads:,} loads, {fig.failed_copies:,} failed copies, "
-          f"{fig.loaded_tokens_checked:,} loaded tokens held their own KV")
+          f"{fig.loaded_tokens_checked:,} loaded tokens held their own KV; disk tier: {fig.disk_writes:,} writes, "
+          f"{fig.disk_reads:,} reads ({fig.prefetched_blocks:,} blocks prefetched), {fig.failed_disk_io:,} failed, "
+          f"{fig.stale_headers:,} stale headers refused")
     print("operations: " + ", ".join(f"{k} {v:,}" for k, v in sorted(fig.ops.items())))
     return 0
 

@@ -6,7 +6,10 @@ Groups of layers (hybrid models): one table per group, each with its window (Non
 windowed table releases the leading blocks no future query reads (a pad, 0, stays in their place), and
 the prefix cache keys each group's blocks apart. The host tier (one full-attention group only) is a second
 pool of the same kind keyed by the same prefixes: offloads hold their device block and host slot until
-completed, loads hold theirs, and a failed load truncates its sequence's computed prefix."""
+completed, loads hold theirs, and a failed load truncates its sequence's computed prefix. The disk tier
+is a third pool of the same kind below the host tier: writes hold their host slot and record, reads
+(prefetch) hold their record and a host slot, and a dirty host entry about to be evicted is written first
+while another host slot stays free."""
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -105,6 +108,7 @@ class Model:
     pin_count: dict = field(default_factory=dict)
     num_host_blocks: int = 0
     host_min_priority: int = 0
+    num_disk_blocks: int = 0
 
     def __post_init__(self):
         self.free = FreeLists(range(self.num_blocks))
@@ -128,6 +132,17 @@ class Model:
         self.next_serial = 1
         self.spare = 0            # free blocks write-backs may hold during the current call
         self.host_evictions = 0
+        self.disk = self.tier and self.num_disk_blocks > 0
+        self.disk_free = FreeLists(range(self.num_disk_blocks))
+        self.disk_ref = {r: 0 for r in range(self.num_disk_blocks)}
+        self.disk_tag = {}        # record -> prefix key
+        self.disk_registry = {}   # prefix key -> record
+        self.disk_retention = {r: (self.default_priority, FOREVER) for r in range(self.num_disk_blocks)}
+        self.disk_expiry = {}
+        self.disk_writing, self.disk_reading = set(), set()  # keys with a pending write / read
+        self.writes, self.writes_taken = [], []  # (slot, record, key, epoch)
+        self.reads, self.reads_taken = [], []    # (record, slot, key, epoch)
+        self.disk_evictions = 0
 
     def key(self, tokens, salt, i, g=0):
         return (g, salt, tuple(tokens[: (i + 1) * self.block_size]))
@@ -216,6 +231,11 @@ class Model:
             del self.host_expiry[s]
             self.host_free.remove(s)
             self.host_free.push(s, 1 + self.default_priority)
+        for r in sorted((r for r, e in self.disk_expiry.items() if e[0] <= now), key=self.disk_expiry.get):
+            self.disk_retention[r] = (self.default_priority, FOREVER)
+            del self.disk_expiry[r]
+            self.disk_free.remove(r)
+            self.disk_free.push(r, 1 + self.default_priority)
 
     def pinned_blocks(self):
         return sum(c > 0 for c in self.pin_count.values())
@@ -261,7 +281,24 @@ class Model:
         return "OK" if need <= len(self.free) else "LATER"
 
     def reset(self):
-        self.epoch += 1  # offloads in flight enter nothing; those not taken are dropped
+        self.epoch += 1  # offloads, writes and reads in flight enter nothing; those not taken are dropped
+        for slot, record, _, _ in self.writes:
+            self.disk_release(record)
+            self.host_release(slot, cold=True)
+        for record, slot, _, _ in self.reads:
+            self.host_release(slot)
+            self.disk_release(record)
+        self.writes, self.reads = [], []
+        self.disk_writing.clear()
+        self.disk_reading.clear()
+        self.disk_registry.clear()
+        self.disk_tag.clear()
+        for record in self.disk_free.order():
+            self.disk_retention[record] = (self.default_priority, FOREVER)
+            if self.disk_free.where[record] != 0:
+                self.disk_free.remove(record)
+                self.disk_free.push(record, 0)
+        self.disk_expiry.clear()
         for b, slot, _, _ in self.offloads:
             self.host_release(slot)
             self.release(b, cold=True)
@@ -367,7 +404,7 @@ class Model:
             self.host_expiry.pop(s, None)
         self.host_ref[s] += 1
 
-    def host_release(self, s):
+    def host_release(self, s, cold=False):
         self.host_ref[s] -= 1
         if self.host_ref[s]:
             return
@@ -381,12 +418,20 @@ class Model:
                 self.expiry_order += 1
             else:
                 p, d = self.host_retention[s] = (self.default_priority, FOREVER)
-        self.host_free.push(s, 1 + p)
+        self.host_free.push(s, 1 + p, front=cold)
+
+    def take_slot(self, r):
+        """A host slot for KV of retention r, after writing the dirty entries ahead of it to disk while
+        another slot stays free; None when none can be taken without evicting a stronger entry."""
+        while (self.disk and len(self.host_free) > 1 and self.can_take_slot(r[0])
+               and self.host_cached(self.host_free.order()[0]) and self.disk_write_back(self.host_free.order()[0])):
+            pass
+        return self.host_take(r) if self.can_take_slot(r[0]) else None
 
     def dirty(self, b):
         k = self.tag.get(b)
         return (self.cached(b) and k[0] == 0 and k not in self.host_registry and k not in self.offloading
-                and self.retention[b][0] >= self.host_min_priority)
+                and k not in self.disk_reading and self.retention[b][0] >= self.host_min_priority)
 
     def can_take_slot(self, p):
         if not len(self.host_free):
@@ -394,8 +439,7 @@ class Model:
         front = self.host_free.order()[0]
         return not self.host_cached(front) or self.host_retention[front][0] <= p
 
-    def queue_offload(self, b):
-        slot = self.host_take(self.retention[b])
+    def queue_offload(self, b, slot):
         if b in self.free:
             self.unfree(b)
         self.ref[b] += 1
@@ -405,7 +449,10 @@ class Model:
     def write_back(self, b):
         if not self.tier or not self.dirty(b) or not self.can_take_slot(self.retention[b][0]):
             return False
-        self.queue_offload(b)
+        slot = self.take_slot(self.retention[b])
+        if slot is None:
+            return False
+        self.queue_offload(b, slot)
         return True
 
     def allow_write_backs(self, needed, watermark_blocks=0):
@@ -417,9 +464,10 @@ class Model:
         picked = [b for b in [b for b in self.free.order() if self.free.where[b] > 0][:n] if self.dirty(b)]
         queued = 0
         for b in picked:
-            if not self.can_take_slot(self.retention[b][0]):
+            slot = self.take_slot(self.retention[b])
+            if slot is None:
                 break
-            self.queue_offload(b)
+            self.queue_offload(b, slot)
             queued += 1
         return queued
 
@@ -463,6 +511,162 @@ class Model:
                 finished.append(sid)
         for sid in finished:
             self.mark_computed(sid, self.seqs[sid].computed)
+
+    # --- disk tier --------------------------------------------------------------------------------
+    def disk_cached(self, r):
+        k = self.disk_tag.get(r)
+        return k is not None and self.disk_registry.get(k) == r
+
+    def disk_take(self, ret):
+        r = self.disk_free.pop()
+        self.disk_expiry.pop(r, None)
+        k = self.disk_tag.pop(r, None)
+        if k is not None and self.disk_registry.get(k) == r:
+            del self.disk_registry[k]
+            self.disk_evictions += 1
+        self.disk_ref[r] = 1
+        self.disk_retention[r] = ret
+        return r
+
+    def disk_acquire(self, r):
+        if self.disk_ref[r] == 0 and r in self.disk_free:
+            self.disk_free.remove(r)
+            self.disk_expiry.pop(r, None)
+        self.disk_ref[r] += 1
+
+    def disk_release(self, r):
+        self.disk_ref[r] -= 1
+        if self.disk_ref[r]:
+            return
+        if not self.disk_cached(r):
+            self.disk_free.push(r, 0, front=True)
+            return
+        p, d = self.disk_retention[r]
+        if d != FOREVER:
+            if self.now + d > self.now:
+                self.disk_expiry[r] = (self.now + d, self.expiry_order)
+                self.expiry_order += 1
+            else:
+                p, d = self.disk_retention[r] = (self.default_priority, FOREVER)
+        self.disk_free.push(r, 1 + p)
+
+    def disk_dirty(self, s):
+        k = self.host_tag.get(s)
+        return self.host_cached(s) and k[0] == 0 and k not in self.disk_registry and k not in self.disk_writing
+
+    def can_take_record(self, p):
+        if not len(self.disk_free):
+            return False
+        front = self.disk_free.order()[0]
+        return not self.disk_cached(front) or self.disk_retention[front][0] <= p
+
+    def queue_write(self, s):
+        record = self.disk_take(self.host_retention[s])
+        self.host_acquire(s)
+        self.disk_writing.add(self.host_tag[s])
+        self.writes.append((s, record, self.host_tag[s], self.epoch))
+
+    def disk_write_back(self, s):
+        if not self.disk or not self.disk_dirty(s) or not self.can_take_record(self.host_retention[s][0]):
+            return False
+        self.queue_write(s)
+        return True
+
+    def plan_disk_writes(self, n):
+        if not self.disk or n <= 0:
+            return 0
+        cached = [s for s in self.host_free.order() if self.host_free.where[s] > 0][:n]
+        queued = 0
+        for s in [s for s in cached if self.disk_dirty(s)]:
+            if not self.can_take_record(self.host_retention[s][0]):
+                break
+            self.queue_write(s)
+            queued += 1
+        return queued
+
+    def take_disk_writes(self):
+        self.writes_taken += self.writes
+        out, self.writes = [(s, r) for s, r, _, _ in self.writes], []
+        return out
+
+    def complete_disk_writes(self, ok):
+        done, self.writes_taken = self.writes_taken, []
+        for (slot, record, k, epoch), good in zip(done, ok):
+            current = epoch == self.epoch
+            if good and current:
+                self.disk_tag[record] = k
+                self.disk_registry[k] = record
+            if current:
+                self.disk_writing.discard(k)
+            self.disk_release(record)
+            self.host_release(slot, cold=True)
+
+    def tier_walk(self, tokens, salt):
+        """(hit, keys): the prompt's keys through its hit and the run after it that the host or disk tier
+        holds (or is reading), up to the first block neither holds."""
+        hit = self.match(tokens, salt)[0]
+        keys = []
+        for i in range(self.nblocks(len(tokens)) - 1):
+            key = self.key(tokens, salt, i)
+            if i >= hit and key not in self.host_registry and key not in self.disk_registry and key not in self.disk_reading:
+                break
+            keys.append(key)
+        return hit, keys
+
+    def lookup(self, tokens, salt=b""):
+        k, held = self.match(tokens, salt)
+        host = sum(1 for b in held[0] if isinstance(b, tuple)) if self.tier and k else 0
+        disk = 0
+        if self.disk:
+            hit, keys = self.tier_walk(tokens, salt)
+            disk = len(keys) - hit
+        return k - host, host, disk
+
+    def prefetch(self, tokens, salt=b""):
+        if not self.disk:
+            return 0
+        hit, keys = self.tier_walk(tokens, salt)
+        held = [self.host_registry[k] for k in keys if k in self.host_registry]
+        for s in held:
+            self.host_acquire(s)
+        queued = 0
+        for k in keys[hit:]:
+            if k in self.host_registry or k in self.disk_reading:
+                continue
+            if k not in self.disk_registry:
+                break
+            record = self.disk_registry[k]
+            self.disk_acquire(record)
+            slot = self.take_slot(self.disk_retention[record])
+            if slot is None:
+                self.disk_release(record)
+                break
+            self.disk_reading.add(k)
+            self.reads.append((record, slot, k, self.epoch))
+            queued += 1
+        for s in held:
+            self.host_release(s)
+        return queued
+
+    def take_disk_reads(self):
+        self.reads_taken += self.reads
+        out, self.reads = [(r, s) for r, s, _, _ in self.reads], []
+        return out
+
+    def complete_disk_reads(self, ok):
+        done, self.reads_taken = self.reads_taken, []
+        for (record, slot, k, epoch), good in zip(done, ok):
+            if epoch == self.epoch:
+                self.disk_reading.discard(k)
+                if good and k not in self.host_registry:
+                    self.host_tag[slot] = k
+                    self.host_registry[k] = slot
+                elif not good and self.disk_tag.get(record) == k:
+                    if self.disk_registry.get(k) == record:
+                        del self.disk_registry[k]
+                    del self.disk_tag[record]
+            self.host_release(slot)
+            self.disk_release(record)
 
     # --- API ------------------------------------------------------------------------------------
     def allocate(self, sid, tokens, salt=b"", retention=(), chunk=None):

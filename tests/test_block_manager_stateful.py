@@ -4,7 +4,8 @@ results and block priorities, check_invariants() after every step, and that ever
 block whose KV (tracked here) was written for exactly that prefix. It runs for full attention, one
 sliding window and a hybrid of the two (one table per group, windowed entries released), and with a host
 tier: offloads and loads are taken, copied (the KV tracked here moves with them), failed at random and
-completed, and must match the model's."""
+completed, and must match the model's; and with a disk tier below it: disk writes, prefetches and disk
+reads likewise, so the tracked KV goes device -> host -> disk -> host -> device."""
 from collections import Counter
 
 import hypothesis.strategies as st
@@ -33,15 +34,19 @@ def model_ranges(retention):
 class BlockManagerMachine(RuleBasedStateMachine):
     WINDOWS = (None,)  # one entry per group of layers
     NHOST = 0          # host-tier slots
+    NDISK = 0          # disk-tier records
 
     def __init__(self):
         super().__init__()
         self.bm = BlockManager(NB, BS, num_cpu_blocks=NCPU, hash_algo="weak8", enable_events=True,
-                               group_windows=list(self.WINDOWS), num_host_blocks=self.NHOST)
-        self.replayed = {"GPU": Counter(), "CPU": Counter()}  # block hashes the KV events say each medium holds
+                               group_windows=list(self.WINDOWS), num_host_blocks=self.NHOST,
+                               num_disk_blocks=self.NDISK)
+        self.replayed = {m: Counter() for m in ("GPU", "CPU", "DISK")}  # hashes the KV events say each medium holds
         self.next_event = 0
-        self.model = Model(NB, BS, NCPU, windows=self.WINDOWS, num_host_blocks=self.NHOST)
+        self.model = Model(NB, BS, NCPU, windows=self.WINDOWS, num_host_blocks=self.NHOST,
+                           num_disk_blocks=self.NDISK)
         self.host_kv = {}  # host slot -> the KV it holds, as self.kv
+        self.disk_kv = {}  # disk record -> the KV its file holds
         self.cached_prompts = []  # prompts cache_prompt computed and freed
         self.kv = {}  # physical block -> tokens of the prefix whose KV it holds (up to its last written slot)
         self.next_id = 0
@@ -279,6 +284,61 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.bm.num_computed_tokens(sid) == q.computed
             assert self.bm.num_loading_blocks(sid) == q.loading
 
+    @precondition(lambda self: self.model.disk)
+    @rule(data=st.data(), n=st.integers(0, 4))
+    def disk_io(self, data, n):
+        """The runner's disk I/O: clean ahead n host slots, then the writes and reads taken, performed (a
+        failed write or read leaves garbage behind) and completed with outcomes drawn here."""
+        assert self.bm.plan_disk_writes(n) == self.model.plan_disk_writes(n)
+        writes = self.bm.take_disk_writes().tolist()
+        assert writes == [list(p) for p in self.model.take_disk_writes()]
+        ok = data.draw(st.lists(outcome, min_size=len(writes), max_size=len(writes)))
+        for (slot, record), good in zip(writes, ok):
+            self.disk_kv[record] = dict(self.host_kv.get(slot, {})) if good else {o: "garbage" for o in range(BS)}
+        self.bm.complete_disk_writes(ok)
+        self.model.complete_disk_writes(ok)
+        reads = self.bm.take_disk_reads().tolist()
+        assert reads == [list(p) for p in self.model.take_disk_reads()]
+        ok = data.draw(st.lists(outcome, min_size=len(reads), max_size=len(reads)))
+        for (record, slot), good in zip(reads, ok):
+            self.host_kv[slot] = dict(self.disk_kv.get(record, {})) if good else {o: "garbage" for o in range(BS)}
+        self.bm.complete_disk_reads(ok)
+        self.model.complete_disk_reads(ok)
+
+    @precondition(lambda self: self.model.disk)
+    @rule(data=st.data(), other=st.lists(st.integers(0, 2), min_size=3, max_size=9))
+    def demote_to_disk(self, data, other):
+        """Cached prompts go down a tier or two: offloaded, written to disk, then pushed out of the host tier
+        by another prompt's offloads and out of the device by new tokens."""
+        assert self.bm.plan_offloads(NB) == self.model.plan_offloads(NB)
+        self.complete_offloads(data)
+        self.disk_io(data, self.NHOST)
+        self.cache_prompt(other)
+        assert self.bm.plan_offloads(NB) == self.model.plan_offloads(NB)
+        self.complete_offloads(data)
+        if self.model.free:
+            self.evict_device_copies()
+
+    @precondition(lambda self: self.model.disk)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=3, max_size=9),
+          other=st.lists(st.integers(0, 2), min_size=3, max_size=9))
+    def round_trip(self, data, tokens, other):
+        """A prompt is cached, demoted to disk, prefetched back to the host and admitted again."""
+        self.cache_prompt(tokens)
+        self.demote_to_disk(data, other)
+        self.prefetch(data, [], tokens)
+        self.disk_io(data, 0)
+        self.allocate(tokens, b"", None)
+
+    @precondition(lambda self: self.model.disk and self.cached_prompts)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 2), max_size=2))
+    def prefetch(self, data, extra, tokens=None):
+        """A waiting prompt (a recent one again) is prefetched: reads of its blocks only the disk holds."""
+        tokens = (tokens or data.draw(st.sampled_from(self.cached_prompts[-4:]))) + extra
+        assert self.bm.lookup(tokens) == self.model.lookup(tokens)
+        assert self.bm.prefetch(tokens) == self.model.prefetch(tokens)
+        assert self.bm.num_pending_disk_reads == len(self.model.reads) + len(self.model.reads_taken)
+
     @rule()
     def reset_cache(self):
         if self.model.seqs and len(self.model.seqs) % 5:
@@ -359,6 +419,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert stats["free_host_blocks"] == len(self.model.host_free)
         assert stats["cached_host_blocks"] == len(self.model.host_registry)
         assert stats["host_evictions"] == self.model.host_evictions
+        assert stats["free_disk_blocks"] == len(self.model.disk_free)
+        assert stats["cached_disk_blocks"] == len(self.model.disk_registry)
+        assert stats["disk_evictions"] == self.model.disk_evictions
         assert [self.bm.block_priority(b) for b in range(NB)] == [self.model.retention[b][0] for b in range(NB)]
         assert self.bm.num_pinned_blocks == self.model.pinned_blocks()
         assert all(self.bm.is_pinned(sid) for sid in self.model.pins)
@@ -382,6 +445,11 @@ class TieredMachine(BlockManagerMachine):
     NHOST = 5
 
 
+class DiskTieredMachine(BlockManagerMachine):
+    NHOST = 3
+    NDISK = 8
+
+
 TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestWindowedStateful = WindowedMachine.TestCase
@@ -390,3 +458,5 @@ TestHybridStateful = HybridMachine.TestCase
 TestHybridStateful.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestTieredStateful = TieredMachine.TestCase
 TestTieredStateful.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestDiskTieredStateful = DiskTieredMachine.TestCase
+TestDiskTieredStateful.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)

@@ -1,5 +1,6 @@
-"""The prefix cache's host tier from Python: offloads and loads the runner performs and confirms, failed
-copies, events and cached blocks per medium, and bad input that changes nothing."""
+"""The prefix cache's host and disk tiers from Python: offloads and loads, disk writes and prefetch reads the
+runner performs and confirms, failed transfers, events and cached blocks per medium, and bad input that
+changes nothing."""
 import subprocess
 import sys
 from collections import Counter
@@ -52,7 +53,7 @@ def test_offload_then_host_hit_loads_into_fresh_device_blocks():
     assert bm.stats()["cached_host_blocks"] == 3 and bm.num_free_blocks == 4
     slot_of = dict(offloads.tolist())
     cache_prompt(bm, 2, toks(16, 100))  # evicts the device copies
-    assert bm.lookup(prompt) == (0, 3)
+    assert bm.lookup(prompt) == (0, 3, 0)
     assert bm.allocate(3, prompt) == 12
     assert bm.num_loading_blocks(3) == 3
     loads = bm.take_loads()
@@ -63,7 +64,7 @@ def test_offload_then_host_hit_loads_into_fresh_device_blocks():
         bm.mark_computed(3)
     bm.complete_loads([True, True, True])
     assert bm.num_computed_tokens(3) == 12 and bm.num_loading_blocks(3) == 0
-    assert bm.lookup(prompt) == (3, 0)
+    assert bm.lookup(prompt) == (3, 0, 0)
     s = bm.stats()
     assert s["loaded_blocks"] == 3 and s["host_hit_blocks"] == 3 and s["offloaded_blocks"] == 3
     bm.check_invariants()
@@ -186,3 +187,192 @@ def test_hostile_outcomes_do_not_crash_the_process():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# The disk tier
+
+
+def write_all(bm, ok=True):
+    bm.plan_disk_writes(bm.num_host_blocks)
+    mapping = bm.take_disk_writes()
+    bm.complete_disk_writes(ok)
+    return mapping
+
+
+def demote_to_disk(bm, prompt, other):
+    """prompt's blocks end up only on disk: offloaded, written, then pushed out of the upper tiers by other."""
+    cache_prompt(bm, 1, prompt)
+    offload_all(bm)
+    write_all(bm)
+    cache_prompt(bm, 2, other)
+    offload_all(bm)
+    write_all(bm)
+
+
+def test_the_disk_tier_needs_the_host_tier():
+    bm = BlockManager(8, 4, num_host_blocks=4)
+    assert not bm.disk_tier_enabled and bm.num_disk_blocks == 0 and bm.num_free_disk_blocks == 0
+    bm = BlockManager(8, 4, num_host_blocks=4, num_disk_blocks=16)
+    assert bm.disk_tier_enabled and bm.num_disk_blocks == 16 and bm.num_free_disk_blocks == 16
+    assert bm.num_pending_disk_reads == 0
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        BlockManager(8, 4, num_disk_blocks=4)
+    with pytest.raises(ValueError, match="num_disk_blocks"):
+        BlockManager(8, 4, num_host_blocks=4, num_disk_blocks=-1)
+    hybrid = BlockManager(8, 4, num_host_blocks=4, num_disk_blocks=4, group_windows=[None, 8])
+    assert not hybrid.disk_tier_enabled and hybrid.prefetch(toks(9)) == 0 and hybrid.plan_disk_writes(4) == 0
+    stats = bm.stats()
+    assert stats["num_disk_blocks"] == 16 and stats["free_disk_blocks"] == 16 and stats["cached_disk_blocks"] == 0
+
+
+def test_write_back_then_prefetch_then_load_round_trip():
+    bm = BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=8, enable_events=True)
+    prompt = toks(13)
+    cache_prompt(bm, 1, prompt)
+    offload_all(bm)
+    assert bm.plan_disk_writes(8) == 3
+    writes = bm.take_disk_writes()
+    assert writes.dtype == torch.int64 and writes.shape == (3, 2)
+    assert bm.num_free_host_blocks == 1  # slots being written are never reused
+    # Each record's identity is what the events say about its block.
+    stored = {h: (e["parent_block_hash"] if i == 0 else e["block_hashes"][i - 1], e["token_ids"][4 * i:4 * i + 4])
+              for e in bm.take_events() if e["kind"] == "stored" and e["medium"] == "GPU"
+              for i, h in enumerate(e["block_hashes"])}
+    for _, record in writes.tolist():
+        block_hash, parent, tokens = bm.disk_record_identity(record)
+        assert stored[block_hash] == (parent, tokens)
+    bm.complete_disk_writes(True)
+    disk_events = [e for e in bm.take_events() if e["medium"] == "DISK"]
+    assert sum(len(e["block_hashes"]) for e in disk_events if e["kind"] == "stored") == 3
+    assert sorted(bm.cached_blocks("DISK")) == sorted(bm.cached_blocks("CPU"))
+    assert bm.stats()["disk_writes"] == 3
+
+    cache_prompt(bm, 2, toks(16, 100))  # pushes the prompt out of the device and host tiers
+    offload_all(bm)
+    write_all(bm)
+    assert bm.lookup(prompt) == (0, 0, 3)
+    assert bm.prefetch(prompt) == 3 and bm.num_pending_disk_reads == 3
+    reads = bm.take_disk_reads()
+    assert reads.shape == (3, 2)
+    assert bm.allocate(3, prompt) == 0, "a block being read is a miss"
+    bm.free(3)
+    bm.complete_disk_reads([True, True, True])
+    assert bm.num_pending_disk_reads == 0 and bm.stats()["disk_reads"] == 3
+    assert bm.stats()["disk_hit_blocks"] == 3
+    assert bm.lookup(prompt) == (0, 3, 0)
+    assert bm.allocate(4, prompt) == 12
+    loads = bm.take_loads()
+    assert loads[:, 0].tolist() == reads[:, 1].tolist()  # the loads read the slots the reads filled
+    bm.complete_loads(True)
+    bm.check_invariants()
+
+
+def test_a_failed_read_drops_the_disk_entry():
+    bm = BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=8, enable_events=True)
+    prompt = toks(13)
+    demote_to_disk(bm, prompt, toks(16, 100))
+    bm.take_events()
+    assert bm.prefetch(prompt) == 3
+    reads = bm.take_disk_reads()
+    bm.complete_disk_reads(torch.tensor([True, False, True]))
+    events = bm.take_events()
+    assert [e["kind"] for e in events if e["medium"] == "DISK"] == ["removed"]
+    with pytest.raises(KeyError, match="holds nothing"):
+        bm.disk_record_identity(int(reads[1, 0]))
+    assert bm.lookup(prompt)[1] == 1
+    assert bm.stats()["disk_read_failures"] == 1
+    bm.check_invariants()
+
+
+def test_a_failed_write_leaves_no_disk_entry():
+    bm = BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=8)
+    cache_prompt(bm, 1, toks(13))
+    offload_all(bm)
+    write_all(bm, ok=[False, True, False])
+    assert bm.stats()["cached_disk_blocks"] == 1 and bm.stats()["disk_write_failures"] == 2
+    assert len(bm.cached_blocks("DISK")) == 1
+    assert write_all(bm).shape == (2, 2)  # the failed ones are still dirty
+    bm.check_invariants()
+
+
+def test_salted_disk_entries_hit_only_their_salt():
+    bm = BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=8)
+    prompt = toks(9)
+    bm.allocate(1, prompt, cache_salt=b"a")
+    bm.mark_computed(1)
+    bm.free(1)
+    offload_all(bm)
+    write_all(bm)
+    cache_prompt(bm, 2, toks(16, 100))
+    offload_all(bm)
+    write_all(bm)
+    assert bm.lookup(prompt, cache_salt="a") == (0, 0, 2)
+    assert bm.lookup(prompt, cache_salt="b") == (0, 0, 0) and bm.lookup(prompt) == (0, 0, 0)
+    assert bm.prefetch(prompt, cache_salt="b") == 0
+    assert bm.prefetch(prompt, cache_salt="a") == 2
+
+
+def test_disk_bad_input_is_a_clear_error_and_changes_nothing():
+    bm = BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=8)
+    cache_prompt(bm, 1, toks(13))
+    offload_all(bm)
+    bm.plan_disk_writes(8)
+    with pytest.raises(ValueError, match="max_slots"):
+        bm.plan_disk_writes(-1)
+    with pytest.raises(ValueError, match="3 disk writes taken"):
+        bm.take_disk_writes() is not None and bm.complete_disk_writes([True])
+    with pytest.raises(ValueError, match="0 disk reads taken"):
+        bm.complete_disk_reads([True])
+    with pytest.raises(ValueError, match="no disk record"):
+        bm.disk_record_identity(8)
+    with pytest.raises(ValueError, match="no disk record"):
+        bm.disk_record_identity(-1)
+    with pytest.raises(KeyError):
+        bm.disk_record_identity(7)  # free, nothing pending
+    with pytest.raises(ValueError, match="empty"):
+        bm.prefetch([])
+    with pytest.raises(TypeError):
+        bm.complete_disk_writes(3)
+    bm.check_invariants()
+    bm.complete_disk_writes([True, True, True])
+    with pytest.raises(ValueError, match="0 disk writes taken"):
+        bm.complete_disk_writes([True, True, True])  # a double complete (one bool for none is a no-op)
+    assert bm.stats()["cached_disk_blocks"] == 3
+    bm.check_invariants()
+
+
+def test_reset_forgets_disk_entries():
+    bm = BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=8, enable_events=True)
+    prompt = toks(13)
+    demote_to_disk(bm, prompt, toks(16, 100))
+    bm.prefetch(prompt)
+    bm.take_disk_reads()
+    bm.reset_prefix_cache()
+    assert bm.cached_blocks("DISK") == [] and bm.lookup(prompt) == (0, 0, 0)
+    bm.complete_disk_reads(True)  # in flight across the reset: enters nothing
+    assert bm.cached_blocks("CPU") == [] and bm.num_free_disk_blocks == 8 and bm.num_free_host_blocks == 4
+    bm.check_invariants()
+
+
+def test_hostile_disk_calls_do_not_crash_the_process():
+    code = (
+        "import numpy as np\n"
+        "from pagedkv import BlockManager\n"
+        "bm = BlockManager(4, 4, num_host_blocks=2, num_disk_blocks=2)\n"
+        "bm.allocate(1, list(range(13))); bm.mark_computed(1); bm.free(1)\n"
+        "bm.plan_offloads(2**31 - 1); bm.take_offloads(); bm.complete_offloads(True)\n"
+        "bm.plan_disk_writes(2**31 - 1); bm.take_disk_writes()\n"
+        "calls = [lambda: bm.plan_disk_writes(2**40), lambda: bm.disk_record_identity(2**40),\n"
+        "         lambda: bm.disk_record_identity(np.int64(-5)), lambda: bm.disk_record_identity(None),\n"
+        "         lambda: bm.prefetch([float('nan')]), lambda: bm.prefetch(np.array([1, 2], dtype=np.float32)),\n"
+        "         lambda: bm.prefetch(list(range(13)), cache_salt=3), lambda: bm.complete_disk_reads([True] * 10**6)]\n"
+        "calls += [lambda bad=bad: bm.complete_disk_writes(bad) for bad in (None, 'x', [object()], [True] * 10**6)]\n"
+        "for call in calls:\n"
+        "    try: call()\n"
+        "    except (TypeError, ValueError, KeyError, OverflowError): pass\n"
+        "bm.check_invariants(); bm.complete_disk_writes(True); bm.check_invariants()\n"
+        "print(bm.prefetch(np.arange(13)), 'ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr

@@ -21,6 +21,9 @@ BlockManagerConfig BlockManager::validated(BlockManagerConfig c) {
   if (c.host_offload_min_priority < kMinPriority || c.host_offload_min_priority > kMaxPriority)
     throw ValueError(cat("host_offload_min_priority must be in [", kMinPriority, ", ", kMaxPriority, "], got ",
                          c.host_offload_min_priority));
+  if (c.num_disk_blocks < 0) throw ValueError(cat("num_disk_blocks must be >= 0, got ", c.num_disk_blocks));
+  if (c.num_disk_blocks > 0 && c.num_host_blocks == 0)
+    throw ValueError(cat("num_disk_blocks=", c.num_disk_blocks, " needs a host tier (num_host_blocks > 0)"));
   if (!(c.watermark >= 0.0 && c.watermark < 1.0))
     throw ValueError(cat("watermark must be in [0, 1), got ", c.watermark));
   for (const auto& [name, p] : {std::pair{"default_priority", c.default_priority}, {"decode_priority", c.decode_priority}})
@@ -48,11 +51,14 @@ BlockManager::BlockManager(BlockManagerConfig config)
       cpu_(config_.num_cpu_blocks),
       pins_(&gpu_, config_.max_pinned_fraction),
       host_(config_.num_host_blocks, config_.host_offload_min_priority, config_.default_priority, &cache_, &events_,
-            &gpu_, &counters_) {
+            &gpu_, &counters_),
+      disk_(config_.num_disk_blocks, config_.default_priority, &cache_, &events_, &host_, &counters_) {
   for (int64_t w : config_.group_windows) has_windows_ |= w != kFullAttention;
   // The host tier serves one full-attention group: a failed load then truncates the computed prefix
   // without needing blocks a window released or another group's shared blocks.
   if (num_groups() > 1 || has_windows_ || !prefix_caching()) host_.disable();
+  if (!host_.enabled()) disk_.disable();  // it writes back host slots and reads into them
+  if (disk_.enabled()) host_.set_lower_tier(&disk_);
   seqs_.reserve(static_cast<size_t>(std::min(config_.num_blocks, 1 << 16)));
 }
 
@@ -244,7 +250,13 @@ int64_t BlockManager::allocate(int64_t seq_id, Span<int64_t> tokens, std::string
 TierHits BlockManager::lookup(Span<int64_t> tokens, std::string_view salt) const {
   if (tokens.empty()) throw ValueError("lookup: token_ids is empty");
   const PrefixMatch& m = match_prefix_memo(tokens, salt);
-  return {m.num_blocks - m.host_blocks, m.host_blocks};
+  TierHits hits{m.num_blocks - m.host_blocks, m.host_blocks, 0};
+  if (disk_.enabled()) {
+    std::vector<PrefixCache::NodeId> nodes;
+    const int32_t hit = tier_walk(tokens, salt, &nodes);
+    hits.disk_blocks = static_cast<int32_t>(nodes.size()) - hit;
+  }
+  return hits;
 }
 
 int64_t BlockManager::admit(int64_t seq_id, Span<int64_t> tokens, std::string_view salt,

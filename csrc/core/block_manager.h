@@ -17,6 +17,7 @@
 
 #include "core/block_manager_stats.h"
 #include "core/block_pool.h"
+#include "core/disk_tier.h"
 #include "core/hashing.h"
 #include "core/host_tier.h"
 #include "core/kv_event_log.h"
@@ -53,12 +54,14 @@ struct BlockManagerConfig {
   std::vector<int64_t> group_windows = {kFullAttention};  // one window (tokens) per group of layers
   int32_t num_host_blocks = 0;               // host tier slots of the prefix cache (>= 0; 0: no tier)
   int32_t host_offload_min_priority = kMinPriority;  // blocks below this priority are dropped, not offloaded
+  int32_t num_disk_blocks = 0;               // disk tier records below the host tier (>= 0; 0: no tier)
 };
 
 // How many leading blocks of a prompt hit, and how many of those the host tier serves (they are loaded).
 struct TierHits {
   int32_t device_blocks = 0;  // hit blocks whose KV is on the device (taken as they are)
   int32_t host_blocks = 0;    // hit blocks loaded from the host tier (the tail of the hit)
+  int32_t disk_blocks = 0;    // blocks after the hit that would hit once the disk tier's reads are confirmed
 };
 
 class BlockManager {
@@ -220,6 +223,32 @@ class BlockManager {
   int32_t num_loading_blocks(int64_t seq_id) const;
   int32_t num_offloads_in_flight() const { return host_.num_offloads_in_flight(); }  // taken, not completed
   int32_t num_loads_in_flight() const { return host_.num_loads_in_flight(); }
+
+  // The disk tier (num_disk_blocks > 0, below the host tier). The runner writes and reads its records'
+  // files on a background thread and confirms each transfer. See docs/design.md, "Tiers".
+  bool disk_tier_enabled() const { return disk_.enabled(); }
+  const BlockPool& disk_pool() const { return disk_.pool(); }
+  // Clean ahead: of the max_slots cached free host slots the host tier would evict first, queues writes
+  // of those the disk tier lacks. Returns how many it queued.
+  int32_t plan_disk_writes(int32_t max_slots);
+  std::vector<BlockPair> take_disk_writes();  // (host slot, disk record); the slots are held until completed
+  // One outcome per write taken and not yet completed, in the order taken: a failed write leaves no disk
+  // entry.
+  void complete_disk_writes(const std::vector<bool>& ok);
+  // Queues reads into host slots of the prompt's blocks after its device/host hit that only the disk
+  // holds (up to the first block no tier holds; stops when no host slot can be taken without evicting a
+  // stronger entry). Returns how many it queued.
+  int32_t prefetch(Span<int64_t> tokens, std::string_view salt = {});
+  std::vector<BlockPair> take_disk_reads();  // (disk record, host slot)
+  // One outcome per read taken and not yet completed, in the order taken: a confirmed read gives the entry
+  // its host slot; a failed one drops the disk entry.
+  void complete_disk_reads(const std::vector<bool>& ok);
+  // What the record's file holds besides the KV (stored, or being written or read): ValueError for a
+  // record out of range, KeyError for one that holds nothing.
+  DiskTier::Identity disk_record_identity(int32_t record) const;
+  int32_t num_disk_writes_in_flight() const { return disk_.num_writes_in_flight(); }
+  int32_t num_disk_reads_in_flight() const { return disk_.num_reads_in_flight(); }
+  int32_t num_pending_disk_reads() const { return disk_.num_reads_pending(); }  // queued or taken
   void reset_prefix_cache();
   void check_invariants() const;  // throws InvariantError naming the first violation
 
@@ -317,6 +346,9 @@ class BlockManager {
     std::vector<std::vector<int32_t>> chain;  // per group: scratch of the walk (kept for its capacity)
   };
   void match_prefix(Span<int64_t> tokens, std::string_view salt, PrefixMatch* out) const;
+  // The prompt's prefix-cache nodes from block 0 through the hit and the run after it that the host or
+  // disk tier holds (or is reading), up to the first block neither holds. Returns the hit's length.
+  int32_t tier_walk(Span<int64_t> tokens, std::string_view salt, std::vector<PrefixCache::NodeId>* nodes) const;
   // Cached: allocate() right after can_allocate() for the same prompt reuses the lookup.
   const PrefixMatch& match_prefix_memo(Span<int64_t> tokens, std::string_view salt) const;
   int32_t from_free_for(const PrefixMatch& m, int32_t num_blocks) const;  // free blocks allocate takes
@@ -377,6 +409,7 @@ class BlockManager {
   BlockPool cpu_;
   Pins pins_;
   HostTier host_;
+  DiskTier disk_;
   uint64_t next_serial_ = 1;
   std::unordered_map<uint64_t, int64_t> loading_seqs_;  // serial -> id of sequences with loads pending
 

@@ -24,6 +24,12 @@ void BlockManager::check_invariants() const {
   // Pending offloads and loads hold their device blocks and host slots.
   std::vector<int32_t> host_uses(host_.pool().num_blocks(), 0);
   host_.add_uses(&gpu_uses, &host_uses);
+  // Pending disk writes and reads hold their host slots and disk records.
+  std::vector<int32_t> disk_uses(disk_.pool().num_blocks(), 0);
+  disk_.add_uses(&host_uses, &disk_uses);
+  for (int32_t r = 0; r < disk_.pool().num_blocks(); ++r)
+    if (disk_.pool().ref_count(r) != disk_uses[r])
+      fail(cat("disk record ", r, " has ref_count ", disk_.pool().ref_count(r), " but ", disk_uses[r], " uses"));
   for (int32_t b = 0; b < host_.pool().num_blocks(); ++b)
     if (host_.pool().ref_count(b) != host_uses[b])
       fail(cat("host slot ", b, " has ref_count ", host_.pool().ref_count(b), " but ", host_uses[b], " uses"));
@@ -37,6 +43,7 @@ void BlockManager::check_invariants() const {
   cpu_.check_invariants();
   copies_.check_invariants(num_blocks());
   host_.check_invariants();
+  disk_.check_invariants();
   int32_t loading = 0;
   for (const auto& [id, seq] : seqs_) {
     loading += seq.loading;
@@ -127,9 +134,19 @@ void BlockManager::check_prefix_cache() const {
     if (cache_.node(tag).host_slot != s) fail(cat("host slot ", s, " holds content its node does not name"));
     ++refs[tag];
   }
-  for (PrefixCache::NodeId id : live)  // pending offloads hold their nodes
-    refs[id] += cache_.node(id).offloading;
-  int32_t registered = 0, host_registered = 0;
+  const BlockPool& disk = disk_.pool();
+  for (int32_t r = 0; r < disk.num_blocks(); ++r) {
+    const PrefixCache::NodeId tag = disk.tag(r);
+    if (tag == PrefixCache::kNoNode) continue;
+    if (!live_set.count(tag)) fail(cat("disk record ", r, " is tagged with a freed prefix-cache node"));
+    if (cache_.node(tag).disk_record != r) fail(cat("disk record ", r, " holds content its node does not name"));
+    ++refs[tag];
+  }
+  for (PrefixCache::NodeId id : live) {  // pending offloads, disk writes and disk reads hold their nodes
+    const auto& n = cache_.node(id);
+    refs[id] += n.offloading + n.disk_writing + n.disk_reading;
+  }
+  int32_t registered = 0, host_registered = 0, disk_registered = 0;
   for (PrefixCache::NodeId id : live) {
     const auto& n = cache_.node(id);
     if (!PrefixCache::is_root(n.parent)) ++refs[n.parent];
@@ -147,12 +164,19 @@ void BlockManager::check_prefix_cache() const {
       if (host.tag(n.host_slot) != id)
         fail(cat("prefix-cache node ", id, " names host slot ", n.host_slot, " which holds other content"));
     }
+    if (n.disk_record != PrefixCache::kNoBlock) {
+      ++disk_registered;
+      if (n.root != PrefixCache::kRoot) fail(cat("prefix-cache node ", id, " of another group than 0 is in the disk tier"));
+      if (disk.tag(n.disk_record) != id)
+        fail(cat("prefix-cache node ", id, " names disk record ", n.disk_record, " which holds other content"));
+    }
   }
   for (PrefixCache::NodeId id : live)
     if (cache_.node(id).refs != refs[id])
       fail(cat("prefix-cache node ", id, " has refs ", cache_.node(id).refs, " but ", refs[id], " referrers"));
   if (registered != cache_.num_registered()) fail("prefix-cache registration count is wrong");
   if (host_registered != cache_.num_registered(Medium::kCpu)) fail("prefix-cache host registration count is wrong");
+  if (disk_registered != cache_.num_registered(Medium::kDisk)) fail("prefix-cache disk registration count is wrong");
 }
 
 }  // namespace pagedkv

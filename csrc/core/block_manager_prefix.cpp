@@ -91,6 +91,27 @@ void BlockManager::match_prefix(Span<int64_t> prompt, std::string_view salt, Pre
                      chain[g].begin() + k);  // k <= chain[g].size()
 }
 
+int32_t BlockManager::tier_walk(Span<int64_t> prompt, std::string_view salt,
+                               std::vector<PrefixCache::NodeId>* nodes) const {
+  const int32_t hit = match_prefix_memo(prompt, salt).num_blocks;
+  nodes->clear();
+  const int32_t limit = blocks_for_tokens(static_cast<int64_t>(prompt.size)) - 1;  // last block: computed
+  std::vector<uint64_t> keys;
+  PrefixCache::NodeId parent = PrefixCache::root(0);
+  for (int32_t i = 0; i < limit; ++i) {
+    if (i >= static_cast<int32_t>(keys.size())) extend_keys(prompt.data, salt, std::min(limit, i + 8), &keys);
+    const std::string_view block_salt = i == 0 ? salt : std::string_view();
+    const PrefixCache::NodeId node = cache_.find(keys[i], parent, prompt.data + int64_t(i) * block_size_, block_salt);
+    if (node == PrefixCache::kNoNode) break;
+    const PrefixCache::Node& n = cache_.node(node);
+    if (i >= hit && n.host_slot == PrefixCache::kNoBlock && n.disk_record == PrefixCache::kNoBlock && !n.disk_reading)
+      break;
+    nodes->push_back(node);
+    parent = node;
+  }
+  return hit;
+}
+
 const BlockManager::PrefixMatch& BlockManager::match_prefix_memo(Span<int64_t> tokens, std::string_view salt) const {
   MatchMemo& m = memo_;
   const bool same = m.cache_version == cache_.version() && m.tokens.size() == tokens.size && m.salt == salt &&
@@ -229,6 +250,7 @@ void BlockManager::mark_computed(Span<int64_t> seq_ids, std::optional<Span<int64
 void BlockManager::set_time(double now) {
   gpu_.set_time(now);
   host_.set_time(now);
+  disk_.set_time(now);
 }
 
 int32_t BlockManager::block_priority(int32_t block) const {
@@ -271,6 +293,7 @@ std::vector<std::pair<uint64_t, std::optional<uint64_t>>> BlockManager::cached_b
 
 void BlockManager::reset_prefix_cache() {
   if (events_.enabled()) events_.cleared();
+  disk_.clear();
   host_.clear();
   gpu_.clear_tags();
   cache_.clear();
@@ -328,5 +351,71 @@ void BlockManager::complete_loads(const std::vector<bool>& ok) {
 }
 
 int32_t BlockManager::num_loading_blocks(int64_t seq_id) const { return get(seq_id).loading; }
+
+}  // namespace pagedkv
+
+namespace pagedkv {
+
+// ---------------------------------------------------------------------------------------------------
+// The disk tier: writes and reads the runner performs
+
+int32_t BlockManager::plan_disk_writes(int32_t max_slots) {
+  if (max_slots < 0) throw ValueError(cat("plan_disk_writes: max_slots must be >= 0, got ", max_slots));
+  return disk_.plan_writes(max_slots);
+}
+
+std::vector<BlockPair> BlockManager::take_disk_writes() { return disk_.take_writes(); }
+
+void BlockManager::complete_disk_writes(const std::vector<bool>& ok) {
+  if (ok.size() != static_cast<size_t>(disk_.num_writes_in_flight()))
+    throw ValueError(cat("complete_disk_writes: ", ok.size(), " outcomes for ", disk_.num_writes_in_flight(),
+                         " disk writes taken and not completed"));
+  disk_.complete_writes(ok);
+}
+
+int32_t BlockManager::prefetch(Span<int64_t> tokens, std::string_view salt) {
+  if (tokens.empty()) throw ValueError("prefetch: token_ids is empty");
+  if (!disk_.enabled()) return 0;
+  std::vector<PrefixCache::NodeId> nodes;
+  const int32_t hit = tier_walk(tokens, salt, &nodes);
+  // The prompt's host entries stay while the reads take host slots (and become the most recently used),
+  // and its nodes stay while taking a slot writes another entry to disk, which may evict a disk entry.
+  std::vector<int32_t> held;
+  for (PrefixCache::NodeId node : nodes) {
+    cache_.add_ref(node);
+    if (cache_.node(node).host_slot != PrefixCache::kNoBlock) {
+      held.push_back(cache_.node(node).host_slot);
+      host_.hold_slot(held.back());
+    }
+  }
+  int32_t queued = 0;
+  for (size_t i = static_cast<size_t>(hit); i < nodes.size(); ++i) {
+    const PrefixCache::Node& n = cache_.node(nodes[i]);
+    if (n.host_slot != PrefixCache::kNoBlock || n.disk_reading) continue;  // on the host, or on its way
+    if (n.disk_record == PrefixCache::kNoBlock || !disk_.queue_read(nodes[i])) break;  // evicted meanwhile, or no slot
+    ++queued;
+  }
+  for (int32_t slot : held) host_.release_slot(slot);
+  for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) cache_.release(*it);
+  return queued;
+}
+
+std::vector<BlockPair> BlockManager::take_disk_reads() { return disk_.take_reads(); }
+
+void BlockManager::complete_disk_reads(const std::vector<bool>& ok) {
+  if (ok.size() != static_cast<size_t>(disk_.num_reads_in_flight()))
+    throw ValueError(cat("complete_disk_reads: ", ok.size(), " outcomes for ", disk_.num_reads_in_flight(),
+                         " disk reads taken and not completed"));
+  disk_.complete_reads(ok);
+}
+
+DiskTier::Identity BlockManager::disk_record_identity(int32_t record) const {
+  if (record < 0 || record >= disk_.pool().num_blocks())
+    throw ValueError(cat("disk_record_identity: no disk record ", record, " (the disk tier has ",
+                         disk_.pool().num_blocks(), ")"));
+  std::optional<DiskTier::Identity> id = disk_.identity(record);
+  if (!id) throw KeyError(cat("disk_record_identity: disk record ", record, " holds nothing"));
+  return std::move(*id);
+}
 
 }  // namespace pagedkv

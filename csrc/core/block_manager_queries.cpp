@@ -116,6 +116,10 @@ BlockManagerStats BlockManager::stats() const {
   s.num_host_blocks = host_.pool().num_blocks();
   s.free_host_blocks = host_.pool().num_free();
   s.cached_host_blocks = cache_.num_registered(Medium::kCpu);
+  s.num_disk_blocks = disk_.pool().num_blocks();
+  s.free_disk_blocks = disk_.pool().num_free();
+  s.used_disk_blocks = s.num_disk_blocks - s.free_disk_blocks;
+  s.cached_disk_blocks = cache_.num_registered(Medium::kDisk);
   return s;
 }
 

@@ -26,6 +26,12 @@
   COUNTER(loaded_blocks)            /* host slots copied back to the device (confirmed) */         \
   COUNTER(load_failures)            /* loads the runner reported failed */                         \
   COUNTER(host_evictions)           /* host slots reused for other content */                      \
+  COUNTER(disk_hit_blocks)          /* blocks prefetch queued to read from the disk tier */        \
+  COUNTER(disk_writes)              /* host slots written to the disk tier (confirmed) */          \
+  COUNTER(disk_write_failures)      /* disk writes the runner reported failed */                   \
+  COUNTER(disk_reads)               /* disk records read into host slots (confirmed) */            \
+  COUNTER(disk_read_failures)       /* disk reads the runner reported failed (entry dropped) */    \
+  COUNTER(disk_evictions)           /* disk records reused for other content */                    \
   GAUGE(int32_t, num_blocks)                                                                        \
   GAUGE(int32_t, used_blocks)       /* GPU blocks referenced by a sequence or a pin */             \
   GAUGE(int32_t, free_blocks)                                                                       \
@@ -38,7 +44,11 @@
   GAUGE(int32_t, pinned_blocks)     /* GPU blocks held by pins */                                  \
   GAUGE(int32_t, num_host_blocks)   /* host tier slots */                                          \
   GAUGE(int32_t, free_host_blocks)                                                                  \
-  GAUGE(int32_t, cached_host_blocks) /* host slots registered in the prefix cache */
+  GAUGE(int32_t, cached_host_blocks) /* host slots registered in the prefix cache */                \
+  GAUGE(int32_t, num_disk_blocks)   /* disk tier records */                                        \
+  GAUGE(int32_t, free_disk_blocks)                                                                  \
+  GAUGE(int32_t, used_disk_blocks)  /* disk records held by pending writes and reads */            \
+  GAUGE(int32_t, cached_disk_blocks) /* disk records registered in the prefix cache */
 
 namespace pagedkv {
 

@@ -16,8 +16,10 @@ BlockPool::BlockPool(int32_t num_blocks, Medium medium, int32_t default_priority
     : num_blocks_(num_blocks),
       caching_(true),
       medium_(medium),
-      location_(medium == Medium::kGpu ? &PrefixCache::Node::block : &PrefixCache::Node::host_slot),
-      block_name_(medium == Medium::kGpu ? "block " : "host slot "),
+      location_(medium == Medium::kGpu   ? &PrefixCache::Node::block
+                : medium == Medium::kCpu ? &PrefixCache::Node::host_slot
+                                         : &PrefixCache::Node::disk_record),
+      block_name_(medium == Medium::kGpu ? "block " : medium == Medium::kCpu ? "host slot " : "disk record "),
       ref_(num_blocks, 0),
       free_(num_blocks, /*num_levels=*/2 + kMaxPriority),
       cache_(cache),

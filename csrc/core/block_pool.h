@@ -1,7 +1,8 @@
 // One device's pool of physical blocks and all their per-block state: reference counts, the free list,
 // each block's retention (and the clock that expires it), and the prefix-cache content each block holds
 // (its tag). take_fresh is the one place a block is handed out fresh, release the one place a reference
-// is dropped. The GPU pool and the host tier's slots are cache pools (medium kGpu, kCpu); the CPU swap
+// is dropped. The GPU pool, the host tier's slots and the disk tier's records are cache pools (medium
+// kGpu, kCpu, kDisk); the CPU swap
 // space is a plain pool: one FIFO level, no retention, no content.
 #pragma once
 #include <cstdint>
@@ -17,7 +18,8 @@
 
 namespace pagedkv {
 
-// Writes a cached block back to a lower tier before it is reused (the host tier implements it).
+// Writes a cached block back to a lower tier before it is reused (the host tier implements it for device
+// blocks, the disk tier for host slots).
 class WriteBack {
  public:
   // Queues a copy of `free_block`'s KV to the lower tier when it is worth keeping there; the copy then
@@ -89,6 +91,8 @@ class BlockPool {
   void set_tag(int32_t block, PrefixCache::NodeId node) {
     if (tag_[block] != node) retag(block, node);
   }
+  // The block forgets its content (a removed event when it held the node's KV); the caller holds it.
+  void forget(int32_t block) { untag(block); }
   // The block's content is now registered in another block: a free one no longer holds a hit.
   void superseded(int32_t block);
   int32_t num_cached_free() const { return cached_free_; }
@@ -115,7 +119,7 @@ class BlockPool {
   bool caching_;                 // a cache pool: levels, retention, content tags
   Medium medium_ = Medium::kCpu;
   int32_t PrefixCache::Node::*location_ = nullptr;  // the node's field for this medium (no branch per read)
-  const char* block_name_;       // "block ", "host slot " or "CPU block " in messages
+  const char* block_name_;       // "block ", "host slot ", "disk record " or "CPU block " in messages
   std::vector<int32_t> ref_;     // block-table entries + pins holding each block
   FreeList free_;
 

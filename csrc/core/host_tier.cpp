@@ -25,7 +25,7 @@ HostTier::HostTier(int32_t num_slots, int32_t min_priority, int32_t default_prio
 bool HostTier::dirty(int32_t block) const {
   if (!device_->holds_cached_kv(block)) return false;
   const PrefixCache::Node& n = cache_->node(device_->tag(block));
-  return n.root == PrefixCache::kRoot && n.host_slot == PrefixCache::kNoBlock && !n.offloading &&
+  return n.root == PrefixCache::kRoot && n.host_slot == PrefixCache::kNoBlock && !n.offloading && !n.disk_reading &&
          device_->retention(block).priority >= min_priority_;
 }
 
@@ -36,9 +36,21 @@ bool HostTier::can_take_slot(int32_t priority) const {
   return !host_.holds_cached_kv(front) || host_.retention(front).priority <= priority;
 }
 
+int32_t HostTier::take_slot(const BlockRetention& r) {
+  // Entries written back to the tier below leave the free list for their copy, so only while another free
+  // slot remains for this one (no waiting: past that, a dirty entry is dropped); each next entry offered
+  // must be evictable for this priority too.
+  while (lower_ && host_.num_free() > 1 && can_take_slot(r.priority) && host_.holds_cached_kv(host_.front()) &&
+         lower_->write_back(host_.front())) {
+  }
+  return can_take_slot(r.priority) ? host_.take_fresh(r) : kNoSlot;
+}
+
 bool HostTier::write_back(int32_t free_block) {
   if (!enabled_ || !dirty(free_block) || !can_take_slot(device_->retention(free_block).priority)) return false;
-  queue_offload(free_block);
+  const int32_t slot = take_slot(device_->retention(free_block));
+  if (slot == kNoSlot) return false;
+  queue_offload(free_block, slot);
   return true;
 }
 
@@ -54,16 +66,16 @@ int32_t HostTier::plan_offloads(int32_t max_blocks) {
   });
   int32_t queued = 0;
   for (int32_t block : picked) {  // coldest first; stop when the host tier would evict something stronger
-    if (!can_take_slot(device_->retention(block).priority)) break;
-    queue_offload(block);
+    const int32_t slot = take_slot(device_->retention(block));
+    if (slot == kNoSlot) break;
+    queue_offload(block, slot);
     ++queued;
   }
   return queued;
 }
 
-void HostTier::queue_offload(int32_t block) {
+void HostTier::queue_offload(int32_t block, int32_t slot) {
   const PrefixCache::NodeId node = device_->tag(block);
-  const int32_t slot = host_.take_fresh(device_->retention(block));
   device_->acquire(block);  // never handed out while its copy is pending
   cache_->add_ref(node);
   cache_->set_offloading(node, true);

@@ -26,8 +26,20 @@ class HostTier final : public WriteBack {
   const BlockPool& pool() const { return host_; }
   BlockPool& pool() { return host_; }
 
+  // The tier below (the disk tier): a cached host slot about to be reused is first offered to it.
+  void set_lower_tier(WriteBack* lower) { lower_ = lower; }
+  // Takes a host slot for KV of the given retention: the slot the pool evicts first, after offering the
+  // cached entries ahead of it to the tier below while another slot stays free (the tier below holds those
+  // it writes back). Returns kNoSlot when no slot is free or taking one would evict an entry of a higher
+  // priority.
+  static constexpr int32_t kNoSlot = -1;
+  int32_t take_slot(const BlockRetention& r);
+  // Holds and releases host slots (a hit's slot before device blocks are taken; slots kept from eviction
+  // while a prefetch takes others).
+  void release_slot(int32_t slot) { host_.release(slot); }
+
   // Offloads. A free device block is dirty when it holds cached KV of group 0 that the host tier does not
-  // have (nor is being given), at a priority >= min_priority.
+  // have (nor is being given or read from disk), at a priority >= min_priority.
   bool dirty(int32_t block) const;
   // WriteBack: queues the offload of a dirty block about to be reused when a host slot can take it.
   bool write_back(int32_t free_block) override;
@@ -77,7 +89,7 @@ class HostTier final : public WriteBack {
     uint64_t epoch;  // the cache's epoch when queued: a cleared cache makes the node id meaningless
   };
   bool can_take_slot(int32_t priority) const;
-  void queue_offload(int32_t block);
+  void queue_offload(int32_t block, int32_t slot);
   void finish_offload(const Offload& o, bool ok);
 
   bool enabled_;
@@ -87,6 +99,7 @@ class HostTier final : public WriteBack {
   BlockPool* device_;
   BlockManagerStats* counters_;
   BlockPool host_;
+  WriteBack* lower_ = nullptr;
   std::vector<Offload> offloads_, offloads_taken_;
   std::vector<Load> loads_, loads_taken_;
   uint64_t epoch_ = 0;

@@ -2,6 +2,7 @@
 #include "core/prefix_cache.h"
 
 #include <algorithm>
+#include <iterator>
 #include <optional>
 
 #define XXH_INLINE_ALL
@@ -84,7 +85,10 @@ PrefixCache::NodeId PrefixCache::create(uint64_t key, NodeId parent, const int64
   n.salt.assign(salt);
   n.block = kNoBlock;
   n.host_slot = kNoBlock;
+  n.disk_record = kNoBlock;
   n.offloading = false;
+  n.disk_writing = false;
+  n.disk_reading = false;
   n.refs = 0;
   live_[id] = true;
   if (!is_root(parent)) add_ref(parent);
@@ -108,7 +112,7 @@ void PrefixCache::prefetch_creates(int32_t count) const {
 
 void PrefixCache::set_location(NodeId id, Medium m, int32_t where) {
   Node& n = nodes_[id];
-  int32_t& slot = m == Medium::kGpu ? n.block : n.host_slot;
+  int32_t& slot = m == Medium::kGpu ? n.block : m == Medium::kCpu ? n.host_slot : n.disk_record;
   ++version_;
   num_registered_[static_cast<int>(m)] += (where != kNoBlock) - (slot != kNoBlock);
   slot = where;
@@ -135,7 +139,7 @@ void PrefixCache::clear() {
   std::fill(live_.begin(), live_.end(), false);
   std::fill(buckets_.begin(), buckets_.end(), kNoNode);
   num_live_ = 0;
-  num_registered_[0] = num_registered_[1] = 0;
+  std::fill(std::begin(num_registered_), std::end(num_registered_), 0);
   ++version_;
 }
 

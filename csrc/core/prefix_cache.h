@@ -4,7 +4,8 @@
 // sequence can compute the keys of all its blocks before any node exists and prefetch their buckets. A hit
 // requires the block's tokens AND its whole prefix to be identical: a collision costs a miss, never a
 // wrong hit. A node remembers where its KV lives in each tier: the device block registered for it (the
-// latest registration wins) and the host slot holding a copy; it stays while any tier (or a chain) holds it.
+// latest registration wins), the host slot and the disk record holding a copy; it stays while any tier (or
+// a chain) holds it.
 // Its chained block hash (hash(): the manager's hash algorithm, for events) is computed only when asked for.
 #pragma once
 #include <cstdint>
@@ -34,9 +35,12 @@ class PrefixCache {
     std::string salt;        // block 0 only
     int32_t block = kNoBlock;  // physical block registered for this content, or kNoBlock
     int32_t host_slot = kNoBlock;  // host-tier slot holding a copy of the KV, or kNoBlock
-    bool offloading = false;   // a copy to the host tier is pending
+    int32_t disk_record = kNoBlock;  // disk-tier record holding a copy of the KV, or kNoBlock
     int32_t refs = 0;        // blocks tagged with this node + child nodes; freed at 0
     NodeId next = kNoNode;     // next node in the same hash bucket
+    bool offloading = false;   // a copy to the host tier is pending
+    bool disk_writing = false; // a copy from its host slot to the disk tier is pending
+    bool disk_reading = false; // a copy from its disk record to a host slot is pending
     mutable bool hashed = false;   // `hash` holds the chained block hash (computed on first use)
     mutable uint64_t hash = 0;
   };
@@ -84,10 +88,14 @@ class PrefixCache {
   const Node& node(NodeId id) const { return nodes_[id]; }
   int32_t block_size() const { return block_size_; }
   void set_block(NodeId id, int32_t block) { set_location(id, Medium::kGpu, block); }
-  // Where the node's KV lives on medium m (kGpu: node.block, kCpu: node.host_slot).
-  static int32_t location(const Node& n, Medium m) { return m == Medium::kGpu ? n.block : n.host_slot; }
+  // Where the node's KV lives on medium m (kGpu: node.block, kCpu: node.host_slot, kDisk: node.disk_record).
+  static int32_t location(const Node& n, Medium m) {
+    return m == Medium::kGpu ? n.block : m == Medium::kCpu ? n.host_slot : n.disk_record;
+  }
   void set_location(NodeId id, Medium m, int32_t where);
   void set_offloading(NodeId id, bool offloading) { nodes_[id].offloading = offloading; }
+  void set_disk_writing(NodeId id, bool writing) { nodes_[id].disk_writing = writing; }
+  void set_disk_reading(NodeId id, bool reading) { nodes_[id].disk_reading = reading; }
   void add_ref(NodeId id) { ++nodes_[id].refs; }
   void release(NodeId id);  // drops one reference; frees the node (and releases its parent) at 0
 
@@ -119,7 +127,7 @@ class PrefixCache {
   // live nodes), so inserting and erasing never allocate.
   std::vector<NodeId> buckets_;
   int32_t num_live_ = 0;
-  int32_t num_registered_[kNumMedia] = {0, 0};
+  int32_t num_registered_[kNumMedia] = {0, 0, 0};
   uint64_t version_ = 0;
 };
 
