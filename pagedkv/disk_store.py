@@ -61,8 +61,8 @@ class DiskStore:
         self.num_records, self.record_bytes, self.block_size = int(num_records), int(record_bytes), int(block_size)
         raw = fingerprint.encode() if isinstance(fingerprint, str) else bytes(fingerprint)
         self.fingerprint = hashlib.sha256(raw).digest()
-        self.header_bytes = _round_up(_FIXED.size + 8 * self.block_size + 4, _ALIGN)
-        self.stride = self.header_bytes + _round_up(self.record_bytes, _ALIGN)
+        self.header_bytes = _header_bytes(self.block_size)
+        self.stride = self.record_stride(self.record_bytes, self.block_size)
         size = self.stride * self.num_records
         if size >= 1 << 62:
             raise ValueError(f"a disk cache of {self.num_records} records of {self.stride} bytes is too large")
@@ -81,6 +81,11 @@ class DiskStore:
             raise
         self._fd = fd
         self.directory = directory
+
+    @staticmethod
+    def record_stride(record_bytes: int, block_size: int) -> int:
+        """Bytes of the file one record takes: its header and its payload, each rounded up to 4 KiB."""
+        return _header_bytes(block_size) + _round_up(record_bytes, _ALIGN)
 
     # ---- records ----------------------------------------------------------------------------------------
     def write(self, record: int, payload: torch.Tensor, identity) -> None:
@@ -190,6 +195,10 @@ class DiskStore:
         # A byte view of the tensor's memory (no numpy needed): the kernel copies straight between it and the
         # file. The caller holds the tensor for the duration of the call.
         return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _header_bytes(block_size: int) -> int:
+    return _round_up(_FIXED.size + 8 * block_size + 4, _ALIGN)
 
 
 def _round_up(n: int, m: int) -> int:

@@ -337,6 +337,8 @@ class EngineConfig:
     num_blocks: int | None = None             # None: sized from kv_cache_bytes / gpu_memory_utilization
     num_cpu_blocks: int = 0                   # > 0 enables preemption by swap
     host_cache_bytes: int = 0                 # > 0: the prefix cache keeps evicted blocks in host memory
+    disk_cache_dir: str | None = None         # with disk_cache_bytes > 0: host entries evicted go to disk here
+    disk_cache_bytes: int = 0
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
@@ -360,6 +362,19 @@ class EngineConfig:
         self.num_cpu_blocks = check_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0, maximum=INT32_MAX)
         self.host_cache_bytes = check_int("host_cache_bytes", self.host_cache_bytes, minimum=0)
         self.enable_prefix_caching = check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        self.disk_cache_bytes = check_int("disk_cache_bytes", self.disk_cache_bytes, minimum=0)
+        if self.disk_cache_dir is not None:
+            if not isinstance(self.disk_cache_dir, (str, os.PathLike)):
+                raise TypeError(f"disk_cache_dir must be a str or os.PathLike (a directory), got {self.disk_cache_dir!r}")
+            self.disk_cache_dir = os.fspath(self.disk_cache_dir)
+            if not os.path.isdir(self.disk_cache_dir):
+                raise ValueError(f"disk_cache_dir {self.disk_cache_dir!r} is not an existing directory")
+        if (self.disk_cache_dir is None) != (self.disk_cache_bytes == 0):
+            raise ValueError("the disk tier needs both disk_cache_dir and disk_cache_bytes > 0 (or neither), got "
+                             f"disk_cache_dir={self.disk_cache_dir!r}, disk_cache_bytes={self.disk_cache_bytes}")
+        if self.disk_cache_bytes and not self.host_cache_bytes:
+            raise ValueError("disk_cache_bytes > 0 needs host_cache_bytes > 0 (disk records are written from and "
+                             "read into the host tier)")
         if self.host_cache_bytes and not self.enable_prefix_caching:
             raise ValueError("host_cache_bytes > 0 needs enable_prefix_caching=True (the host tier is part of "
                              "the prefix cache)")
@@ -370,6 +385,9 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        if self.disk_cache_bytes and self.tensor_parallel_size > 1:
+            raise ValueError("disk_cache_bytes > 0 is not supported with tensor_parallel_size > 1 (each rank would "
+                             "need its own disk records); use the host tier alone")
         if self.distributed_backend not in (None, "gloo", "nccl"):
             raise ValueError(f"distributed_backend must be None, 'gloo' or 'nccl', got {self.distributed_backend!r}")
         if self.distributed_backend == "nccl" and self.device.type != "cuda":

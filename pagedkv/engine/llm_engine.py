@@ -22,7 +22,8 @@ from .kv_events import KVEventPublisher, require_packages as require_kv_events_p
 from .kv_quant import cache_salt
 from .loader import open_checkpoint
 from .metrics import PrometheusExporter, require_prometheus
-from .model_runner import ModelRunner, host_tier_size, load_rank_model, pool_size
+from .disk_tier import DiskTier, kv_fingerprint
+from .model_runner import ModelRunner, disk_tier_size, host_tier_size, load_rank_model, pool_size
 from .sampling import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import CompletionOutput, Request, RequestOutput
@@ -33,7 +34,8 @@ from .tp.runners import DriverRunner, serve_rank
 class LLM:
     def __init__(self, model_path: str | os.PathLike, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | str | None = None, block_size: int = 16, num_blocks: int | None = None,
-                 num_cpu_blocks: int = 0, host_cache_bytes: int = 0, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0, host_cache_bytes: int = 0, disk_cache_dir: str | os.PathLike | None = None,
+                 disk_cache_bytes: int = 0, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, kv_cache_bytes: int = 256 << 20,
                  gpu_memory_utilization: float = 0.5, seed: int = 0, pack_cpu_weights: bool = True,
@@ -48,6 +50,7 @@ class LLM:
             raise TypeError(f"model_path must be a str or os.PathLike (a checkpoint directory), got {model_path!r}")
         self.config = EngineConfig(device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                                    num_cpu_blocks=num_cpu_blocks, host_cache_bytes=host_cache_bytes,
+                                   disk_cache_dir=disk_cache_dir, disk_cache_bytes=disk_cache_bytes,
                                    enable_prefix_caching=enable_prefix_caching,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
@@ -127,16 +130,23 @@ class LLM:
         self.max_model_len = self.model_config.max_position_embeddings
         self.num_blocks = pool_size(self.model, self.config, self.tp)
         num_host_blocks = host_tier_size(self.model, self.config, self.tp)
+        num_disk_blocks = disk_tier_size(self.model, self.config)
         runner_args = (self.model, self.config, self.num_blocks, self.config.num_cpu_blocks, seed, num_host_blocks)
         self.runner = ModelRunner(*runner_args) if self.tp is None else DriverRunner(*runner_args, self.tp)
         # Windowed layers hold only their window's blocks: one windowed group (Mistral) or a group per window
         # beside the full-attention one (Gemma 2), all in one pool.
         self.bm = BlockManager(self.num_blocks, self.config.block_size, num_cpu_blocks=self.config.num_cpu_blocks,
                                enable_prefix_caching=self.config.enable_prefix_caching, enable_events=enable_events,
-                               group_windows=self.model_config.group_windows, num_host_blocks=num_host_blocks)
+                               group_windows=self.model_config.group_windows, num_host_blocks=num_host_blocks,
+                               num_disk_blocks=num_disk_blocks)
         if num_host_blocks and not self.bm.host_tier_enabled:
             raise ValueError(f"host_cache_bytes > 0: the host tier serves models with full attention in every layer "
                              f"(one KV group); this model's layer windows are {self.model_config.group_windows}")
+        self.disk_tier = None
+        if num_disk_blocks:
+            fingerprint = kv_fingerprint(model_path, self.model_config, self.runner.host_tier, self.config.block_size)
+            self.disk_tier = DiskTier(self.config.disk_cache_dir, num_disk_blocks, self.runner.host_tier,
+                                      self.config.block_size, fingerprint)
 
     def _update_cache_salt(self) -> None:
         """float8 KV: blocks are cached under a salt naming the format and the scales (rank 0's under
@@ -204,6 +214,8 @@ class LLM:
         try:
             if self.bm.host_tier_enabled:
                 self._clean_ahead()
+            if self.disk_tier is not None:
+                self._disk_step()
             batch = self.scheduler.schedule()
             if batch.empty:
                 raise RuntimeError("scheduler made no progress: the KV pool is too small for any waiting sequence "
@@ -238,6 +250,16 @@ class LLM:
         for request_id in ended:
             self.requests.pop(request_id, None)
         return list(ended.values())
+
+    def _disk_step(self) -> None:
+        """Confirms the disk transfers that finished and starts the next: write-backs of host entries, and
+        reads of the waiting prompts' disk-resident blocks into the host tier (those prompts wait for them
+        unless nothing else can run)."""
+        sched = self.scheduler
+        budget = -(-self.config.max_num_batched_tokens // self.config.block_size) + len(sched.running)
+        self.disk_tier.before_step(self.bm, sched.waiting, sched.cache_salt, budget,
+                                   must_progress=not sched.running and not sched.swapped)
+        sched.disk_wait = self.disk_tier.waiting_for_reads
 
     def _clean_ahead(self) -> None:
         """Copies the coldest cached free blocks the host tier lacks (as many as one step may take: a token
@@ -396,6 +418,8 @@ class LLM:
             self.metrics = None
         if self.tp is not None:
             self.tp.close()
+        if getattr(self, "disk_tier", None) is not None:
+            self.disk_tier.close(self.bm)
 
     def __enter__(self) -> "LLM":
         return self

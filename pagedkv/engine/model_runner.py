@@ -4,6 +4,7 @@ import torch
 
 from pagedkv import BlockManager
 from pagedkv.cache import allocate_host_tier, allocate_kv_cache, block_bytes
+from pagedkv.disk_store import DiskStore
 from pagedkv.ops import load_blocks, offload_blocks
 
 from .config import EngineConfig
@@ -57,6 +58,20 @@ def host_tier_size(model: LlamaForCausalLM, config: EngineConfig, tp=None) -> in
                          "each); raise it, or pass 0 for no host tier")
     num = min(config.host_cache_bytes // block_bytes, 2**31 - 1)
     return num if tp is None else tp.min_over_ranks(num)
+
+
+def disk_tier_size(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    """Records of the prefix cache's disk tier that disk_cache_bytes holds (each a host-tier block and its
+    header, DiskStore.record_stride bytes)."""
+    if not config.disk_cache_bytes:
+        return 0
+    block_bytes = kv_cache_block_bytes(model, config.block_size,
+                                       kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype))
+    stride = DiskStore.record_stride(block_bytes, config.block_size)
+    if config.disk_cache_bytes < stride:
+        raise ValueError(f"disk_cache_bytes={config.disk_cache_bytes} holds no KV block ({stride} bytes each with "
+                         "its header); raise it, or pass 0 for no disk tier")
+    return min(config.disk_cache_bytes // stride, 2**31 - 1)
 
 
 def _num_blocks_for_budget(model: LlamaForCausalLM, config: EngineConfig) -> int:

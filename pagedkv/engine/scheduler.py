@@ -73,6 +73,7 @@ class Scheduler:
         self.swapped: deque[list[Sequence]] = deque()   # groups swapped out together, oldest first
         self.next_seq_id = 0
         self.cache_salt: bytes | None = None       # prefix-cache salt of new blocks (float8 KV: its scales)
+        self.disk_wait: set[int] = set()           # waiting sequences whose disk blocks are being read to the host
         self.stats = dict(preempted_swap=0, preempted_recompute=0, swapped_in=0,
                           prefill_tokens=0, cached_prompt_tokens=0, decode_tokens=0, steps=0, failed_steps=0,
                           generation_tokens=0, spec_draft_tokens=0, spec_accepted_tokens=0)
@@ -297,7 +298,7 @@ class Scheduler:
             if budget <= 0:
                 break
             first = self._first_block(seq)
-            if first is not None and first in first_blocks:
+            if (first is not None and first in first_blocks) or seq.seq_id in self.disk_wait:
                 deferred.append(self.waiting.popleft())
                 continue
             salt = self.cache_salt
