@@ -47,7 +47,7 @@ def test_tokens_equal_the_single_tier_engine_and_prefixes_come_back_from_disk(ti
     assert run(tiered, rounds) == want
     assert os.listdir(tmp_path) == [], "the records' file has no name"
     t = tiered.stats()
-    assert t["disk_written_blocks"] > 0 and t["disk_read_blocks"] > 0, t
+    assert t["disk_writes"] > 0 and t["disk_reads"] > 0 and t["disk_hit_blocks"] > 0, t
     assert t["disk_read_failures"] == 0 and t["disk_write_failures"] == 0
     three_tier_hits = t["cached_prompt_tokens"]
     host_only = LLM(path, block_size=8, num_blocks=20, max_num_batched_tokens=32,

@@ -212,10 +212,11 @@ class LLM:
             return []
         snapshot, rng_state = self.scheduler.snapshot(), self.runner.generator.get_state()
         try:
+            if self.disk_tier is not None:
+                # First: the host slots it writes from hold only copies that earlier steps completed.
+                self._disk_step()
             if self.bm.host_tier_enabled:
                 self._clean_ahead()
-            if self.disk_tier is not None:
-                self._disk_step()
             batch = self.scheduler.schedule()
             if batch.empty:
                 raise RuntimeError("scheduler made no progress: the KV pool is too small for any waiting sequence "
