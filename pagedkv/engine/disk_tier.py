@@ -36,10 +36,12 @@ def kv_fingerprint(checkpoint_path: str, model_config, host_tier: torch.Tensor, 
 
 
 class DiskTier:
-    def __init__(self, directory: str, num_records: int, host_tier: torch.Tensor, block_size: int, fingerprint: str):
+    def __init__(self, directory: str, num_records: int, host_tier: torch.Tensor, block_size: int, fingerprint: str,
+                 device: torch.device = torch.device("cpu")):
         record_bytes = host_tier[0].numel() * host_tier.element_size()
         self.store = DiskStore(directory, num_records, record_bytes, block_size=block_size, fingerprint=fingerprint)
         self.host_tier = host_tier
+        self.device = torch.device(device)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-disk")
         self._writes: Future | None = None
         self._reads: Future | None = None
@@ -58,6 +60,10 @@ class DiskTier:
             pairs = bm.take_disk_writes()
             if len(pairs):
                 identities = [bm.disk_record_identity(r) for r in pairs[:, 1].tolist()]
+                if self.device.type == "cuda":
+                    # Offloads into these host slots may still be in flight on the GPU (clean ahead queues
+                    # them without waiting): the thread reads the slots only once they have landed.
+                    torch.cuda.current_stream(self.device).synchronize()
                 self._writes = self._pool.submit(self._write_batch, pairs.tolist(), identities)
         if self._reads is None:
             waiting_ids = {s.seq_id for s in waiting}

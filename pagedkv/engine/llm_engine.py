@@ -146,7 +146,7 @@ class LLM:
         if num_disk_blocks:
             fingerprint = kv_fingerprint(model_path, self.model_config, self.runner.host_tier, self.config.block_size)
             self.disk_tier = DiskTier(self.config.disk_cache_dir, num_disk_blocks, self.runner.host_tier,
-                                      self.config.block_size, fingerprint)
+                                      self.config.block_size, fingerprint, self.config.device)
 
     def _update_cache_salt(self) -> None:
         """float8 KV: blocks are cached under a salt naming the format and the scales (rank 0's under
@@ -212,11 +212,12 @@ class LLM:
             return []
         snapshot, rng_state = self.scheduler.snapshot(), self.runner.generator.get_state()
         try:
-            if self.disk_tier is not None:
-                # First: the host slots it writes from hold only copies that earlier steps completed.
-                self._disk_step()
             if self.bm.host_tier_enabled:
                 self._clean_ahead()
+            if self.disk_tier is not None:
+                # After clean ahead, whose offloads may evict host entries: the disk reads land in host slots
+                # just before the admission that loads them.
+                self._disk_step()
             batch = self.scheduler.schedule()
             if batch.empty:
                 raise RuntimeError("scheduler made no progress: the KV pool is too small for any waiting sequence "
