@@ -251,6 +251,7 @@ class KVTransferServer:
         prefills = []
         for parts in messages:
             identity, body = parts[0], parts[1] if len(parts) > 1 else b""
+            msg = None
             try:
                 msg = json.loads(body)
                 if not isinstance(msg, dict):
