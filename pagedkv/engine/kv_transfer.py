@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import secrets
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -45,7 +44,7 @@ def require_packages():
     """(zmq, nixl_agent, nixl_agent_config), or an ImportError saying what to install."""
     try:
         import zmq
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-untyped]
     except ImportError:
         raise ImportError('KV transfer needs nixl and pyzmq: pip install "pagedkv[nixl]" '
                           "(or pip install nixl pyzmq)") from None
@@ -102,7 +101,7 @@ def check_fingerprint(local: dict, remote: dict) -> None:
             raise FingerprintMismatch(name, local.get(name), remote.get(name))
 
 
-def _chain(token_ids: list[int], num_blocks: int, block_size: int, algo: str, salt) -> list[int]:
+def _chain(token_ids: list[int], num_blocks: int, block_size: int, algo, salt) -> list[int]:
     """The chained hashes of the first num_blocks full blocks (the prefix cache's block hashes)."""
     hashes, parent = [], None
     for i in range(num_blocks):
@@ -139,7 +138,13 @@ class _CacheRegion:
         self.block_bytes = self.tensors[0][0].numel() * self.tensors[0].element_size()
         self.mem_type = "VRAM" if self.tensors[0].is_cuda else "DRAM"
         self.device_id = self.tensors[0].device.index or 0
+        self.agent = agent
         self.reg = agent.register_memory(self.tensors)
+
+    def deregister(self) -> None:
+        if self.reg is not None:
+            self.agent.deregister_memory(self.reg)
+            self.reg = None
 
     def describe(self) -> dict:
         return {"bases": [t.data_ptr() for t in self.tensors], "block_bytes": self.block_bytes,
@@ -198,7 +203,7 @@ class KVTransferServer:
             raise ValueError(f"lease_s must be a positive number of seconds, got {lease_s!r}")
         self.llm, self.bm, self.lease_s = llm, llm.bm, float(lease_s)
         self.name = agent_name or f"pagedkv-prefill-{os.getpid()}-{secrets.token_hex(4)}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.cache = _CacheRegion(self.agent, llm)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -242,7 +247,7 @@ class KVTransferServer:
         batch); returns how many it handled."""
         self._tick()
         messages = []
-        if self.socket.poll(int(timeout_s * 1000)):
+        if self._wait(timeout_s):
             while True:
                 try:
                     messages.append(self.socket.recv_multipart(self._zmq.NOBLOCK))
@@ -270,6 +275,18 @@ class KVTransferServer:
         self._tick()
         return len(messages)
 
+    def _wait(self, timeout_s: float) -> bool:
+        """Whether a message arrived within timeout_s. While blocks are lent this loop drives NIXL's
+        transport (reads over TCP need the target's progress): the agent runs no progress thread, which
+        would keep a core busy for the server's whole life, not only while a read may come."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.leases:
+                return bool(self.socket.poll(max(int((deadline - time.monotonic()) * 1000), 0)))
+            self.agent.get_new_notifs()
+            if self.socket.poll(0) or time.monotonic() >= deadline:
+                return bool(self.socket.poll(0))
+
     def _answer(self, identity: bytes, kind, msg: dict) -> None:
         if kind == "hello":
             reply = {"type": "hello", "id": msg.get("id"), "fingerprint": fingerprint(self.llm),
@@ -295,6 +312,7 @@ class KVTransferServer:
 
     def _prefill(self, prefills) -> None:
         """Computes the prompts (one generate call, one token each), then lends each one's full blocks."""
+        start = time.perf_counter()
         try:
             self.llm.generate([ids for _, _, ids in prefills], SamplingParams(max_tokens=1, ignore_eos=True))
         except Exception as e:
@@ -303,8 +321,9 @@ class KVTransferServer:
                       identity=identity)
             return
         self.stats["prefills"] += len(prefills)
+        compute_s = time.perf_counter() - start
         for identity, msg, token_ids in prefills:
-            _send(self.socket, self._lend(msg, token_ids), identity=identity)
+            _send(self.socket, dict(self._lend(msg, token_ids), compute_s=compute_s), identity=identity)
 
     def _lend(self, msg: dict, token_ids: list[int]) -> dict:
         """Pins the prompt's cached full blocks (those a prefix hit may take: all but the last block) and
@@ -343,9 +362,7 @@ class KVTransferServer:
         """Ends every lease (unpins), closes the socket and deregisters the cache. Idempotent."""
         for lease_id in list(self.leases):
             self._release(lease_id)
-        if self.cache is not None:
-            self.agent.deregister_memory(self.cache.reg)
-            self.cache = None
+        self.cache.deregister()
         self.socket.close(0)
         self.context.term()
 
@@ -391,7 +408,7 @@ class KVTransferClient:
         self.endpoint = endpoint
         self._next_id = 0
         self.name = agent_name or f"pagedkv-decode-{os.getpid()}-{secrets.token_hex(4)}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.cache = _CacheRegion(self.agent, llm)
         self._held: list[int] = []           # sequences holding received blocks until their prompt is admitted
         try:
@@ -400,7 +417,7 @@ class KVTransferClient:
             if reply is None:
                 raise KVTransferError(f"no answer from a KV transfer server at {endpoint} within {timeout_s} s")
             check_fingerprint(fingerprint(llm), reply["fingerprint"])
-            self.remote_name = self.agent.add_remote_agent(frames[0])
+            self.remote_name = self.agent.add_remote_agent(frames[0])  # type: ignore[attr-defined]
             if isinstance(self.remote_name, bytes):
                 self.remote_name = self.remote_name.decode()
             self.remote = reply["cache"]
@@ -421,7 +438,7 @@ class KVTransferClient:
 
     def _wait(self, ids: set, timeout_s: float | None = None) -> dict:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        replies = {i: (None, []) for i in ids}
+        replies: dict = {i: (None, []) for i in ids}
         pending = set(ids)
         while pending:
             left = deadline - time.monotonic()
@@ -462,7 +479,9 @@ class KVTransferClient:
         replies = self._wait(set(ids)) if ids else {}
         for request_id, i in ids.items():
             reply, _ = replies[request_id]
-            results[i].timings["prefill_s"] = time.perf_counter() - t0
+            results[i].timings["prefill_s"] = time.perf_counter() - t0      # the remote compute included
+            if reply is not None and "compute_s" in reply:
+                results[i].timings["compute_s"] = reply["compute_s"]
             if reply is None:
                 results[i].fallback = "no answer from the prefill instance (timeout)"
             elif reply.get("type") != "prefill":
@@ -588,9 +607,7 @@ class KVTransferClient:
     def close(self) -> None:
         """Frees held sequences, closes the socket and deregisters the cache. Idempotent."""
         self.release()
-        if getattr(self, "cache", None) is not None:
-            self.agent.deregister_memory(self.cache.reg)
-            self.cache = None
+        self.cache.deregister()
         if not self.socket.closed:
             self.socket.close(0)
             self.context.term()
@@ -630,4 +647,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
