@@ -136,11 +136,11 @@ def test_prefill_killed_mid_transfer_falls_back_to_recompute(model, reference):
         with KVTransferClient(llm, endpoint, timeout_s=5) as client:
             read = client._read
 
-            def kill_then_read(local, remote):       # the lease is granted, the bytes are not read yet
+            def kill_then_read(runs):                 # the lease is granted, the bytes are not read yet
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-                return read(local, remote)
+                return read(runs)
             client._read = kill_then_read
             start = time.monotonic()
             out = client.generate(batch, GREEDY)

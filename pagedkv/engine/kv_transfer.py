@@ -284,7 +284,7 @@ class KVTransferServer:
             if not self.leases:
                 return bool(self.socket.poll(max(int((deadline - time.monotonic()) * 1000), 0)))
             self.agent.get_new_notifs()
-            if self.socket.poll(0) or time.monotonic() >= deadline:
+            if self.socket.poll(1) or time.monotonic() >= deadline:
                 return bool(self.socket.poll(0))
 
     def _answer(self, identity: bytes, kind, msg: dict) -> None:
@@ -384,7 +384,9 @@ class TransferResult:
     bytes_read: int = 0
     fallback: str | None = None     # None: everything wanted was received
     seq_id: int | None = None       # the sequence holding the received blocks until the prompt is admitted
-    timings: dict = field(default_factory=dict)
+    runs: list = field(default_factory=list)     # what was read: (local block, remote block, count) runs
+    timings: dict = field(default_factory=dict)  # seconds: prefill_s (request to reply), compute_s (the
+                                                 # remote generate), receive_s (reply to registered), read_s
 
 
 class KVTransferClient:
@@ -487,7 +489,9 @@ class KVTransferClient:
             elif reply.get("type") != "prefill":
                 results[i].fallback = f"prefill instance: {reply.get('error', reply)}"
             else:
+                start = time.perf_counter()
                 self._receive(prompts[i], reply, results[i])
+                results[i].timings["receive_s"] = time.perf_counter() - start
         return results
 
     def _receive(self, token_ids: list[int], reply: dict, result: TransferResult) -> None:
@@ -515,7 +519,8 @@ class KVTransferClient:
             start = max(cached // bs, first)          # blocks cached meanwhile are not read again
             table = self.bm.block_table(seq_id)
             t0 = time.perf_counter()
-            error = self._read(table[start:end], remote_blocks[start - first:])
+            result.runs = coalesce(table[start:end], remote_blocks[start - first:])
+            error = self._read(result.runs)
             result.timings["read_s"] = time.perf_counter() - t0
             result.read_blocks = end - start
             result.bytes_read = (end - start) * self.cache.block_bytes * len(self.cache.tensors)
@@ -550,12 +555,11 @@ class KVTransferClient:
                 return i
         return end
 
-    def _read(self, local_blocks: list[int], remote_blocks: list[int]) -> str | None:
-        """NIXL READ of the remote blocks into the local ones (one descriptor per cache tensor and run of
-        contiguous blocks); None when done, else why not."""
+    def _read(self, runs: list[tuple[int, int, int]]) -> str | None:
+        """NIXL READ of runs of remote blocks into local ones (one descriptor per cache tensor and run);
+        None when done, else why not."""
         if self.llm.runner.device.type == "cuda":
             torch.cuda.synchronize(self.llm.runner.device)     # host-tier copies done before the read lands
-        runs = coalesce(local_blocks, remote_blocks)
         local, remote = block_descriptors(runs, [t.data_ptr() for t in self.cache.tensors], self.remote["bases"],
                                           self.cache.block_bytes, self.cache.device_id, self.remote["device_id"])
         try:
