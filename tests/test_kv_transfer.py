@@ -109,6 +109,40 @@ def test_partial_local_hit_reads_only_the_rest(model, server, reference):
     assert_no_leak(llm)
 
 
+def test_repeated_prompt_is_read_once(model, server, reference):
+    (prompt,) = prompts(5, [60])
+    llm = decode_engine(model)
+    with KVTransferClient(llm, server) as client:
+        out = client.generate([prompt, prompt], GREEDY)
+        assert [(r.read_blocks, r.accepted_blocks) for r in client.last_transfers] == [(3, 3), (0, 0)]
+        assert client.server_stats()["pinned_blocks"] == 0
+    assert [o.token_ids for o in out] == reference([prompt, prompt])
+    assert_no_leak(llm)
+
+
+def test_malformed_replies_are_refused(model, server, reference):
+    batch = prompts(6, [70, 70, 70])
+    llm = decode_engine(model)
+    with KVTransferClient(llm, server) as client:
+        receive, calls = client._receive, []
+
+        def malformed(token_ids, reply, result):     # a prefill instance that lies about its blocks
+            calls.append(reply)
+            if len(calls) == 1:
+                reply["blocks"][0] = client.remote["num_blocks"]
+            elif len(calls) == 2:
+                reply["blocks"].append(reply["blocks"][-1])
+            else:
+                reply["identities"] = reply["identities"][:1]
+            receive(token_ids, reply, result)
+        client._receive = malformed
+        out = client.generate(batch, GREEDY)
+        assert all(r.accepted_blocks == 0 and "malformed" in r.fallback for r in client.last_transfers)
+        assert client.server_stats()["pinned_blocks"] == 0
+    assert [o.token_ids for o in out] == reference(batch)
+    assert_no_leak(llm)
+
+
 def test_block_whose_identity_differs_is_recomputed(model, server, reference):
     (prompt,) = prompts(2, [90])
     llm = decode_engine(model)

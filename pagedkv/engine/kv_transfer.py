@@ -497,17 +497,19 @@ class KVTransferClient:
     def _receive(self, token_ids: list[int], reply: dict, result: TransferResult) -> None:
         bs, salt = self.llm.config.block_size, self.llm.scheduler.cache_salt
         lease = reply.get("lease")
-        remote_blocks = reply["blocks"]
-        first = reply["first_block"]
-        end = first + len(remote_blocks)
+        remote_blocks, identities = reply.get("blocks"), reply.get("identities", [])
+        first = result.local_blocks
         try:
-            if not remote_blocks:
+            if not isinstance(remote_blocks, list) or not remote_blocks:
                 result.fallback = "the prefill instance lent no blocks"
                 return
-            if any(not isinstance(b, int) or not 0 <= b < self.remote["num_blocks"] for b in remote_blocks):
-                result.fallback = "the prefill instance sent block ids outside its pool"
+            end = first + len(remote_blocks)
+            if (reply.get("first_block") != first or end > (len(token_ids) - 1) // bs
+                    or not isinstance(identities, list) or len(identities) != len(remote_blocks)
+                    or any(type(b) is not int or not 0 <= b < self.remote["num_blocks"] for b in remote_blocks)):
+                result.fallback = "malformed reply: blocks outside the prompt's or the prefill instance's pool"
                 return
-            prefix = token_ids[:end * bs]
+            prefix = token_ids[:end * bs + 1]        # all `end` blocks may hit; the extra token's block is not read
             if self.bm.can_allocate(prefix, cache_salt=salt) != AllocStatus.OK:
                 result.fallback = "no free blocks to receive into"
                 return
@@ -517,6 +519,8 @@ class KVTransferClient:
             result.seq_id = seq_id
             _settle_moves(self.llm)
             start = max(cached // bs, first)          # blocks cached meanwhile are not read again
+            if start >= end:
+                return
             table = self.bm.block_table(seq_id)
             t0 = time.perf_counter()
             result.runs = coalesce(table[start:end], remote_blocks[start - first:])
@@ -527,7 +531,7 @@ class KVTransferClient:
             if error:
                 result.fallback = error
                 return
-            good = self._check_identities(token_ids, reply["identities"], first, end)
+            good = self._check_identities(token_ids, identities, first, end)
             t0 = time.perf_counter()
             done, _ = self._request({"type": "done", "lease": lease})
             lease = None
