@@ -265,3 +265,20 @@ def test_missing_nixl_is_an_import_error_saying_what_to_install():
     done = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert 'pip install "pagedkv[nixl]"' in done.stdout, done.stderr
+
+
+def test_bad_arguments_are_refused_before_anything_starts(model, server):
+    llm = decode_engine(model)
+    with pytest.raises(ValueError, match="timeout_s"):
+        KVTransferClient(llm, server, timeout_s=0)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        KVTransferClient(decode_engine(model, enable_prefix_caching=False), server)
+    from pagedkv.engine.kv_transfer import KVTransferServer
+    with pytest.raises(ValueError, match="lease_s"):
+        KVTransferServer(llm, lease_s=float("nan"))
+    with KVTransferClient(llm, server) as client:
+        for bad in ([1.5, 2], [10**9], "text needs a tokenizer"):
+            with pytest.raises((TypeError, ValueError)):
+                client.generate([bad], GREEDY)
+        assert client.server_stats()["prefills"] >= 0
+    assert_no_leak(llm)
