@@ -178,8 +178,9 @@ def test_prefill_killed_mid_transfer_falls_back_to_recompute(model, reference):
             client._read = kill_then_read
             start = time.monotonic()
             out = client.generate(batch, GREEDY)
-            assert time.monotonic() - start < 30
-            assert all(r.accepted_blocks == 0 and r.fallback for r in client.last_transfers)
+            assert time.monotonic() - start < 5
+            # the read of the dead peer's memory ends in state ERR (UCX: remote disconnect), not in a hang
+            assert all(r.accepted_blocks == 0 and "NIXL read failed" in r.fallback for r in client.last_transfers)
             assert llm.stats()["cached_prompt_tokens"] == 0
         assert [o.token_ids for o in out] == reference(batch)
         assert_no_leak(llm)
