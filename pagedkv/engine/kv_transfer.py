@@ -22,7 +22,8 @@ from .sampling import SamplingParams
 from .scheduler import ScheduledBatch
 
 PROTOCOL = 1
-SALT_SCHEME = "block0-salt:kv-scales-v1"    # kv_quant.cache_salt mixed into block 0 (hash_block_tokens)
+SALT_SCHEME = "block0-salt:kv-scales-v1"
+WIRE_UP_S = 10.0                 # how long the server drives the transport for a connecting decode instance    # kv_quant.cache_salt mixed into block 0 (hash_block_tokens)
 
 __all__ = ["KVTransferServer", "KVTransferClient", "KVTransferError", "FingerprintMismatch", "fingerprint",
            "check_fingerprint", "require_packages"]
@@ -213,6 +214,7 @@ class KVTransferServer:
         self.leases: dict[str, _Lease] = {}
         self.stats = dict(prefills=0, leases=0, released=0, expired=0, bad_requests=0)
         self._last_tick = time.monotonic()
+        self._wire_up_until = 0.0       # a decode instance is connecting: drive the transport until then
         self._stopped = False
         self._zmq = zmq
 
@@ -276,12 +278,13 @@ class KVTransferServer:
         return len(messages)
 
     def _wait(self, timeout_s: float) -> bool:
-        """Whether a message arrived within timeout_s. While blocks are lent this loop drives NIXL's
-        transport (reads over TCP need the target's progress): the agent runs no progress thread, which
-        would keep a core busy for the server's whole life, not only while a read may come."""
+        """Whether a message arrived within timeout_s. While a decode instance connects and while blocks
+        are lent, this loop drives NIXL's transport (UCX's wire-up over TCP needs the target's progress):
+        the agent runs no progress thread, which would keep a core busy for the server's whole life, not
+        only while a connection or a read may need it."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if not self.leases:
+            if not self.leases and time.monotonic() >= self._wire_up_until:
                 return bool(self.socket.poll(max(int((deadline - time.monotonic()) * 1000), 0)))
             self.agent.get_new_notifs()
             if self.socket.poll(1) or time.monotonic() >= deadline:
@@ -292,6 +295,10 @@ class KVTransferServer:
             reply = {"type": "hello", "id": msg.get("id"), "fingerprint": fingerprint(self.llm),
                      "agent": self.name, "cache": self.cache.describe(), "lease_s": self.lease_s}
             _send(self.socket, reply, self.agent.get_agent_metadata(), identity=identity)
+            self._wire_up_until = time.monotonic() + WIRE_UP_S
+        elif kind == "connected":
+            self._wire_up_until = 0.0
+            _send(self.socket, {"type": "connected", "id": msg.get("id")}, identity=identity)
         elif kind == "done":
             held = self._release(str(msg["lease"]))
             self.stats["released"] += held
@@ -423,11 +430,34 @@ class KVTransferClient:
             if isinstance(self.remote_name, bytes):
                 self.remote_name = self.remote_name.decode()
             self.remote = reply["cache"]
-            self.agent.make_connection(self.remote_name)      # now, not in the first read
+            self._connect()
             self.handshake_s = time.perf_counter() - t0
         except BaseException:
             self.close()
             raise
+
+    def _connect(self) -> None:
+        """Sets up the NIXL connection now, not in the first read: a read of a few bytes of the remote cache
+        into a scratch buffer, while the server drives its side of the wire-up."""
+        self.agent.make_connection(self.remote_name)
+        scratch = torch.empty(64, dtype=torch.uint8, device=self.cache.tensors[0].device)
+        reg = self.agent.register_memory(scratch)
+        try:
+            local = np.array([(scratch.data_ptr(), 64, self.cache.device_id)], dtype=np.uint64)
+            remote = np.array([(self.remote["bases"][0], 64, self.remote["device_id"])], dtype=np.uint64)
+            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.cache.mem_type),
+                                                self.agent.get_xfer_descs(remote, self.cache.mem_type),
+                                                self.remote_name)
+            deadline = time.monotonic() + self.timeout_s
+            state = self.agent.transfer(handle)
+            while state == "PROC" and time.monotonic() < deadline:
+                state = self.agent.check_xfer_state(handle)
+            handle.release()
+            if state != "DONE":
+                raise KVTransferError(f"NIXL could not read from the prefill instance at {self.endpoint}: {state}")
+        finally:
+            self.agent.deregister_memory(reg)
+        self._request({"type": "connected"})
 
     # ---- messages
     def _request(self, message: dict, timeout_s: float | None = None):
