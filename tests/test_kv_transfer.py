@@ -283,3 +283,35 @@ def test_bad_arguments_are_refused_before_anything_starts(model, server):
                 client.generate([bad], GREEDY)
         assert client.server_stats()["prefills"] >= 0
     assert_no_leak(llm)
+
+
+def test_a_late_read_needs_the_lease_confirmed(model, server, reference, monkeypatch):
+    from pagedkv.engine import kv_transfer
+
+    batch = prompts(7, [50])
+    monkeypatch.setattr(kv_transfer, "LEASE_MARGIN", 0.0)      # every read counts as late: done must confirm
+    llm = decode_engine(model)
+    with KVTransferClient(llm, server) as client:
+        out = client.generate(batch, GREEDY)
+        (result,) = client.last_transfers
+        assert result.accepted_blocks == 3 and result.fallback is None and "done_s" in result.timings
+    assert [o.token_ids for o in out] == reference(batch)
+    assert_no_leak(llm)
+
+
+def test_blocks_read_after_the_lease_ended_are_not_registered(model, reference):
+    proc, endpoint = start_server(model, "--lease-s", "0.001")
+    try:
+        batch = prompts(8, [50])
+        llm = decode_engine(model)
+        with KVTransferClient(llm, endpoint) as client:
+            out = client.generate(batch, GREEDY)
+            (result,) = client.last_transfers
+            assert result.accepted_blocks == 0 and "lease ended" in result.fallback
+            assert llm.stats()["cached_prompt_tokens"] == 0
+            stats = client.server_stats()
+            assert stats["expired"] == 1 and stats["pinned_blocks"] == 0
+        assert [o.token_ids for o in out] == reference(batch)
+        assert_no_leak(llm)
+    finally:
+        stop(proc)

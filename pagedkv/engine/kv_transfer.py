@@ -22,8 +22,9 @@ from .sampling import SamplingParams
 from .scheduler import ScheduledBatch
 
 PROTOCOL = 1
-SALT_SCHEME = "block0-salt:kv-scales-v1"
-WIRE_UP_S = 10.0                 # how long the server drives the transport for a connecting decode instance    # kv_quant.cache_salt mixed into block 0 (hash_block_tokens)
+SALT_SCHEME = "block0-salt:kv-scales-v1"   # kv_quant.cache_salt mixed into block 0 (hash_block_tokens)
+LEASE_MARGIN = 0.5    # a read ended within this share of the lease (from the request) needs no confirmation
+WIRE_UP_S = 10.0      # how long the server drives the transport for a connecting decode instance
 
 __all__ = ["KVTransferServer", "KVTransferClient", "KVTransferError", "FingerprintMismatch", "fingerprint",
            "check_fingerprint", "require_packages"]
@@ -505,6 +506,7 @@ class KVTransferClient:
             if (len(token_ids) - 1) // bs > result.local_blocks:
                 self._next_id += 1
                 ids[self._next_id] = i
+                result.timings["sent"] = time.monotonic()
                 _send(self.socket, {"type": "prefill", "id": self._next_id, "token_ids": token_ids,
                                     "first_block": result.local_blocks})
         t0 = time.perf_counter()
@@ -562,13 +564,14 @@ class KVTransferClient:
                 result.fallback = error
                 return
             good = self._check_identities(token_ids, identities, first, end)
-            t0 = time.perf_counter()
-            done, _ = self._request({"type": "done", "lease": lease})
-            lease = None
-            result.timings["done_s"] = time.perf_counter() - t0
-            if done is None or not done.get("held"):
-                result.fallback = "the lease ended before the read was confirmed"
-                return
+            if not self._within_lease(reply, result):
+                t0 = time.perf_counter()
+                done, _ = self._request({"type": "done", "lease": lease})
+                lease = None
+                result.timings["done_s"] = time.perf_counter() - t0
+                if done is None or not done.get("held"):
+                    result.fallback = "the lease ended before the read was confirmed"
+                    return
             if good < end:
                 result.fallback = f"block {good} differs from the prompt's (tokens or chained hash)"
             if good > start:
@@ -577,6 +580,16 @@ class KVTransferClient:
         finally:
             if lease is not None:       # let the prefill side's pin go now rather than at the lease's end
                 _send(self.socket, {"type": "done", "id": None, "lease": lease})
+
+    @staticmethod
+    def _within_lease(reply: dict, result: TransferResult) -> bool:
+        """Whether the read surely ended while the prefill side held the blocks: the lease began after the
+        request was sent, so less than half the lease since then on this clock is well inside it. Else the
+        server must confirm (done's answer) that the lease was still held."""
+        lease_s = reply.get("lease_s")
+        if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not lease_s > 0:
+            return False
+        return time.monotonic() - result.timings["sent"] < LEASE_MARGIN * lease_s
 
     def _check_identities(self, token_ids: list[int], identities: list, first: int, end: int) -> int:
         """The end of the leading blocks whose sent tokens, parent and chained hash equal this prompt's."""
