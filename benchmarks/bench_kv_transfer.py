@@ -119,7 +119,7 @@ def measure(model: str, kib: int, repeats: int, threads: int, rng: random.Random
                 plain = plain_read(client, runs) if plain is None else plain
                 t = result.timings
                 if i:
-                    rows.append(dict(bytes=result.bytes_read, receive=t["receive_s"], read=t["read_s"], plain=plain, done=t["done_s"],
+                    rows.append(dict(bytes=result.bytes_read, receive=t["receive_s"], read=t["read_s"], plain=plain,
                                      control=total - t["compute_s"] - t["read_s"],
                                      descriptors=len(result.runs) * len(client.cache.tensors)))
             llm.bm.check_invariants()

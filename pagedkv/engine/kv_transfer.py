@@ -349,7 +349,7 @@ class KVTransferServer:
         try:
             _settle_moves(self.llm)
             num_blocks = cached // bs
-            if num_blocks <= reply["first_block"] or self.bm.pin(seq_id) < num_blocks:
+            if num_blocks <= reply["first_block"] or self._pin(seq_id) < num_blocks:
                 if self.bm.is_pinned(seq_id):
                     self.bm.unpin(seq_id)
                 return reply
@@ -365,6 +365,14 @@ class KVTransferServer:
             {"tokens": token_ids[i * bs:(i + 1) * bs], "hash": hashes[i], "parent": hashes[i - 1] if i else None}
             for i in range(first, num_blocks)])
         return reply
+
+    def _pin(self, seq_id: int) -> int:
+        """Blocks pinned for the sequence; 0 when pins would exceed the manager's max_pinned_blocks (the
+        prompt is then lent nothing, and the decode side computes it)."""
+        try:
+            return self.bm.pin(seq_id)
+        except RuntimeError:
+            return 0
 
     def close(self) -> None:
         """Ends every lease (unpins), closes the socket and deregisters the cache. Idempotent."""
