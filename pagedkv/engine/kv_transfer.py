@@ -401,6 +401,7 @@ class TransferResult:
     fallback: str | None = None     # None: everything wanted was received
     seq_id: int | None = None       # the sequence holding the received blocks until the prompt is admitted
     runs: list = field(default_factory=list)     # what was read: (local block, remote block, count) runs
+    sent_at: float = 0.0                         # time.monotonic() when the request went out
     timings: dict = field(default_factory=dict)  # seconds: prefill_s (request to reply), compute_s (the
                                                  # remote generate), receive_s (reply to registered), read_s
 
@@ -514,80 +515,87 @@ class KVTransferClient:
             if (len(token_ids) - 1) // bs > result.local_blocks:
                 self._next_id += 1
                 ids[self._next_id] = i
-                result.timings["sent"] = time.monotonic()
+                result.sent_at = time.monotonic()
                 _send(self.socket, {"type": "prefill", "id": self._next_id, "token_ids": token_ids,
                                     "first_block": result.local_blocks})
         t0 = time.perf_counter()
         replies = self._wait(set(ids)) if ids else {}
-        for request_id, i in ids.items():
-            reply, _ = replies[request_id]
-            results[i].timings["prefill_s"] = time.perf_counter() - t0      # the remote compute included
-            if reply is not None and "compute_s" in reply:
-                results[i].timings["compute_s"] = reply["compute_s"]
-            if reply is None:
-                results[i].fallback = "no answer from the prefill instance (timeout)"
-            elif reply.get("type") != "prefill":
-                results[i].fallback = f"prefill instance: {reply.get('error', reply)}"
-            else:
-                start = time.perf_counter()
-                self._receive(prompts[i], reply, results[i])
-                results[i].timings["receive_s"] = time.perf_counter() - start
+        leases = []       # to let go once every prompt's blocks are in: the pins are not needed after the reads
+        try:
+            for request_id, i in ids.items():
+                reply, _ = replies[request_id]
+                results[i].timings["prefill_s"] = time.perf_counter() - t0      # the remote compute included
+                if reply is not None and "compute_s" in reply:
+                    results[i].timings["compute_s"] = reply["compute_s"]
+                if reply is None:
+                    results[i].fallback = "no answer from the prefill instance (timeout)"
+                elif reply.get("type") != "prefill":
+                    results[i].fallback = f"prefill instance: {reply.get('error', reply)}"
+                else:
+                    start = time.perf_counter()
+                    leases.append(reply.get("lease"))
+                    if self._receive(prompts[i], reply, results[i]):
+                        leases.pop()
+                    results[i].timings["receive_s"] = time.perf_counter() - start
+        finally:
+            for lease in leases:
+                if lease is not None:
+                    _send(self.socket, {"type": "done", "id": None, "lease": lease})
         return results
 
-    def _receive(self, token_ids: list[int], reply: dict, result: TransferResult) -> None:
+    def _receive(self, token_ids: list[int], reply: dict, result: TransferResult) -> bool:
+        """Reads, checks and registers the blocks of one reply; True when the lease is already let go (done
+        answered), else the caller sends done."""
         bs, salt = self.llm.config.block_size, self.llm.scheduler.cache_salt
         lease = reply.get("lease")
         remote_blocks, identities = reply.get("blocks"), reply.get("identities", [])
-        first = result.local_blocks
-        try:
-            if not isinstance(remote_blocks, list) or not remote_blocks:
-                result.fallback = "the prefill instance lent no blocks"
-                return
-            end = first + len(remote_blocks)
-            if (reply.get("first_block") != first or end > (len(token_ids) - 1) // bs
-                    or not isinstance(identities, list) or len(identities) != len(remote_blocks)
-                    or any(type(b) is not int or not 0 <= b < self.remote["num_blocks"] for b in remote_blocks)):
-                result.fallback = "malformed reply: blocks outside the prompt's or the prefill instance's pool"
-                return
-            prefix = token_ids[:end * bs + 1]        # all `end` blocks may hit; the extra token's block is not read
-            if self.bm.can_allocate(prefix, cache_salt=salt) != AllocStatus.OK:
-                result.fallback = "no free blocks to receive into"
-                return
-            seq_id = _new_seq_id(self.llm)
-            cached = self.bm.allocate(seq_id, prefix, cache_salt=salt)
-            self._held.append(seq_id)
-            result.seq_id = seq_id
-            _settle_moves(self.llm)
-            start = max(cached // bs, first)          # blocks cached meanwhile are not read again
-            if start >= end:
-                return
-            table = self.bm.block_table(seq_id)
+        first, released = result.local_blocks, False
+        if not isinstance(remote_blocks, list) or not remote_blocks:
+            result.fallback = "the prefill instance lent no blocks"
+            return False
+        end = first + len(remote_blocks)
+        if (reply.get("first_block") != first or end > (len(token_ids) - 1) // bs
+                or not isinstance(identities, list) or len(identities) != len(remote_blocks)
+                or any(type(b) is not int or not 0 <= b < self.remote["num_blocks"] for b in remote_blocks)):
+            result.fallback = "malformed reply: blocks outside the prompt's or the prefill instance's pool"
+            return False
+        prefix = token_ids[:end * bs + 1]        # all `end` blocks may hit; the extra token's block is not read
+        if self.bm.can_allocate(prefix, cache_salt=salt) != AllocStatus.OK:
+            result.fallback = "no free blocks to receive into"
+            return False
+        seq_id = _new_seq_id(self.llm)
+        cached = self.bm.allocate(seq_id, prefix, cache_salt=salt)
+        self._held.append(seq_id)
+        result.seq_id = seq_id
+        _settle_moves(self.llm)
+        start = max(cached // bs, first)          # blocks cached meanwhile are not read again
+        if start >= end:
+            return False
+        table = self.bm.block_table(seq_id)
+        t0 = time.perf_counter()
+        result.runs = coalesce(table[start:end], remote_blocks[start - first:])
+        error = self._read(result.runs)
+        result.timings["read_s"] = time.perf_counter() - t0
+        result.read_blocks = end - start
+        result.bytes_read = (end - start) * self.cache.block_bytes * len(self.cache.tensors)
+        if error:
+            result.fallback = error
+            return False
+        good = self._check_identities(token_ids, identities, first, end)
+        if not self._within_lease(reply, result):
             t0 = time.perf_counter()
-            result.runs = coalesce(table[start:end], remote_blocks[start - first:])
-            error = self._read(result.runs)
-            result.timings["read_s"] = time.perf_counter() - t0
-            result.read_blocks = end - start
-            result.bytes_read = (end - start) * self.cache.block_bytes * len(self.cache.tensors)
-            if error:
-                result.fallback = error
-                return
-            good = self._check_identities(token_ids, identities, first, end)
-            if not self._within_lease(reply, result):
-                t0 = time.perf_counter()
-                done, _ = self._request({"type": "done", "lease": lease})
-                lease = None
-                result.timings["done_s"] = time.perf_counter() - t0
-                if done is None or not done.get("held"):
-                    result.fallback = "the lease ended before the read was confirmed"
-                    return
-            if good < end:
-                result.fallback = f"block {good} differs from the prompt's (tokens or chained hash)"
-            if good > start:
-                self.bm.mark_computed(seq_id, good * bs)
-            result.accepted_blocks = max(good - start, 0)
-        finally:
-            if lease is not None:       # let the prefill side's pin go now rather than at the lease's end
-                _send(self.socket, {"type": "done", "id": None, "lease": lease})
+            done, _ = self._request({"type": "done", "lease": lease})
+            result.timings["done_s"] = time.perf_counter() - t0
+            if done is None or not done.get("held"):
+                result.fallback = "the lease ended before the read was confirmed"
+                return True
+            released = True
+        if good < end:
+            result.fallback = f"block {good} differs from the prompt's (tokens or chained hash)"
+        if good > start:
+            self.bm.mark_computed(seq_id, good * bs)
+        result.accepted_blocks = max(good - start, 0)
+        return released
 
     @staticmethod
     def _within_lease(reply: dict, result: TransferResult) -> bool:
@@ -597,7 +605,7 @@ class KVTransferClient:
         lease_s = reply.get("lease_s")
         if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not lease_s > 0:
             return False
-        return time.monotonic() - result.timings["sent"] < LEASE_MARGIN * lease_s
+        return time.monotonic() - result.sent_at < LEASE_MARGIN * lease_s
 
     def _check_identities(self, token_ids: list[int], identities: list, first: int, end: int) -> int:
         """The end of the leading blocks whose sent tokens, parent and chained hash equal this prompt's."""
