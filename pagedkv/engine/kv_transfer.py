@@ -509,8 +509,8 @@ class KVTransferClient:
         bs, salt = self.llm.config.block_size, self.llm.scheduler.cache_salt
         results, ids = [], {}
         for i, token_ids in enumerate(prompts):
-            device, host = self.bm.lookup(token_ids, cache_salt=salt)
-            result = TransferResult(local_blocks=device + host)
+            hit = self.bm.lookup(token_ids, cache_salt=salt)      # device blocks, then host-tier blocks, ...
+            result = TransferResult(local_blocks=hit[0] + hit[1])
             results.append(result)
             if (len(token_ids) - 1) // bs > result.local_blocks:
                 self._next_id += 1
