@@ -315,3 +315,19 @@ def test_blocks_read_after_the_lease_ended_are_not_registered(model, reference):
         assert_no_leak(llm)
     finally:
         stop(proc)
+
+
+def test_host_tier_hits_count_as_local(model, server, reference):
+    head, tail, *others = prompts(9, [48, 60, 120, 120, 120])
+    llm = decode_engine(model, num_blocks=24, host_cache_bytes=1 << 20)
+    llm.generate([head], GREEDY)
+    llm.generate(others, GREEDY)                       # head's blocks leave the device for the host tier
+    device, host = llm.bm.lookup(head + tail)[:2]
+    assert host > 0
+    with KVTransferClient(llm, server) as client:
+        out = client.generate([head + tail], GREEDY)
+        (result,) = client.last_transfers
+        assert result.local_blocks == device + host == 3 and result.accepted_blocks == 3
+    assert [o.token_ids for o in out] == reference([head + tail])
+    llm.bm.check_invariants()
+    assert llm.bm.num_pinned_blocks == 0 and llm.bm.num_free_blocks == llm.bm.num_blocks
