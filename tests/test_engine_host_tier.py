@@ -167,3 +167,17 @@ def test_loads_arrive_layer_by_layer_just_before_each_layer_runs(tiny, monkeypat
     for i in loads:
         _, layer, num_caches = trace[i]
         assert num_caches == 1 and trace[i + 1] == ("layer", layer), trace[i - 2:i + 3]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_cuda_loads_on_a_side_stream_give_the_same_tokens(tiny):
+    """On a GPU the loads run on a side stream, each layer waiting for its own event: the tokens equal the
+    single-tier engine's on the same device, and the loads happened."""
+    path, vocab = tiny
+    rounds = conversations(vocab, seed=5)
+    common = dict(device="cuda", dtype=torch.float32, block_size=8, num_blocks=20, max_num_batched_tokens=32)
+    want = run(LLM(path, **common), rounds)
+    tiered = LLM(path, host_cache_bytes=HOST_BYTES, **common)
+    assert run(tiered, rounds) == want
+    assert tiered.stats()["loaded_blocks"] > 0
+    assert model_runner.LayerLoads._streams, "the side stream was used"
