@@ -7,7 +7,8 @@ KV pool: time to first token (TTFT) of each turn, and throughput, on four engine
   memory);
 - disk tier: the same small pool, a host tier twice its size, and LLM(disk_cache_dir=...,
   disk_cache_bytes=...) in --disk-dir (default: the system's temporary directory): the history comes back
-  from disk through the host tier (the file's pages may sit in the OS page cache: say so with the numbers).
+  from disk through the host tier. The file's pages may sit in the OS page cache; --cold-disk drops them
+  (fsync, then POSIX_FADV_DONTNEED) before every timed request, so its reads come from the device.
 
 Each round walks every conversation once (a new user turn on top of its history and the previous answer),
 so between two turns of one conversation the others push its blocks out of the small pool. The engines run
@@ -58,6 +59,8 @@ def main():
                         help="the small pool holds this many conversations' final histories")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--disk-dir", default=None, help="the disk tier's directory (default: a temporary one)")
+    parser.add_argument("--cold-disk", action="store_true",
+                        help="evict the disk tier's file from the page cache before every timed request")
     args = parser.parse_args()
 
     model = smollm2_path()
@@ -89,7 +92,7 @@ def main():
           f"turn={args.turn_tokens}+{args.max_tokens} rounds={args.rounds} block_size={args.block_size} "
           f"pool: device {big} / small {small} blocks ({per_block / 2**20:.2f} MiB each), host tier "
           f"{host_bytes / 2**20:.0f} MiB; disk tier: host {2 * small * per_block / 2**20:.0f} MiB + disk "
-          f"{disk_bytes / 2**20:.0f} MiB in {disk_dir.name}")
+          f"{disk_bytes / 2**20:.0f} MiB in {disk_dir.name}{' (cold: out of the page cache)' if args.cold_disk else ''}")
 
     histories = [[rng.randrange(3, vocab) for _ in range(args.system_tokens)] for _ in range(args.conversations)]
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -102,6 +105,10 @@ def main():
             histories[c] += [rng.randrange(3, vocab) for _ in range(args.turn_tokens)]
             outputs = {}
             for name, llm in engines.items():
+                if args.cold_disk and llm.disk_tier is not None:
+                    fd = llm.disk_tier.store.fileno()
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 t0 = time.perf_counter()
                 llm.generate([histories[c]], first)
                 t1 = time.perf_counter()
