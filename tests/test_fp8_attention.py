@@ -182,3 +182,20 @@ def test_fp8_ops_pass_opcheck(device):
     torch.library.opcheck(torch.ops.pagedkv.reshape_and_cache.default,
                           (key, torch.randn_like(key), batch.key_cache, batch.value_cache,
                            torch.tensor([3, -1, 17], device=device), batch.k_scale, batch.v_scale), test_utils=utils)
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("fp8", FP8)
+def test_fp8_decode_extreme_scales_every_cpu_isa(isa, fp8):
+    # Scales that are not normal floats, or whose product with 256 is not (the e4m3 widening's factor):
+    # decode must not fold them into the query and the accumulators (0 * inf would be NaN).
+    batch = Fp8Batch([70, 200], [1, 1], fp8=fp8, q_dtype=torch.float32, scales="head", device="cpu",
+                     num_kv_heads=2, group=4, head_dim=64)
+    batch.k_scale = torch.tensor([0.05, 1e-39])
+    batch.v_scale = torch.tensor([2e36, 0.05])
+    batch.key_cache = quantise_cache(batch.base.key_cache, batch.k_scale, fp8)
+    batch.value_cache = quantise_cache(batch.base.value_cache, batch.v_scale, fp8)
+    with cpu_attention_isa(isa):
+        out = batch.run()
+    assert not out.isnan().any(), isa
+    assert_close(out, batch.reference()[0], torch.float32, isa)

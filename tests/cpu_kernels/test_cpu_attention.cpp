@@ -262,6 +262,9 @@ const std::vector<Shape> kShapes = {
     {64, 20, 16, 1, {100, 2}, decode(2), -1, 0.f, 2},
     {96, 5, 2, 2, {1, 2, 3, 4, 40, 41, 42, 43, 44, 45}, decode(10), -1, 2.f, 2},
     {256, 4, 8, 2, {33, 129}, decode(2), -1, 5.f, 1},
+    {136, 3, 16, 2, {70, 300}, decode(2), -1, 0.f, 1},  // register blocks of every width, a last 8 columns
+    {152, 2, 16, 1, {33, 250}, decode(2), -1, 0.f, 2},
+    {200, 1, 16, 2, {40}, decode(1), -1, 0.f, 1},
     {36, 2, 16, 2, {50, 7}, decode(2), -1, 0.f, 2},  // head_dim % 8 != 0: the per-row kernel
     // prefill over cached prefixes: per-row (few rows) and micro-GEMM (many) kernels
     {64, 4, 16, 2, {37, 300}, {3, 40}, -1, 0.f, 2},
