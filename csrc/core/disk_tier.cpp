@@ -90,20 +90,11 @@ DiskTier::Identity DiskTier::forget_pending(int32_t record) {
 }
 
 std::vector<BlockPair> DiskTier::take_writes() {
-  std::vector<BlockPair> out;
-  out.reserve(writes_.size());
-  for (const Transfer& w : writes_) {
-    out.emplace_back(w.slot, w.record);
-    writes_taken_.push_back(w);
-  }
-  writes_.clear();
-  return out;
+  return hand_over(&writes_, &writes_taken_, [](const Transfer& w) { return BlockPair(w.slot, w.record); });
 }
 
 void DiskTier::complete_writes(const std::vector<bool>& ok) {
-  std::vector<Transfer> done;
-  done.swap(writes_taken_);
-  for (size_t i = 0; i < done.size(); ++i) finish_write(done[i], ok[i]);
+  complete_in_order(&writes_taken_, ok, [this](const Transfer& w, bool done) { finish_write(w, done); });
 }
 
 void DiskTier::finish_write(const Transfer& w, bool ok) {
@@ -145,20 +136,11 @@ bool DiskTier::queue_read(PrefixCache::NodeId node) {
 }
 
 std::vector<BlockPair> DiskTier::take_reads() {
-  std::vector<BlockPair> out;
-  out.reserve(reads_.size());
-  for (const Transfer& r : reads_) {
-    out.emplace_back(r.record, r.slot);
-    reads_taken_.push_back(r);
-  }
-  reads_.clear();
-  return out;
+  return hand_over(&reads_, &reads_taken_, [](const Transfer& r) { return BlockPair(r.record, r.slot); });
 }
 
 void DiskTier::complete_reads(const std::vector<bool>& ok) {
-  std::vector<Transfer> done;
-  done.swap(reads_taken_);
-  for (size_t i = 0; i < done.size(); ++i) finish_read(done[i], ok[i]);
+  complete_in_order(&reads_taken_, ok, [this](const Transfer& r, bool done) { finish_read(r, done); });
 }
 
 void DiskTier::finish_read(const Transfer& r, bool ok) {

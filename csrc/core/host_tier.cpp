@@ -83,20 +83,11 @@ void HostTier::queue_offload(int32_t block, int32_t slot) {
 }
 
 std::vector<BlockPair> HostTier::take_offloads() {
-  std::vector<BlockPair> out;
-  out.reserve(offloads_.size());
-  for (const Offload& o : offloads_) {
-    out.emplace_back(o.block, o.slot);
-    offloads_taken_.push_back(o);
-  }
-  offloads_.clear();
-  return out;
+  return hand_over(&offloads_, &offloads_taken_, [](const Offload& o) { return BlockPair(o.block, o.slot); });
 }
 
 void HostTier::complete_offloads(const std::vector<bool>& ok) {
-  std::vector<Offload> done;
-  done.swap(offloads_taken_);
-  for (size_t i = 0; i < done.size(); ++i) finish_offload(done[i], ok[i]);
+  complete_in_order(&offloads_taken_, ok, [this](const Offload& o, bool done) { finish_offload(o, done); });
 }
 
 void HostTier::finish_offload(const Offload& o, bool ok) {
@@ -130,25 +121,15 @@ void HostTier::queue_load(int32_t slot, int32_t block, uint64_t owner, int32_t i
 }
 
 std::vector<BlockPair> HostTier::take_loads() {
-  std::vector<BlockPair> out;
-  out.reserve(loads_.size());
-  for (const Load& l : loads_) {
-    out.emplace_back(l.slot, l.block);
-    loads_taken_.push_back(l);
-  }
-  loads_.clear();
-  return out;
+  return hand_over(&loads_, &loads_taken_, [](const Load& l) { return BlockPair(l.slot, l.block); });
 }
 
 std::vector<HostTier::Load> HostTier::finish_loads(const std::vector<bool>& ok) {
-  std::vector<Load> done;
-  done.swap(loads_taken_);
-  for (size_t i = 0; i < done.size(); ++i) {
-    ++(ok[i] ? counters_->loaded_blocks : counters_->load_failures);
-    host_.release(done[i].slot);
-    device_->release(done[i].block);
-  }
-  return done;
+  return complete_in_order(&loads_taken_, ok, [this](const Load& l, bool done) {
+    ++(done ? counters_->loaded_blocks : counters_->load_failures);
+    host_.release(l.slot);
+    device_->release(l.block);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------

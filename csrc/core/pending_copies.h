@@ -2,6 +2,7 @@
 // (no copy reads another's destination); until they are taken, the pool holds every source out of its
 // free list (nothing may overwrite it before the copy is done) and drops a copy whose destination it frees.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -9,6 +10,31 @@
 namespace pagedkv {
 
 using BlockPair = std::pair<int32_t, int32_t>;  // (src block, dst block)
+
+// The tiers' transfers (host offloads and loads, disk writes and reads) wait in two queues each: queued,
+// then taken by the runner, then completed in the order taken.
+
+// Hands every queued transfer over as pair(t), oldest first, moving it to `taken`.
+template <class T, class Pair>
+std::vector<BlockPair> hand_over(std::vector<T>* queued, std::vector<T>* taken, Pair pair) {
+  std::vector<BlockPair> out;
+  out.reserve(queued->size());
+  for (const T& t : *queued) {
+    out.push_back(pair(t));
+    taken->push_back(t);
+  }
+  queued->clear();
+  return out;
+}
+
+// Empties `taken`, giving each transfer its outcome in the order taken (finish(t, ok[i])); returns them.
+template <class T, class Finish>
+std::vector<T> complete_in_order(std::vector<T>* taken, const std::vector<bool>& ok, Finish finish) {
+  std::vector<T> done;
+  done.swap(*taken);
+  for (std::size_t i = 0; i < done.size(); ++i) finish(done[i], ok[i]);
+  return done;
+}
 
 class PendingCopies {
  public:
