@@ -33,8 +33,16 @@ _U64 = (1 << 64) - 1
 
 def record_identity(block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> tuple[int, int | None,
                                                                                                   tuple[int, ...]]:
-    """The identity a record is written under and checked against: (block hash, parent hash or None, tokens)."""
-    return int(block_hash) & _U64, None if parent_hash is None else int(parent_hash) & _U64, tuple(map(int, token_ids))
+    """The identity a record is written under and checked against: (block hash, parent hash or None, tokens).
+    Hashes are 64-bit (signed or unsigned: stored as unsigned); tokens are int64."""
+    def hash64(name, value):
+        value = check_int(name, value)
+        if not -(1 << 63) <= value <= _U64:
+            raise ValueError(f"{name} {value} does not fit in 64 bits")
+        return value & _U64
+
+    tokens = tuple(check_int("token id", t, minimum=-(1 << 63), maximum=(1 << 63) - 1) for t in token_ids)
+    return hash64("block_hash", block_hash), None if parent_hash is None else hash64("parent_hash", parent_hash), tokens
 
 
 class DiskStore:

@@ -133,6 +133,10 @@ def test_bad_arguments_raise_and_write_nothing(tmp_path):
             ((0, tier[1], (1, None)), TypeError, "identity"),
             ((0, tier[1], (1, None, [])), ValueError, "token ids"),
             ((0, tier[1], (1, None, list(range(BLOCK + 1)))), ValueError, "token ids"),
+            ((0, tier[1], (1 << 64, None, [1])), ValueError, "64 bits"),
+            ((0, tier[1], (1, -(1 << 63) - 1, [1])), ValueError, "64 bits"),
+            ((0, tier[1], (1, None, [1.5])), TypeError, "token id"),
+            ((0, tier[1], (1, None, [1 << 63])), ValueError, "token id"),
         ]
         for args, exc, match in bad:
             with pytest.raises(exc, match=match):
