@@ -83,9 +83,6 @@ class DiskTier:
                 if must_progress:
                     self._complete(bm, wait_for_reads=True)
 
-    def busy(self) -> bool:
-        return self._writes is not None or self._reads is not None
-
     def close(self, bm: BlockManager) -> None:
         """Waits for the transfers in flight, confirms them and releases the file. Idempotent."""
         if self.closed:
