@@ -9,8 +9,6 @@ nothing else can run does the step wait for a read.
 """
 from __future__ import annotations
 
-import hashlib
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -20,19 +18,6 @@ from pagedkv.disk_store import DiskStore
 
 # How many waiting prompts are looked up for disk hits per step (the lookup is a walk of the prefix trie).
 PREFETCH_WINDOW = 64
-
-
-def kv_fingerprint(checkpoint_path: str, model_config, host_tier: torch.Tensor, block_size: int) -> str:
-    """What a record's bytes mean: the checkpoint, the model's shape, the KV dtype and the block layout."""
-    path = os.path.realpath(checkpoint_path)
-    try:
-        st = os.stat(path)
-        stamp = f"{st.st_size}:{st.st_mtime_ns}"
-    except OSError:
-        stamp = "?"
-    text = (f"pagedkv-kv|{path}|{stamp}|{model_config!r}|{host_tier.dtype}|{tuple(host_tier.shape[1:])}"
-            f"|block_size={block_size}")
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class DiskTier:

@@ -6,7 +6,6 @@ cached and decodes. Control messages travel over ZeroMQ, KV bytes over NIXL (UCX
 Optional: needs nixl and pyzmq (pip install "pagedkv[nixl]"). docs/design.md ("KV transfer") has the
 protocol and its failure rules."""
 import argparse
-import hashlib
 import json
 import os
 import secrets
@@ -18,11 +17,11 @@ import torch
 
 from pagedkv import AllocStatus, hash_block_tokens
 
+from .kv_identity import kv_fingerprint
 from .sampling import SamplingParams
 from .scheduler import ScheduledBatch
 
 PROTOCOL = 1
-SALT_SCHEME = "block0-salt:kv-scales-v1"   # kv_quant.cache_salt mixed into block 0 (hash_block_tokens)
 LEASE_MARGIN = 0.5    # a read ended within this share of the lease (from the request) needs no confirmation
 WIRE_UP_S = 10.0      # how long the server drives the transport for a connecting decode instance
 
@@ -65,35 +64,10 @@ def _check_engine(llm) -> None:
                          f"model's layer windows are {llm.model_config.group_windows}")
 
 
-def _model_identity(llm) -> str:
-    """A digest of the model's configuration and of a sample of its first and last weights."""
-    cfg = llm.model_config
-    digest = hashlib.sha256(repr(sorted((k, repr(v)) for k, v in vars(cfg).items())).encode())
-    params = list(llm.model.parameters())
-    for p in (params[0], params[-1]):
-        digest.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:32]
-
-
 def fingerprint(llm) -> dict:
-    """What makes two instances' blocks interchangeable: a block read from one means the same in the other
-    only when every field is equal."""
-    cfg, runner = llm.model_config, llm.runner
-    key = runner.kv_caches[0][0]
-    return {
-        "protocol": PROTOCOL,
-        "model": _model_identity(llm),
-        "kv_dtype": str(key.dtype),
-        # fixed scales or "dynamic": dynamic ones are set by each instance's first batch, and blocks written
-        # under other scales differ in their salted hash, so the per-block identity check rejects them
-        "kv_scales": None if llm.config.kv_cache_dtype == "auto" else llm.config.kv_scale,
-        "block_size": llm.config.block_size,
-        "cache_layout": f"NHD x{len(runner.kv_caches)} (K, V) [blocks, {key.shape[1]}, {key.shape[2]}, "
-                        f"{key.shape[3]}] contiguous",
-        "tp_shard": [0, 1],
-        "hash_algo": llm.bm.hash_algo,
-        "salt_scheme": SALT_SCHEME,
-    }
+    """What makes two instances' blocks interchangeable (kv_identity.kv_fingerprint and the protocol
+    version): a block read from one means the same in the other only when every field is equal."""
+    return kv_fingerprint(llm, protocol=PROTOCOL)
 
 
 def check_fingerprint(local: dict, remote: dict) -> None:

@@ -22,7 +22,8 @@ from .kv_events import KVEventPublisher, require_packages as require_kv_events_p
 from .kv_quant import cache_salt
 from .loader import open_checkpoint
 from .metrics import PrometheusExporter, require_prometheus
-from .disk_tier import DiskTier, kv_fingerprint
+from .disk_tier import DiskTier
+from .kv_identity import fingerprint_digest, host_record_layout, kv_fingerprint
 from .model_runner import ModelRunner, disk_tier_size, host_tier_size, load_rank_model, pool_size
 from .sampling import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -144,7 +145,9 @@ class LLM:
                              f"(one KV group); this model's layer windows are {self.model_config.group_windows}")
         self.disk_tier = None
         if num_disk_blocks:
-            fingerprint = kv_fingerprint(model_path, self.model_config, self.runner.host_tier, self.config.block_size)
+            # The digest of what a record's bytes mean goes into each record's header: a record written under
+            # another model, dtype, scale or layout reads as a miss.
+            fingerprint = fingerprint_digest(kv_fingerprint(self, host_record=host_record_layout(self.runner.host_tier)))
             self.disk_tier = DiskTier(self.config.disk_cache_dir, num_disk_blocks, self.runner.host_tier,
                                       self.config.block_size, fingerprint, self.config.device)
 
