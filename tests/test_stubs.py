@@ -110,3 +110,17 @@ def test_stub_parameters_are_the_bindings(qualname):
             assert s_name in s_posonly, f"{qualname}: {s_name} must be positional-only (`/`): it is {r_name}"
         else:
             assert r_name == s_name, f"{qualname}: parameter {r_name} at run time is {s_name} in the stub"
+
+
+def typed_dict_keys(name):
+    node = next(n for n in stub_tree().body if isinstance(n, ast.ClassDef) and n.name == name)
+    return {item.target.id for item in node.body if isinstance(item, ast.AnnAssign)}
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_host_blocks": 8, "num_disk_blocks": 8, "group_windows": [None]},
+                                    {"group_windows": [None, 8]}])
+def test_the_stats_typed_dict_names_every_key_stats_returns(kwargs):
+    # The keys come from one X-macro in block_manager_stats.h; the stub's _Stats must follow it.
+    bm = _C.BlockManager(16, 4, **kwargs)
+    assert set(bm.stats()) == typed_dict_keys("_Stats")
+    assert set(bm.take_step_stats()) == typed_dict_keys("_Stats")
