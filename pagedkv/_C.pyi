@@ -528,6 +528,23 @@ class BlockManager(metaclass=_pybind11_type):
         ValueError for a record out of range, KeyError for one that holds nothing.
         """
 
+    def disk_record_salt(self, record: SupportsIndex) -> bytes:
+        """The cache salt of the block the disk record holds or is being written or read (block 0 of a salted
+        prompt; b'' otherwise): with disk_record_identity, what restore_disk_record needs after a restart.
+        ValueError for a record out of range, KeyError for one that holds nothing.
+        """
+
+    def restore_disk_record(self, record: SupportsIndex, block_hash: SupportsIndex, parent_record: SupportsIndex | None,
+                            token_ids: _Ints, *, cache_salt: _Salt = None) -> bool:
+        """Re-registers a disk record an earlier run of the same model wrote (its header read back and checked
+        by the runner): the block `token_ids` whose chained hash is `block_hash`, after the block that disk
+        record `parent_record` holds (None: block 0 of a prompt, salted with `cache_salt`). Restore parents
+        before children. Returns False and changes nothing when the hash is not that block's after that
+        parent, the record is in use or holds something, the parent record holds nothing, or the block has a
+        disk copy already; True adds a 'DISK' stored event. ValueError: no disk tier, a record out of
+        range, not one block of tokens, a salt after block 0, or hash_algo='weak8'.
+        """
+
     def set_time(self, now: float) -> None:
         """Advances the manager's clock (the unit of retention durations; it starts at 0 and is never read
         from the wall): free blocks whose priority duration has run out fall back to the default.

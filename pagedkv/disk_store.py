@@ -5,30 +5,48 @@ a ``DiskStore`` moves the bytes between a host-tier slot and its record in one f
 that the record holds what the manager expects: the model fingerprint, the block's hash, its parent's hash
 and its token ids, and a checksum of the bytes. A record that fails any check (never written, torn by a crash,
 written for another block or another model) reads as a miss, never as KV.
+
+With ``persist=True`` the records live in a named file of the directory (one per fingerprint) that outlives
+the process: ``scan`` reads its headers back and ``restore_records`` registers them in a new manager, so a
+restarted engine finds its prefixes on disk.
 """
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import struct
 import tempfile
 import zlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from .validation import check_int
 
-__all__ = ["DiskStore", "record_identity"]
+__all__ = ["DiskStore", "StoredRecord", "record_identity", "restore_records"]
 
 _MAGIC = b"PKVDISK1"
-_VERSION = 1
+_VERSION = 2
 # magic, version, header bytes, fingerprint digest, block hash, parent hash, has parent, tokens,
-# payload bytes, payload crc32; then the token ids (int64) and the crc32 of everything before it.
-_FIXED = struct.Struct("<8sII32sQQIIQI")
+# payload bytes, payload crc32, salt bytes; then the token ids (int64), the salt and the crc32 of
+# everything before it.
+_FIXED = struct.Struct("<8sII32sQQIIQII")
 _ALIGN = 4096
 _U64 = (1 << 64) - 1
+_MAX_SALT = 1024                 # longer salts are not kept: such a record reads, but is not restored
+_SALT_NOT_KEPT = 0xFFFFFFFF
+
+
+class StoredRecord(NamedTuple):
+    """A record's header as ``DiskStore.scan`` found it."""
+    record: int
+    block_hash: int
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+    cache_salt: bytes
 
 
 def record_identity(block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> tuple[int, int | None,
@@ -49,20 +67,25 @@ class DiskStore:
     """``num_records`` records of ``record_bytes`` each in one file under ``directory``.
 
     ``fingerprint`` (str or bytes) names what the bytes mean (model, KV dtype and scales, layout, block size):
-    a record written under another fingerprint reads as a miss. The file is created with a unique name and
-    unlinked at once, so its space returns to the file system when the store is closed or the process ends,
-    crash included; it is allocated up front (``posix_fallocate``), so a full disk fails here, not mid-run.
+    a record written under another fingerprint reads as a miss. By default the file is created with a unique
+    name and unlinked at once, so its space returns to the file system when the store is closed or the process
+    ends, crash included. With ``persist=True`` it is ``pagedkv-<fingerprint digest>.kv`` in ``directory``,
+    kept after close, resized to ``num_records`` when reopened, and locked while open: a second store on the
+    same file (another process) gets a private unlinked file instead (``persistent`` is then False). Either
+    way the space is allocated up front (``posix_fallocate``), so a full disk fails here, not mid-run.
     ``write`` and ``read`` are thread-safe (positioned I/O on one descriptor) and release the GIL while the
     kernel copies, so a background thread can run them beside the model.
     """
 
     def __init__(self, directory: str | os.PathLike, num_records: int, record_bytes: int, *, block_size: int,
-                 fingerprint: str | bytes):
+                 fingerprint: str | bytes, persist: bool = False):
         check_int("num_records", num_records, minimum=1)
         check_int("record_bytes", record_bytes, minimum=1)
         check_int("block_size", block_size, minimum=1)
         if not isinstance(fingerprint, (str, bytes)):
             raise TypeError(f"fingerprint must be str or bytes, got {type(fingerprint).__name__}")
+        if not isinstance(persist, bool):
+            raise TypeError(f"persist must be a bool, got {persist!r}")
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             raise ValueError(f"disk cache directory {directory!r} does not exist (or is not a directory)")
@@ -74,9 +97,14 @@ class DiskStore:
         size = self.stride * self.num_records
         if size >= 1 << 62:
             raise ValueError(f"a disk cache of {self.num_records} records of {self.stride} bytes is too large")
-        fd, path = tempfile.mkstemp(prefix="pagedkv-", suffix=".kv", dir=directory)
-        try:
+        self.path: str | None = None
+        fd = self._open_persistent(directory) if persist else -1
+        if fd < 0:
+            fd, path = tempfile.mkstemp(prefix="pagedkv-", suffix=".kv", dir=directory)
             os.unlink(path)
+        try:
+            if self.path is not None and os.fstat(fd).st_size > size:
+                os.ftruncate(fd, size)          # fewer records than the file's last owner kept
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
@@ -86,9 +114,28 @@ class DiskStore:
                 os.ftruncate(fd, size)
         except BaseException:
             os.close(fd)
+            if self.path is not None and self._created:
+                os.unlink(self.path)
             raise
         self._fd = fd
         self.directory = directory
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the records outlive the store (a named file, see the class)."""
+        return self.path is not None
+
+    def _open_persistent(self, directory: str) -> int:
+        path = os.path.join(directory, f"pagedkv-{self.fingerprint.hex()[:32]}.kv")
+        self._created = not os.path.exists(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)            # another store holds it: this one gets a private file
+            return -1
+        self.path = path
+        return fd
 
     @staticmethod
     def record_stride(record_bytes: int, block_size: int) -> int:
@@ -96,16 +143,22 @@ class DiskStore:
         return _header_bytes(block_size) + _round_up(record_bytes, _ALIGN)
 
     # ---- records ----------------------------------------------------------------------------------------
-    def write(self, record: int, payload: torch.Tensor, identity) -> None:
+    def write(self, record: int, payload: torch.Tensor, identity, cache_salt: bytes | str | None = None) -> None:
         """Writes ``payload`` (a contiguous CPU tensor of record_bytes bytes: one host-tier slot) to ``record``
-        under ``identity`` (block hash, parent hash or None, token ids). OSError when the write fails."""
+        under ``identity`` (block hash, parent hash or None, token ids) and block 0's ``cache_salt`` (kept so
+        that ``scan`` can restore the block; a salt over 1 KiB is not kept). OSError when the write fails."""
         view = self._payload_view(payload, writable=False)
         block_hash, parent, tokens = self._check_identity(identity)
+        salt = _salt_bytes(cache_salt)
+        if salt and parent is not None:
+            raise ValueError("only block 0 (parent hash None) has a cache salt")
         record = self._check_record(record)
         crc = zlib.crc32(view)
+        kept = len(salt) <= _MAX_SALT
         fixed = _FIXED.pack(_MAGIC, _VERSION, self.header_bytes, self.fingerprint, block_hash,
-                            0 if parent is None else parent, parent is not None, len(tokens), self.record_bytes, crc)
-        body = fixed + struct.pack(f"<{len(tokens)}q", *tokens)
+                            0 if parent is None else parent, parent is not None, len(tokens), self.record_bytes, crc,
+                            len(salt) if kept else _SALT_NOT_KEPT)
+        body = fixed + struct.pack(f"<{len(tokens)}q", *tokens) + (salt if kept else b"")
         header = body + struct.pack("<I", zlib.crc32(body))
         header += bytes(self.header_bytes - len(header))
         offset = record * self.stride
@@ -128,19 +181,44 @@ class DiskStore:
             return False
         if got != self.header_bytes + self.record_bytes:
             return False
-        (magic, version, header_bytes, fingerprint, h, p, has_parent, n, nbytes,
-         crc) = _FIXED.unpack_from(header, 0)
-        if (magic != _MAGIC or version != _VERSION or header_bytes != self.header_bytes or n != len(tokens)
-                or nbytes != self.record_bytes):
+        stored = self._parse_header(header)
+        if stored is None or stored[0] != (block_hash, parent, tokens):
             return False
-        end = _FIXED.size + 8 * n
+        return zlib.crc32(view) == stored[1]
+
+    def scan(self) -> list[StoredRecord]:
+        """The records whose header is whole and names this store's fingerprint (a persistent file reopened:
+        what earlier stores wrote), in record order; their payloads are checked when read. Reads only the
+        headers (``header_bytes`` per record)."""
+        self._check_open()
+        found = []
+        header = bytearray(self.header_bytes)
+        for record in range(self.num_records):
+            try:
+                got = os.preadv(self._fd, [header], record * self.stride)
+            except OSError:
+                continue
+            stored = self._parse_header(header) if got == self.header_bytes else None
+            if stored is not None and stored[2] is not None:
+                (h, p, tokens), _, salt = stored
+                found.append(StoredRecord(record, h, p, tokens, salt))
+        return found
+
+    def _parse_header(self, header: bytearray):
+        """((hash, parent, tokens), payload crc32, salt or None when not kept) of a whole header with this
+        store's fingerprint and geometry; None otherwise."""
+        (magic, version, header_bytes, fingerprint, h, p, has_parent, n, nbytes, crc,
+         salt_len) = _FIXED.unpack_from(header, 0)
+        kept = salt_len != _SALT_NOT_KEPT
+        if (magic != _MAGIC or version != _VERSION or header_bytes != self.header_bytes or not 1 <= n <= self.block_size
+                or nbytes != self.record_bytes or fingerprint != self.fingerprint or (kept and salt_len > _MAX_SALT)):
+            return None
+        end = _FIXED.size + 8 * n + (salt_len if kept else 0)
         if struct.unpack_from("<I", header, end)[0] != zlib.crc32(memoryview(header)[:end]):
-            return False
-        if (fingerprint != self.fingerprint or h != block_hash or bool(has_parent) != (parent is not None)
-                or (parent is not None and p != parent)
-                or struct.unpack_from(f"<{n}q", header, _FIXED.size) != tokens):
-            return False
-        return zlib.crc32(view) == crc
+            return None
+        tokens = struct.unpack_from(f"<{n}q", header, _FIXED.size)
+        salt = bytes(header[_FIXED.size + 8 * n:end]) if kept else None
+        return (h, p if has_parent else None, tokens), crc, salt
 
     def fileno(self) -> int:
         """The records' file descriptor (the file itself has no name)."""
@@ -148,10 +226,15 @@ class DiskStore:
         return self._fd
 
     def close(self) -> None:
-        """Releases the file (its space returns to the file system). Idempotent."""
+        """Releases the file: its space returns to the file system, or, persistent, its records are flushed to
+        the disk and kept for the next store. Idempotent."""
         if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+            try:
+                if self.path is not None:
+                    os.fsync(self._fd)
+            finally:
+                os.close(self._fd)
+                self._fd = -1
 
     def __enter__(self) -> "DiskStore":
         return self
@@ -206,7 +289,39 @@ class DiskStore:
 
 
 def _header_bytes(block_size: int) -> int:
-    return _round_up(_FIXED.size + 8 * block_size + 4, _ALIGN)
+    return _round_up(_FIXED.size + 8 * block_size + _MAX_SALT + 4, _ALIGN)
+
+
+def _salt_bytes(salt) -> bytes:
+    if salt is None:
+        return b""
+    if isinstance(salt, str):
+        return salt.encode()
+    if isinstance(salt, bytes):
+        return salt
+    raise TypeError(f"cache_salt must be bytes, str or None, got {type(salt).__name__}")
+
+
+def restore_records(manager, store: DiskStore) -> int:
+    """Registers in ``manager`` (a BlockManager whose disk tier has ``store.num_records`` records and holds
+    nothing yet) the records ``store.scan()`` finds, parents before children, so that its prefix cache hits
+    them on disk; returns how many it restored. A record whose parent block is not on disk, or that the
+    manager refuses (another block's hash, a copy of a block already restored), stays free and is
+    overwritten in time. Chains are linked by their 64-bit block hashes, so a restored hit is as exact as
+    the manager's hash algorithm (tokens are compared block by block as always; hash_algo='sha256' for
+    records that others could write)."""
+    children: dict[int | None, list[StoredRecord]] = {}
+    for found in store.scan():
+        children.setdefault(found.parent_hash, []).append(found)
+    restored = 0
+    todo: list[tuple[int | None, StoredRecord]] = [(None, r) for r in children.get(None, [])]
+    while todo:
+        parent_record, found = todo.pop()
+        if manager.restore_disk_record(found.record, found.block_hash, parent_record, list(found.token_ids),
+                                       cache_salt=found.cache_salt or None):
+            restored += 1
+            todo.extend((found.record, child) for child in children.get(found.block_hash, ()))
+    return restored
 
 
 def _round_up(n: int, m: int) -> int:

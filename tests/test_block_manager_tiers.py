@@ -376,3 +376,101 @@ def test_hostile_disk_calls_do_not_crash_the_process():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
+
+
+def disk_records(bm):
+    """{record: (block hash, parent hash, tokens, salt)} of every disk entry, as a runner writes them."""
+    return {r: (*bm.disk_record_identity(r), bm.disk_record_salt(r)) for r in range(bm.num_disk_blocks)
+            if _holds(bm, r)}
+
+
+def _holds(bm, record):
+    try:
+        bm.disk_record_identity(record)
+        return True
+    except KeyError:
+        return False
+
+
+def restore_all(bm, records):
+    """Restores records (parents first) into bm; returns {record: result}."""
+    by_hash = {h: r for r, (h, _, _, _) in records.items()}
+    done, results = set(), {}
+    while len(results) < len(records):
+        for r, (h, parent, tokens, salt) in records.items():
+            if r in results or (parent is not None and by_hash.get(parent) not in done):
+                continue
+            results[r] = bm.restore_disk_record(r, h, None if parent is None else by_hash[parent], tokens,
+                                                cache_salt=salt or None)
+            done.add(r)
+    return results
+
+
+def test_records_of_an_earlier_manager_are_restored_and_hit_on_disk():
+    earlier = BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=8)
+    prompt = toks(13)
+    earlier.allocate(1, prompt, cache_salt=b"tenant")
+    earlier.mark_computed(1)
+    earlier.free(1)
+    offload_all(earlier)
+    write_all(earlier)
+    records = disk_records(earlier)
+    assert len(records) == 3 and sum(salt == b"tenant" for *_, salt in records.values()) == 1
+
+    bm = BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=8, enable_events=True)
+    assert all(restore_all(bm, records).values())
+    assert bm.lookup(prompt, cache_salt=b"tenant") == (0, 0, 3)
+    assert bm.lookup(prompt) == (0, 0, 0), "the salt is restored with block 0"
+    assert sorted(bm.cached_blocks("DISK")) == sorted(earlier.cached_blocks("DISK"))
+    assert sum(len(e["block_hashes"]) for e in bm.take_events() if e["medium"] == "DISK") == 3
+    assert {r: (*bm.disk_record_identity(r), bm.disk_record_salt(r)) for r in records} == records
+    bm.check_invariants()
+    # The restored entries are ordinary disk entries: read into the host tier, then loaded.
+    assert bm.prefetch(prompt, cache_salt=b"tenant") == 3
+    reads = bm.take_disk_reads()
+    assert sorted(reads[:, 0].tolist()) == sorted(records)
+    bm.complete_disk_reads(True)
+    assert bm.allocate(2, prompt, cache_salt=b"tenant") == 12
+    bm.complete_loads(True)
+    bm.check_invariants()
+
+
+def test_restore_refuses_what_it_cannot_link_and_changes_nothing():
+    earlier = BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=8)
+    cache_prompt(earlier, 1, toks(13))
+    offload_all(earlier)
+    write_all(earlier)
+    records = disk_records(earlier)
+    by_parent = {p: (r, h, t) for r, (h, p, t, _) in records.items()}
+    root, root_hash, root_tokens = by_parent[None]
+    child, child_hash, child_tokens = by_parent[root_hash]
+
+    bm = BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=8)
+    before = bm.stats()
+    assert not bm.restore_disk_record(child, child_hash, root, child_tokens), "the parent record holds nothing"
+    assert not bm.restore_disk_record(root, root_hash ^ 1, None, root_tokens), "another block's hash"
+    assert not bm.restore_disk_record(root, root_hash, None, root_tokens, cache_salt=b"s"), "the salt is hashed"
+    assert bm.stats() == before and bm.lookup(toks(13)) == (0, 0, 0)
+    assert bm.restore_disk_record(root, root_hash, None, root_tokens)
+    assert not bm.restore_disk_record(root, root_hash, None, root_tokens), "the record holds it already"
+    assert not bm.restore_disk_record(5, root_hash, None, root_tokens), "the block has a disk copy"
+    assert not bm.restore_disk_record(child, child_hash, root, toks(4, 50)), "other tokens, another hash"
+    assert bm.restore_disk_record(child, child_hash, root, child_tokens)
+    bm.check_invariants()
+    bad = [((8, 1, None, toks(4)), ValueError, "no disk record"), ((-1, 1, None, toks(4)), ValueError, "no disk record"),
+           ((0, 1, 9, toks(4)), ValueError, "parent_record"), ((0, 1, None, toks(3)), ValueError, "one block"),
+           ((0, 1, root, toks(4)), None, None), ((0, -1, None, toks(4)), TypeError, None),
+           ((0, 1, None, [1.5] * 4), TypeError, None)]
+    for args, exc, match in bad:
+        if exc is None:
+            with pytest.raises(ValueError, match="salt"):
+                bm.restore_disk_record(*args, cache_salt=b"x")
+            continue
+        with pytest.raises(exc, match=match):
+            bm.restore_disk_record(*args)
+    with pytest.raises(ValueError, match="disk tier is off"):
+        BlockManager(4, 4, num_host_blocks=4).restore_disk_record(0, 1, None, toks(4))
+    with pytest.raises(ValueError, match="weak8"):
+        BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=4, hash_algo="weak8").restore_disk_record(
+            0, 1, None, toks(4))
+    bm.check_invariants()

@@ -159,3 +159,68 @@ def test_a_full_disk_fails_at_construction_and_leaves_no_file(tmp_path):
     assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="too large"):
         DiskStore(tmp_path, 1 << 40, 1 << 30, block_size=16, fingerprint="x")
+
+
+def _persistent(tmp_path, tier, num_records=8, fingerprint="model-a"):
+    return DiskStore(tmp_path, num_records, tier[0].numel() * tier.element_size(), block_size=BLOCK,
+                     fingerprint=fingerprint, persist=True)
+
+
+def test_a_persistent_store_keeps_its_records_for_the_next_one(tmp_path):
+    tier = _tier(torch.bfloat16, slots=4)
+    with _persistent(tmp_path, tier) as store:
+        assert store.persistent and os.listdir(tmp_path) == [os.path.basename(store.path)]
+        store.write(6, tier[0], _ident(0), b"salt-0")
+        store.write(2, tier[1], _ident(1, parent=1000))
+        store.write(4, tier[2], _ident(2, parent=1001), None)
+        with pytest.raises(ValueError, match="block 0"):
+            store.write(5, tier[3], _ident(3, parent=1002), b"salt")
+    with _persistent(tmp_path, tier) as again:
+        found = again.scan()
+        assert [(r.record, r.block_hash, r.parent_hash, r.token_ids, r.cache_salt) for r in found] == [
+            (2, 1001, 1000, tuple(range(1, 1 + BLOCK)), b""), (4, 1002, 1001, tuple(range(2, 2 + BLOCK)), b""),
+            (6, 1000, None, tuple(range(0, BLOCK)), b"salt-0")]
+        out = torch.empty_like(tier[0])
+        assert again.read(2, out, _ident(1, parent=1000)) and _same(out, tier[1])
+    with _persistent(tmp_path, tier, fingerprint="model-b") as other:     # another model: another file
+        assert other.scan() == [] and len(os.listdir(tmp_path)) == 2
+    with _persistent(tmp_path, tier, num_records=4) as fewer:            # records past the new end are gone
+        assert [r.record for r in fewer.scan()] == [2]
+    with _persistent(tmp_path, tier) as grown:
+        assert [r.record for r in grown.scan()] == [2]
+
+
+def test_scan_skips_torn_headers_and_unkept_salts(tmp_path):
+    tier = _tier(torch.float32, slots=4)
+    with _persistent(tmp_path, tier) as store:
+        store.write(0, tier[0], _ident(0))
+        store.write(1, tier[1], _ident(5), b"x" * 2000)                   # a salt too long to keep
+        store.write(3, tier[2], _ident(1, parent=1000))
+        os.pwrite(store.fileno(), b"\x01", 3 * store.stride + 60)        # a flipped byte in record 3's header
+        assert [r.record for r in store.scan()] == [0]
+        out = torch.empty_like(tier[0])
+        assert store.read(1, out, _ident(5)) and _same(out, tier[1])      # it still reads
+
+
+def test_a_second_process_on_the_same_cache_gets_a_private_file(tmp_path):
+    tier = _tier(torch.float16)
+    with _persistent(tmp_path, tier) as first:
+        first.write(0, tier[0], _ident(0))
+        code = (f"from pagedkv.disk_store import DiskStore\n"
+                f"s = DiskStore({str(tmp_path)!r}, 8, {first.record_bytes}, block_size={BLOCK}, "
+                f"fingerprint='model-a', persist=True)\n"
+                f"print(s.persistent, len(s.scan()))\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.split() == ["False", "0"], out
+    assert len(os.listdir(tmp_path)) == 1
+    with pytest.raises(TypeError, match="persist"):
+        DiskStore(tmp_path, 1, 64, block_size=BLOCK, fingerprint="x", persist="yes")
+
+
+def test_a_full_disk_leaves_no_persistent_file(tmp_path):
+    code = (f"from pagedkv.disk_store import DiskStore\n"
+            f"try:\n    DiskStore({str(tmp_path)!r}, 1 << 20, 1 << 30, block_size=16, fingerprint='x', persist=True)\n"
+            f"except OSError as e:\n    print('OSError', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("OSError"), out
+    assert os.listdir(tmp_path) == []

@@ -120,3 +120,55 @@ def test_disk_tier_is_sized_from_disk_cache_bytes(tiny, tmp_path):
         stride = disk_store.DiskStore.record_stride(per_block, 8)
         assert llm.bm.num_disk_blocks == (10 << 20) // stride
         assert llm.disk_tier.store.record_bytes == per_block
+
+
+def test_a_persistent_disk_cache_survives_the_engine(tiny, tmp_path):
+    """disk_cache_persist=True: a new engine restores the records the last one wrote and hits them on disk
+    from its first prompt, token for token the single-tier engine's output."""
+    path, vocab, per_block = tiny
+    rounds = conversations(vocab, seed=3, turns=3)
+    common = dict(block_size=8, num_blocks=20, max_num_batched_tokens=32, host_cache_bytes=HOST_BLOCKS * per_block,
+                  disk_cache_dir=str(tmp_path), disk_cache_bytes=256 * (per_block + 8192), disk_cache_persist=True)
+    want = run(LLM(path, block_size=8, num_blocks=20, max_num_batched_tokens=32), rounds)
+    first = LLM(path, **common)
+    assert first.disk_restored == 0 and first.disk_tier.store.persistent
+    assert run(first, rounds[:2]) == want[:2 * len(rounds[0])]
+    first.close()
+    # What a restart can bring back: the disk entries whose whole chain is on disk (a block whose parent
+    # was only on the device or the host tier can no longer be reached from a prompt's first block).
+    parents = {}
+    for record in range(first.bm.num_disk_blocks):
+        try:
+            block_hash, parent, _ = first.bm.disk_record_identity(record)
+        except KeyError:
+            continue
+        parents[block_hash] = parent
+
+    def whole(h):
+        return h is None or (h in parents and whole(parents[h]))
+
+    kept = sum(whole(h) for h in parents)
+    assert 0 < kept <= first.bm.stats()["cached_disk_blocks"] and len(os.listdir(tmp_path)) == 1
+
+    second = LLM(path, **common)
+    assert second.disk_restored == kept
+    assert second.stats()["used_blocks"] == 0
+    assert run(second, rounds[:1]) == want[:len(rounds[0])]
+    assert second.stats()["disk_hit_blocks"] > 0, "the first prompts hit the restored records"
+    assert run(second, rounds[1:]) == want[len(rounds[0]):]
+    check_nothing_held(second)
+
+    other = save_tiny_llama(tmp_path / "other", seed=7)
+    foreign = LLM(str(tmp_path / "other"), **common)
+    assert foreign.disk_restored == 0, "another model's records are another file"
+    foreign.close()
+    del other
+
+
+def test_disk_cache_persist_is_checked(tiny, tmp_path):
+    path, _, per_block = tiny
+    with pytest.raises(ValueError, match="disk_cache_persist"):
+        LLM(path, block_size=8, num_blocks=20, disk_cache_persist=True)
+    with pytest.raises(TypeError, match="disk_cache_persist"):
+        LLM(path, block_size=8, num_blocks=20, host_cache_bytes=HOST_BLOCKS * per_block, disk_cache_dir=str(tmp_path),
+            disk_cache_bytes=64 * (per_block + 8192), disk_cache_persist="yes")

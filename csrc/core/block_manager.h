@@ -246,6 +246,14 @@ class BlockManager {
   // What the record's file holds besides the KV (stored, or being written or read): ValueError for a
   // record out of range, KeyError for one that holds nothing.
   DiskTier::Identity disk_record_identity(int32_t record) const;
+  // Re-registers a record an earlier run of the same model wrote (the runner checked its header): the block
+  // `tokens` whose chained hash is `hash`, after the block disk record `parent_record` holds (-1: block 0,
+  // with `salt`). Returns false and changes nothing when the hash is not that block's, the record is in
+  // use or holds something, the parent record holds nothing, or the block has a disk copy already.
+  // ValueError: no disk tier, a record out of range, not one block of tokens, a salt after block 0, or a
+  // hash algorithm whose hashes cannot link a chain (weak8).
+  bool restore_disk_record(int32_t record, uint64_t hash, int32_t parent_record, Span<int64_t> tokens,
+                           std::string_view salt = {});
   int32_t num_disk_writes_in_flight() const { return disk_.num_writes_in_flight(); }
   int32_t num_disk_reads_in_flight() const { return disk_.num_reads_in_flight(); }
   int32_t num_pending_disk_reads() const { return disk_.num_reads_pending(); }  // queued or taken

@@ -418,4 +418,26 @@ DiskTier::Identity BlockManager::disk_record_identity(int32_t record) const {
   return std::move(*id);
 }
 
+bool BlockManager::restore_disk_record(int32_t record, uint64_t hash, int32_t parent_record, Span<int64_t> tokens,
+                                       std::string_view salt) {
+  const int32_t num_records = disk_.pool().num_blocks();
+  if (!disk_.enabled()) throw ValueError("restore_disk_record: the disk tier is off");
+  if (hash_algo() == HashAlgo::kWeak8)
+    throw ValueError("restore_disk_record: weak8 block hashes collide by design and cannot link a restored chain");
+  if (record < 0 || record >= num_records)
+    throw ValueError(cat("restore_disk_record: no disk record ", record, " (the disk tier has ", num_records, ")"));
+  if (parent_record < -1 || parent_record >= num_records)
+    throw ValueError(cat("restore_disk_record: parent_record ", parent_record, " is neither -1 nor a disk record"));
+  if (static_cast<int64_t>(tokens.size) != block_size_)
+    throw ValueError(cat("restore_disk_record: a record holds one block of ", block_size_, " tokens, got ", tokens.size));
+  if (parent_record >= 0 && !salt.empty())
+    throw ValueError("restore_disk_record: only block 0 (parent_record -1) has a salt");
+  PrefixCache::NodeId parent = PrefixCache::root(0);
+  if (parent_record >= 0) {
+    parent = disk_.pool().tag(parent_record);
+    if (parent == PrefixCache::kNoNode || cache_.node(parent).disk_record != parent_record) return false;
+  }
+  return disk_.restore(record, parent, tokens.data, salt, hash) != PrefixCache::kNoNode;
+}
+
 }  // namespace pagedkv

@@ -26,6 +26,7 @@ DiskTier::Identity DiskTier::identity_of(PrefixCache::NodeId node) const {
   if (!PrefixCache::is_root(n.parent)) id.parent = cache_->hash(n.parent);
   const int64_t* tokens = cache_->tokens(node);
   id.tokens.assign(tokens, tokens + cache_->block_size());
+  id.salt = n.salt;
   return id;
 }
 
@@ -166,6 +167,33 @@ void DiskTier::finish_read(const Transfer& r, bool ok) {
 
 // ---------------------------------------------------------------------------------------------------
 // Identity, reset and invariants
+
+// ---------------------------------------------------------------------------------------------------
+// Records of an earlier run
+
+PrefixCache::NodeId DiskTier::restore(int32_t record, PrefixCache::NodeId parent, const int64_t* tokens,
+                                      std::string_view salt, uint64_t hash) {
+  if (!enabled_ || disk_.ref_count(record) != 0 || disk_.tag(record) != PrefixCache::kNoNode) return PrefixCache::kNoNode;
+  const std::optional<uint64_t> parent_hash =
+      PrefixCache::is_root(parent) ? std::nullopt : std::optional<uint64_t>(cache_->hash(parent));
+  const int32_t block_size = cache_->block_size();
+  if (hash_block_tokens(tokens, static_cast<size_t>(block_size), parent_hash, cache_->algo(), salt) != hash)
+    return PrefixCache::kNoNode;  // another block, or the same tokens after another prefix
+  const PrefixCache::NodeId found = cache_->find(cache_->key(parent, tokens, salt), parent, tokens, salt);
+  if (found != PrefixCache::kNoNode) {
+    const PrefixCache::Node& n = cache_->node(found);
+    if (n.disk_record != PrefixCache::kNoBlock || n.disk_writing || n.disk_reading) return PrefixCache::kNoNode;
+  }
+  const PrefixCache::NodeId node =
+      found != PrefixCache::kNoNode ? found : cache_->create(cache_->key(parent, tokens, salt), parent, tokens, salt);
+  disk_.acquire(record);
+  disk_.set_tag(record, node);  // the record's reference keeps the new node
+  cache_->set_location(node, Medium::kDisk, record);
+  if (events_->enabled() && cache_->node(node).root == PrefixCache::kRoot)
+    events_->stored(hash, parent_hash, tokens, block_size, cache_->node(node).salt, Medium::kDisk);
+  disk_.release(record);
+  return node;
+}
 
 std::optional<DiskTier::Identity> DiskTier::identity(int32_t record) const {
   if (const auto it = pending_identity_.find(record); it != pending_identity_.end()) return it->second;

@@ -6,6 +6,8 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -33,6 +35,7 @@ class DiskTier final : public WriteBack {
     uint64_t hash = 0;
     std::optional<uint64_t> parent;
     std::vector<int64_t> tokens;
+    std::string salt;  // block 0's salt (empty for the other blocks)
   };
 
   // Writes. A free host slot is dirty when it holds cached KV the disk tier does not have (nor is being
@@ -60,6 +63,13 @@ class DiskTier final : public WriteBack {
   int32_t num_reads_queued() const { return static_cast<int32_t>(reads_.size()); }
   int32_t num_reads_in_flight() const { return static_cast<int32_t>(reads_taken_.size()); }
   int32_t num_reads_pending() const { return num_reads_queued() + num_reads_in_flight(); }
+
+  // A record an earlier run wrote (the runner read its header back): registers it as the disk copy of the
+  // block `tokens` after `parent` (a node, or root(0) for block 0, with `salt`) when `hash` is that
+  // block's chained hash, the record is free and holds nothing, and the block has no disk copy (nor a
+  // transfer in flight). Returns the node, or kNoNode when refused; a refusal changes nothing.
+  PrefixCache::NodeId restore(int32_t record, PrefixCache::NodeId parent, const int64_t* tokens,
+                              std::string_view salt, uint64_t hash);
 
   // The identity of what a record holds or is being written or read: nullopt when it holds nothing.
   std::optional<Identity> identity(int32_t record) const;

@@ -87,6 +87,7 @@ class PrefixCache {
 
   const Node& node(NodeId id) const { return nodes_[id]; }
   int32_t block_size() const { return block_size_; }
+  HashAlgo algo() const { return algo_; }
   void set_block(NodeId id, int32_t block) { set_location(id, Medium::kGpu, block); }
   // Where the node's KV lives on medium m (kGpu: node.block, kCpu: node.host_slot, kDisk: node.disk_record).
   static int32_t location(const Node& n, Medium m) {

@@ -339,6 +339,7 @@ class EngineConfig:
     host_cache_bytes: int = 0                 # > 0: the prefix cache keeps evicted blocks in host memory
     disk_cache_dir: str | None = None         # with disk_cache_bytes > 0: host entries evicted go to disk here
     disk_cache_bytes: int = 0
+    disk_cache_persist: bool = False          # keep the records in a named file and restore them at start
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
@@ -372,6 +373,10 @@ class EngineConfig:
         if (self.disk_cache_dir is None) != (self.disk_cache_bytes == 0):
             raise ValueError("the disk tier needs both disk_cache_dir and disk_cache_bytes > 0 (or neither), got "
                              f"disk_cache_dir={self.disk_cache_dir!r}, disk_cache_bytes={self.disk_cache_bytes}")
+        if not isinstance(self.disk_cache_persist, bool):
+            raise TypeError(f"disk_cache_persist must be a bool, got {self.disk_cache_persist!r}")
+        if self.disk_cache_persist and not self.disk_cache_bytes:
+            raise ValueError("disk_cache_persist=True needs the disk tier (disk_cache_dir and disk_cache_bytes > 0)")
         if self.disk_cache_bytes and not self.host_cache_bytes:
             raise ValueError("disk_cache_bytes > 0 needs host_cache_bytes > 0 (disk records are written from and "
                              "read into the host tier)")

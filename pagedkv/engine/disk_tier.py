@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from pagedkv import BlockManager
-from pagedkv.disk_store import DiskStore
+from pagedkv.disk_store import DiskStore, restore_records
 
 # How many waiting prompts are looked up for disk hits per step (the lookup is a walk of the prefix trie).
 PREFETCH_WINDOW = 64
@@ -22,9 +22,10 @@ PREFETCH_WINDOW = 64
 
 class DiskTier:
     def __init__(self, directory: str, num_records: int, host_tier: torch.Tensor, block_size: int, fingerprint: str,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), persist: bool = False):
         record_bytes = host_tier[0].numel() * host_tier.element_size()
-        self.store = DiskStore(directory, num_records, record_bytes, block_size=block_size, fingerprint=fingerprint)
+        self.store = DiskStore(directory, num_records, record_bytes, block_size=block_size, fingerprint=fingerprint,
+                               persist=persist)
         self.host_tier = host_tier
         self.device = torch.device(device)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-disk")
@@ -33,6 +34,11 @@ class DiskTier:
         self.waiting_for_reads: set[int] = set()    # sequences whose disk blocks are being read
         self._looked_up: set[int] = set()           # waiting sequences already prefetched for
         self.closed = False
+
+    def restore(self, bm: BlockManager) -> int:
+        """Registers the records an earlier engine left in a persistent store (the manager's disk tier holds
+        nothing yet); returns how many."""
+        return restore_records(bm, self.store)
 
     # ---- each step -----------------------------------------------------------------------------------
     def before_step(self, bm: BlockManager, waiting, cache_salt, write_budget: int, must_progress: bool) -> None:
@@ -44,12 +50,15 @@ class DiskTier:
             bm.plan_disk_writes(write_budget)
             pairs = bm.take_disk_writes()
             if len(pairs):
-                identities = [bm.disk_record_identity(r) for r in pairs[:, 1].tolist()]
+                records = pairs[:, 1].tolist()
+                identities = [bm.disk_record_identity(r) for r in records]
+                # block 0's salt goes into its header, so that a restarted engine can restore the block
+                salts = [bm.disk_record_salt(r) if i[1] is None else b"" for r, i in zip(records, identities)]
                 if self.device.type == "cuda":
                     # Offloads into these host slots may still be in flight on the GPU (clean ahead queues
                     # them without waiting): the thread reads the slots only once they have landed.
                     torch.cuda.current_stream(self.device).synchronize()
-                self._writes = self._pool.submit(self._write_batch, pairs.tolist(), identities)
+                self._writes = self._pool.submit(self._write_batch, pairs.tolist(), identities, salts)
         if self._reads is None:
             waiting_ids = {s.seq_id for s in waiting}
             self._looked_up &= waiting_ids
@@ -78,11 +87,11 @@ class DiskTier:
         self.closed = True
 
     # ---- the background thread -----------------------------------------------------------------------
-    def _write_batch(self, pairs: list[list[int]], identities) -> list[bool]:
+    def _write_batch(self, pairs: list[list[int]], identities, salts) -> list[bool]:
         oks = []
-        for (slot, record), identity in zip(pairs, identities):
+        for (slot, record), identity, salt in zip(pairs, identities, salts):
             try:
-                self.store.write(record, self.host_tier[slot], identity)
+                self.store.write(record, self.host_tier[slot], identity, salt)
                 oks.append(True)
             except OSError:
                 oks.append(False)

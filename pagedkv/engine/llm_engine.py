@@ -6,6 +6,7 @@ sequences waiting to be recomputed; generate() aborts the requests it added when
 import numbers
 import os
 import time
+import warnings
 import weakref
 from collections import deque
 
@@ -36,7 +37,7 @@ class LLM:
     def __init__(self, model_path: str | os.PathLike, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | str | None = None, block_size: int = 16, num_blocks: int | None = None,
                  num_cpu_blocks: int = 0, host_cache_bytes: int = 0, disk_cache_dir: str | os.PathLike | None = None,
-                 disk_cache_bytes: int = 0, enable_prefix_caching: bool = True,
+                 disk_cache_bytes: int = 0, disk_cache_persist: bool = False, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, kv_cache_bytes: int = 256 << 20,
                  gpu_memory_utilization: float = 0.5, seed: int = 0, pack_cpu_weights: bool = True,
@@ -52,6 +53,7 @@ class LLM:
         self.config = EngineConfig(device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                                    num_cpu_blocks=num_cpu_blocks, host_cache_bytes=host_cache_bytes,
                                    disk_cache_dir=disk_cache_dir, disk_cache_bytes=disk_cache_bytes,
+                                   disk_cache_persist=disk_cache_persist,
                                    enable_prefix_caching=enable_prefix_caching,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
@@ -144,12 +146,22 @@ class LLM:
             raise ValueError(f"host_cache_bytes > 0: the host tier serves models with full attention in every layer "
                              f"(one KV group); this model's layer windows are {self.model_config.group_windows}")
         self.disk_tier = None
+        self.disk_restored = 0     # disk records a persistent cache brought back at start
         if num_disk_blocks:
             # The digest of what a record's bytes mean goes into each record's header: a record written under
             # another model, dtype, scale or layout reads as a miss.
             fingerprint = fingerprint_digest(kv_fingerprint(self, host_record=host_record_layout(self.runner.host_tier)))
+            persist = self.config.disk_cache_persist
+            if persist and self.model_config.group_windows != [None]:
+                raise ValueError("disk_cache_persist=True restores full-attention blocks only (one KV group); this "
+                                 f"model's layer windows are {self.model_config.group_windows}")
             self.disk_tier = DiskTier(self.config.disk_cache_dir, num_disk_blocks, self.runner.host_tier,
-                                      self.config.block_size, fingerprint, self.config.device)
+                                      self.config.block_size, fingerprint, self.config.device, persist=persist)
+            if persist and not self.disk_tier.store.persistent:
+                warnings.warn(f"disk_cache_persist=True: another process holds this model's disk cache in "
+                              f"{self.config.disk_cache_dir!r}; this engine uses a private file that ends with it",
+                              stacklevel=3)
+            self.disk_restored = self.disk_tier.restore(self.bm) if self.disk_tier.store.persistent else 0
 
     def _update_cache_salt(self) -> None:
         """float8 KV: blocks are cached under a salt naming the format and the scales (rank 0's under
