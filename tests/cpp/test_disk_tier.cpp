@@ -160,6 +160,54 @@ TEST(DiskTier, PrefetchReadsDiskOnlyBlocksThenAllocateLoadsThem) {
   bm.check_invariants();
 }
 
+// A new manager re-registers the records an earlier one wrote (what a restarted engine reads back from
+// their headers): parents first, each linked only under the parent whose chained hash produces it.
+TEST(DiskTier, RestoredRecordsOfAnEarlierManagerHitOnDiskAndLoad) {
+  BlockManager earlier(tiered(4, 4, 4, 8));
+  const std::vector<int64_t> a = tokens_from(13, 0);
+  earlier.allocate(1, a, "tenant");
+  earlier.mark_computed({1});
+  earlier.free(1);
+  offload_all(earlier);
+  write_all(earlier);
+  std::map<uint64_t, int32_t> record_of;  // block hash -> record
+  std::vector<std::pair<int32_t, DiskTier::Identity>> records;
+  for (int32_t r = 0; r < 8; ++r) {
+    if (!earlier.disk_pool().holds_cached_kv(r)) continue;
+    records.emplace_back(r, earlier.disk_record_identity(r));
+    record_of[records.back().second.hash] = r;
+  }
+  ASSERT_EQ(records.size(), 3u);
+  std::sort(records.begin(), records.end(),  // parents first: block 0 has no parent, then by chain
+            [](const auto& x, const auto& y) { return x.second.tokens[0] < y.second.tokens[0]; });
+
+  BlockManager bm(tiered(4, 4, 4, 8));
+  const auto restore = [&](const std::pair<int32_t, DiskTier::Identity>& rec, std::optional<uint64_t> hash = {}) {
+    const DiskTier::Identity& id = rec.second;
+    const int32_t parent = id.parent ? record_of.at(*id.parent) : -1;
+    return bm.restore_disk_record(rec.first, hash.value_or(id.hash), parent, id.tokens, id.salt);
+  };
+  EXPECT_FALSE(restore(records[1])) << "its parent's record holds nothing yet";
+  EXPECT_FALSE(restore(records[0], records[0].second.hash + 1)) << "not this block's hash";
+  EXPECT_EQ(bm.stats().cached_disk_blocks, 0);
+  for (const auto& rec : records) EXPECT_TRUE(restore(rec));
+  EXPECT_FALSE(restore(records[2])) << "a record that holds its block already";
+  EXPECT_EQ(bm.lookup(a, "tenant").disk_blocks, 3);
+  EXPECT_EQ(bm.lookup(a).disk_blocks, 0) << "block 0 keeps its salt";
+  bm.check_invariants();
+  EXPECT_EQ(bm.prefetch(a, "tenant"), 3);
+  bm.take_disk_reads();
+  bm.complete_disk_reads(all(3));
+  EXPECT_EQ(bm.allocate(2, a, "tenant"), 12);
+  EXPECT_EQ(bm.take_loads().size(), 3u);
+  bm.complete_loads(all(3));
+  bm.check_invariants();
+  BlockManagerConfig weak = tiered(4, 4, 4, 8);
+  weak.hash_algo = HashAlgo::kWeak8;
+  BlockManager weak_bm(weak);
+  EXPECT_THROW(weak_bm.restore_disk_record(0, 1, -1, records[0].second.tokens), ValueError);
+}
+
 TEST(DiskTier, APendingReadIsAMissNeverAWrongHit) {
   BlockManager bm(tiered(4, 4, 4, 8));
   const std::vector<int64_t> a = tokens_from(13, 0);
