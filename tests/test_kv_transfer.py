@@ -168,14 +168,14 @@ def test_prefill_killed_mid_transfer_falls_back_to_recompute(model, reference):
         batch = prompts(3, [80, 50])
         llm = decode_engine(model)
         with KVTransferClient(llm, endpoint, timeout_s=5) as client:
-            read = client._read
+            read = client._start_read
 
             def kill_then_read(runs):                 # the lease is granted, the bytes are not read yet
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
                 return read(runs)
-            client._read = kill_then_read
+            client._start_read = kill_then_read
             start = time.monotonic()
             out = client.generate(batch, GREEDY)
             assert time.monotonic() - start < 5
@@ -331,3 +331,71 @@ def test_host_tier_hits_count_as_local(model, server, reference):
     assert [o.token_ids for o in out] == reference([head + tail])
     llm.bm.check_invariants()
     assert llm.bm.num_pinned_blocks == 0 and llm.bm.num_free_blocks == llm.bm.num_blocks
+
+
+def test_submitted_transfers_overlap_the_engines_decoding(model, reference):
+    proc, endpoint = start_server(model)
+    try:
+        first, second = prompts(11, [70, 90])
+        long = SamplingParams(max_tokens=12, temperature=0)
+        llm = decode_engine(model)
+        with KVTransferClient(llm, endpoint, timeout_s=30) as client:
+            a = client.submit(first, long)
+            while a.request is None or not llm._output(a.request).token_ids:
+                client.step()
+            assert a.result.accepted_blocks == 4 and a.result.fallback is None
+            proc.send_signal(signal.SIGSTOP)          # the second prompt's prefill waits ...
+            b = client.submit(second, GREEDY)
+            before = len(llm._output(a.request).token_ids)
+            for _ in range(4):
+                client.step()
+            assert b.request is None, "its blocks are not in yet"
+            assert len(llm._output(a.request).token_ids) == before + 4, "... while the first one decodes"
+            proc.send_signal(signal.SIGCONT)
+            while client.has_unfinished():
+                client.step()
+            assert b.result.accepted_blocks == 5 and b.result.fallback is None
+            single = LLM(model, cpu_threads=1, block_size=BS)
+            assert llm._output(a.request).token_ids == single.generate([first], long)[0].token_ids
+            assert llm._output(b.request).token_ids == reference([second])[0]
+            assert client._held == [] and client.server_stats()["pinned_blocks"] == 0
+        assert_no_leak(llm)
+    finally:
+        stop(proc)
+
+
+def test_run_is_token_exact_with_local_hits_repeats_and_short_prompts(model, server, reference):
+    batch = prompts(12, [60, 10, 75])
+    batch.append(list(batch[0]))                       # the same prompt again: one read, then a local hit
+    llm = decode_engine(model)
+    with KVTransferClient(llm, server) as client:
+        out = client.run(batch, GREEDY)
+        results = client.last_transfers
+        assert results[1].read_blocks == 0 and results[1].fallback is None      # under one block: local
+        assert results[0].accepted_blocks == 3 and results[2].accepted_blocks == 4
+        assert results[3].read_blocks == 0 and results[3].fallback is None, "the first copy's blocks serve it"
+        assert llm.stats()["cached_prompt_tokens"] >= 48
+    assert [o.token_ids for o in out] == reference(batch)
+    assert_no_leak(llm)
+
+
+def test_a_submitted_transfer_that_fails_is_recomputed(model, reference):
+    proc, endpoint = start_server(model)
+    try:
+        batch = prompts(13, [66, 52])
+        llm = decode_engine(model)
+        with KVTransferClient(llm, endpoint, timeout_s=5) as client:
+            read = client._start_read
+
+            def kill_then_read(runs):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                return read(runs)
+            client._start_read = kill_then_read
+            out = client.run(batch, GREEDY)
+            assert all(r.accepted_blocks == 0 and r.fallback for r in client.last_transfers)
+        assert [o.token_ids for o in out] == reference(batch)
+        assert_no_leak(llm)
+    finally:
+        stop(proc)

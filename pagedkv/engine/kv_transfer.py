@@ -25,7 +25,7 @@ PROTOCOL = 1
 LEASE_MARGIN = 0.5    # a read ended within this share of the lease (from the request) needs no confirmation
 WIRE_UP_S = 10.0      # how long the server drives the transport for a connecting decode instance
 
-__all__ = ["KVTransferServer", "KVTransferClient", "KVTransferError", "FingerprintMismatch", "fingerprint",
+__all__ = ["KVTransferServer", "KVTransferClient", "KVTransferError", "FingerprintMismatch", "PendingTransfer", "fingerprint",
            "check_fingerprint", "require_packages"]
 
 
@@ -365,6 +365,29 @@ class KVTransferServer:
 
 # ---- decode side -----------------------------------------------------------------------------------------
 @dataclass
+class _Read:
+    """A NIXL read in flight: blocks [start, end) of the prompt."""
+    start: int
+    end: int
+    began: float
+    deadline: float
+    handle: object = None
+    error: str | None = None
+
+
+@dataclass
+class PendingTransfer:
+    """One prompt submit() is bringing in: `request` is its engine Request once added."""
+    prompt: object
+    token_ids: list
+    params: SamplingParams
+    result: "TransferResult"
+    reply: dict | None = None
+    read: _Read | None = None
+    request: object = None
+
+
+@dataclass
 class TransferResult:
     """What one prompt took from the prefill instance: blocks hit locally, read remotely and accepted, and
     why the rest (if any) is recomputed."""
@@ -404,6 +427,10 @@ class KVTransferClient:
         self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.cache = _CacheRegion(self.agent, llm)
         self._held: list[int] = []           # sequences holding received blocks until their prompt is admitted
+        self._submitted: dict[int, PendingTransfer] = {}   # submit(): awaiting the prefill instance's reply
+        self._inbox: dict[int, dict] = {}                  # their replies, received and not yet handled
+        self._reading: list[PendingTransfer] = []          # their NIXL reads in flight
+        self._admitted: dict[int, PendingTransfer] = {}    # engine request id -> its transfer, until it ends
         try:
             t0 = time.perf_counter()
             reply, frames = self._request({"type": "hello", "fingerprint": fingerprint(llm)})
@@ -468,6 +495,8 @@ class KVTransferClient:
             if isinstance(msg, dict) and msg.get("id") in pending:
                 replies[msg["id"]] = (msg, parts[1:])
                 pending.discard(msg["id"])
+            elif isinstance(msg, dict) and msg.get("id") in self._submitted:
+                self._inbox[msg["id"]] = msg      # an asynchronous request's reply: step() takes it
         return replies
 
     def server_stats(self) -> dict | None:
@@ -520,42 +549,60 @@ class KVTransferClient:
     def _receive(self, token_ids: list[int], reply: dict, result: TransferResult) -> bool:
         """Reads, checks and registers the blocks of one reply; True when the lease is already let go (done
         answered), else the caller sends done."""
+        read = self._begin_receive(token_ids, reply, result)
+        if read is None:
+            return False
+        state = self._finish_read(read, block=True)
+        return self._end_receive(token_ids, reply, result, read, state)
+
+    def _begin_receive(self, token_ids: list[int], reply: dict, result: TransferResult) -> "_Read | None":
+        """Checks a reply, allocates the blocks to receive into and starts their NIXL read; None when there is
+        nothing to read (result.fallback says why, if anything went wrong)."""
         bs, salt = self.llm.config.block_size, self.llm.scheduler.cache_salt
-        lease = reply.get("lease")
         remote_blocks, identities = reply.get("blocks"), reply.get("identities", [])
-        first, released = result.local_blocks, False
+        first = result.local_blocks
         if not isinstance(remote_blocks, list) or not remote_blocks:
             result.fallback = "the prefill instance lent no blocks"
-            return False
+            return None
         end = first + len(remote_blocks)
         if (reply.get("first_block") != first or end > (len(token_ids) - 1) // bs
                 or not isinstance(identities, list) or len(identities) != len(remote_blocks)
                 or any(type(b) is not int or not 0 <= b < self.remote["num_blocks"] for b in remote_blocks)):
             result.fallback = "malformed reply: blocks outside the prompt's or the prefill instance's pool"
-            return False
+            return None
         prefix = token_ids[:end * bs + 1]        # all `end` blocks may hit; the extra token's block is not read
         if self.bm.can_allocate(prefix, cache_salt=salt) != AllocStatus.OK:
             result.fallback = "no free blocks to receive into"
-            return False
+            return None
         seq_id = _new_seq_id(self.llm)
         cached = self.bm.allocate(seq_id, prefix, cache_salt=salt)
         self._held.append(seq_id)
         result.seq_id = seq_id
         _settle_moves(self.llm)
-        start = max(cached // bs, first)          # blocks cached meanwhile are not read again
+        if cached < first * bs:
+            result.fallback = "blocks hit locally when the request went out were evicted before the reply"
+            return None
+        start = cached // bs                      # blocks cached meanwhile are not read again
         if start >= end:
-            return False
+            return None
         table = self.bm.block_table(seq_id)
-        t0 = time.perf_counter()
         result.runs = coalesce(table[start:end], remote_blocks[start - first:])
-        error = self._read(result.runs)
-        result.timings["read_s"] = time.perf_counter() - t0
         result.read_blocks = end - start
         result.bytes_read = (end - start) * self.cache.block_bytes * len(self.cache.tensors)
-        if error:
-            result.fallback = error
+        read = _Read(start=start, end=end, began=time.perf_counter(), deadline=time.monotonic() + self.timeout_s)
+        read.handle, read.error = self._start_read(result.runs)
+        return read
+
+    def _end_receive(self, token_ids: list[int], reply: dict, result: TransferResult, read: "_Read",
+                     state: str) -> bool:
+        """After the read ended (state "DONE" or why not): checks the blocks' identities and the lease and
+        registers what is good. True when the lease is already let go."""
+        bs, lease, released = self.llm.config.block_size, reply.get("lease"), False
+        result.timings["read_s"] = time.perf_counter() - read.began
+        if state != "DONE":
+            result.fallback = read.error or f"NIXL read failed: {state if state != 'PROC' else 'timeout'}"
             return False
-        good = self._check_identities(token_ids, identities, first, end)
+        good = self._check_identities(token_ids, reply.get("identities", []), result.local_blocks, read.end)
         if not self._within_lease(reply, result):
             t0 = time.perf_counter()
             done, _ = self._request({"type": "done", "lease": lease})
@@ -564,11 +611,11 @@ class KVTransferClient:
                 result.fallback = "the lease ended before the read was confirmed"
                 return True
             released = True
-        if good < end:
+        if good < read.end:
             result.fallback = f"block {good} differs from the prompt's (tokens or chained hash)"
-        if good > start:
-            self.bm.mark_computed(seq_id, good * bs)
-        result.accepted_blocks = max(good - start, 0)
+        if good > read.start:
+            self.bm.mark_computed(result.seq_id, good * bs)
+        result.accepted_blocks = max(good - read.start, 0)
         return released
 
     @staticmethod
@@ -592,9 +639,9 @@ class KVTransferClient:
                 return i
         return end
 
-    def _read(self, runs: list[tuple[int, int, int]]) -> str | None:
-        """NIXL READ of runs of remote blocks into local ones (one descriptor per cache tensor and run);
-        None when done, else why not."""
+    def _start_read(self, runs: list[tuple[int, int, int]]):
+        """Posts the NIXL READ of runs of remote blocks into local ones (one descriptor per cache tensor and
+        run): (handle, None), or (None, why not)."""
         if self.llm.runner.device.type == "cuda":
             torch.cuda.synchronize(self.llm.runner.device)     # host-tier copies done before the read lands
         local, remote = block_descriptors(runs, [t.data_ptr() for t in self.cache.tensors], self.remote["bases"],
@@ -604,19 +651,37 @@ class KVTransferClient:
                                                 self.agent.get_xfer_descs(remote, self.cache.mem_type),
                                                 self.remote_name)
         except Exception as e:
-            return f"NIXL could not prepare the read: {e}"
-        deadline = time.monotonic() + self.timeout_s
+            return None, f"NIXL could not prepare the read: {e}"
         try:
             state = self.agent.transfer(handle)
-            while state == "PROC" and time.monotonic() < deadline:
-                state = self.agent.check_xfer_state(handle)
+        except Exception as e:
+            self._abandon(handle)
+            return None, f"NIXL read failed: ERR ({e})"
+        if state not in ("PROC", "DONE"):
+            self._abandon(handle)
+            return None, f"NIXL read failed: {state}"
+        return handle, None
+
+    def _finish_read(self, read: "_Read", block: bool) -> str:
+        """The read's state: "DONE", "PROC" (still running; only when not block and before its deadline) or
+        why it failed. A read that ended is released; one that failed or ran out of time is abandoned."""
+        if read.handle is None:
+            return read.error or "ERR"
+        try:
+            state = self.agent.check_xfer_state(read.handle)
+            while block and state == "PROC" and time.monotonic() < read.deadline:
+                state = self.agent.check_xfer_state(read.handle)
         except Exception as e:
             state = f"ERR ({e})"
-        if state != "DONE":
+        if state == "PROC" and time.monotonic() < read.deadline:
+            return state
+        handle, read.handle = read.handle, None
+        if state == "DONE":
+            handle.release()
+        else:
             self._abandon(handle)
-            return f"NIXL read failed: {state if state != 'PROC' else 'timeout'}"
-        handle.release()
-        return None
+            read.error = f"NIXL read failed: {state if state != 'PROC' else 'timeout'}"
+        return state
 
     def _abandon(self, handle) -> None:
         """Stops a failed or late read. Until NIXL has stopped it, its destination blocks may still be
@@ -645,8 +710,115 @@ class KVTransferClient:
         finally:
             self.release(self.last_transfers)
 
+    # ---- asynchronous: transfers overlap this engine's steps
+    def submit(self, prompt, params: SamplingParams | None = None) -> "PendingTransfer":
+        """Starts bringing the prompt's missing full blocks from the prefill instance and returns at once:
+        the request goes out now; step() starts the NIXL read when the blocks are lent and, once they are
+        read and checked, adds the prompt to the engine (`pending.request`), while the engine keeps running
+        the requests it has. A prompt with nothing to fetch is added at once; a failure (no answer in
+        timeout_s, a failed read, a block that differs) adds it to be recomputed (`pending.result.fallback`)."""
+        token_ids, params = self.llm._check_request(prompt, params)
+        return self._submit(prompt, token_ids, params)
+
+    def _submit(self, prompt, token_ids: list[int], params: SamplingParams) -> "PendingTransfer":
+        bs, salt = self.llm.config.block_size, self.llm.scheduler.cache_salt
+        hit = self.bm.lookup(token_ids, cache_salt=salt)
+        pending = PendingTransfer(prompt, token_ids, params, TransferResult(local_blocks=hit[0] + hit[1]))
+        if (len(token_ids) - 1) // bs <= pending.result.local_blocks:
+            self._admit(pending)
+            return pending
+        self._next_id += 1
+        pending.result.sent_at = time.monotonic()
+        _send(self.socket, {"type": "prefill", "id": self._next_id, "token_ids": token_ids,
+                            "first_block": pending.result.local_blocks})
+        self._submitted[self._next_id] = pending
+        return pending
+
+    def step(self) -> list:
+        """Advances every submitted transfer without waiting (replies received start their reads, finished
+        reads are checked and registered and their prompts added to the engine, requests past timeout_s fall
+        back), then runs one engine step when the engine has work. Returns the engine requests that ended."""
+        self._progress()
+        finished = self.llm.step() if self.llm.has_unfinished() else []
+        for request in finished:
+            pending = self._admitted.pop(request.request_id, None)
+            if pending is not None:
+                self.release([pending.result])
+        return finished
+
+    def has_unfinished(self) -> bool:
+        """Transfers in progress or engine requests not finished."""
+        return bool(self._submitted or self._reading or self.llm.has_unfinished())
+
+    def run(self, prompts, sampling_params=None) -> list:
+        """submit() every prompt, then step() until all are done: the outputs in prompt order, as
+        LLM.generate returns them. Prefill and transfer of later prompts overlap the decoding of earlier
+        ones; `last_transfers` holds what each prompt received."""
+        pendings = [self._submit(*checked) for checked in self.llm._checked_requests(prompts, sampling_params)]
+        try:
+            while self.has_unfinished():
+                self.step()
+        except BaseException:
+            for pending in pendings:
+                if pending.request is not None:
+                    self.llm.abort(pending.request.request_id)
+            raise
+        self.last_transfers = [p.result for p in pendings]
+        return [self.llm._output(p.request) for p in pendings]
+
+    def _progress(self) -> None:
+        while self._submitted and self.socket.poll(0):      # file the replies that arrived
+            parts = self.socket.recv_multipart()
+            try:
+                msg = json.loads(parts[0])
+            except ValueError:
+                continue
+            if isinstance(msg, dict) and msg.get("id") in self._submitted:
+                self._inbox[msg["id"]] = msg
+        now = time.monotonic()
+        for request_id, pending in list(self._submitted.items()):
+            reply = self._inbox.pop(request_id, None)
+            if reply is None and now - pending.result.sent_at <= self.timeout_s:
+                continue
+            del self._submitted[request_id]
+            result = pending.result
+            result.timings["prefill_s"] = now - result.sent_at
+            if reply is None:
+                result.fallback = "no answer from the prefill instance (timeout)"
+            elif reply.get("type") != "prefill":
+                result.fallback = f"prefill instance: {reply.get('error', reply)}"
+            else:
+                if "compute_s" in reply:
+                    result.timings["compute_s"] = reply["compute_s"]
+                pending.reply = reply
+                pending.read = self._begin_receive(pending.token_ids, reply, result)
+                if pending.read is not None:
+                    self._reading.append(pending)
+                    continue
+                self._let_go(reply)
+            self._admit(pending)
+        for pending in list(self._reading):
+            state = self._finish_read(pending.read, block=False)
+            if state == "PROC":
+                continue
+            self._reading.remove(pending)
+            if not self._end_receive(pending.token_ids, pending.reply, pending.result, pending.read, state):
+                self._let_go(pending.reply)
+            self._admit(pending)
+
+    def _let_go(self, reply: dict) -> None:
+        if reply.get("lease") is not None:
+            _send(self.socket, {"type": "done", "id": None, "lease": reply["lease"]})
+
+    def _admit(self, pending: "PendingTransfer") -> None:
+        pending.request = self.llm._queue(pending.prompt, pending.token_ids, pending.params)
+        self._admitted[pending.request.request_id] = pending
+
     def close(self) -> None:
         """Frees held sequences, closes the socket and deregisters the cache. Idempotent."""
+        for pending in self._reading:     # reads in flight end before their blocks are freed
+            self._finish_read(pending.read, block=True)
+        self._reading.clear()
         self.release()
         self.cache.deregister()
         if not self.socket.closed:

@@ -293,6 +293,23 @@ class LLM:
         integer arrays or tensors) to completion; outputs in order. Nothing is queued unless every prompt
         and parameter is valid; if interrupted (any exception, Ctrl-C included) it aborts the requests
         it added and re-raises."""
+        checked = self._checked_requests(prompts, sampling_params)
+        requests = [self._queue(p, ids, sp) for p, ids, sp in checked]
+        try:
+            with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+                start, computed = time.perf_counter(), self._computed_tokens()
+                while self.scheduler.has_unfinished():
+                    bar.update(len(self.step()))
+                    rate = (self._computed_tokens() - computed) / (time.perf_counter() - start)
+                    bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
+        except BaseException:
+            for r in requests:
+                self.abort(r.request_id)
+            raise
+        return [self._output(r) for r in requests]
+
+    def _checked_requests(self, prompts, sampling_params) -> list[tuple[object, list[int], SamplingParams]]:
+        """(prompt, token ids, params) of every prompt, each checked (generate's rules), before any is queued."""
         prompts = self._prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
@@ -309,22 +326,10 @@ class LLM:
         checked = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             try:
-                checked.append(self._check_request(prompt, sp))
+                checked.append((prompt, *self._check_request(prompt, sp)))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None
-        requests = [self._queue(p, ids, sp) for p, (ids, sp) in zip(prompts, checked)]
-        try:
-            with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
-                start, computed = time.perf_counter(), self._computed_tokens()
-                while self.scheduler.has_unfinished():
-                    bar.update(len(self.step()))
-                    rate = (self._computed_tokens() - computed) / (time.perf_counter() - start)
-                    bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
-        except BaseException:
-            for r in requests:
-                self.abort(r.request_id)
-            raise
-        return [self._output(r) for r in requests]
+        return checked
 
     def chat(self, conversations, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
