@@ -18,8 +18,15 @@ them (allocate, NIXL read, identity checks, the done round trip, registration). 
                  control messages, lookups, allocation, checks (handshake excluded), then with the
                  handshake (a new client: NIXL agent, cache registration, fingerprints, connection)
 
+With --overlap: prompts arrive one every few decode steps while earlier ones decode; the decode instance
+either transfers each on arrival and then steps on (transfer(), which waits for the remote prefill and the
+read) or submits it and steps on (submit() / step(), which read while the engine decodes). Printed per
+mode, median over the repeats (modes alternate): the wall time of the workload and the longest pause
+between two decode steps of the requests already running.
+
     python benchmarks/bench_kv_transfer.py
     python benchmarks/bench_kv_transfer.py --block-kib 512 2048 --repeats 9
+    python benchmarks/bench_kv_transfer.py --overlap --repeats 5
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from pagedkv.engine import LLM  # noqa: E402
+from pagedkv.engine import LLM, SamplingParams  # noqa: E402
 from pagedkv.engine.kv_transfer import KVTransferClient, block_descriptors  # noqa: E402
 
 KV_HEADS, HEAD_DIM, LAYERS, PROMPT_BLOCK_TOKENS = 8, 128, 2, 1024
@@ -55,9 +62,10 @@ def save_model(path: str) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
 
 
-def start_server(model: str, block_size: int, threads: int):
+def start_server(model: str, block_size: int, threads: int, num_blocks: int | None = None):
+    num_blocks = num_blocks or blocks_for(block_size)
     proc = subprocess.Popen([sys.executable, "-m", "pagedkv.engine.kv_transfer", model, "--block-size", str(block_size),
-                             "--cpu-threads", str(threads), "--num-blocks", str(blocks_for(block_size))],
+                             "--cpu-threads", str(threads), "--num-blocks", str(num_blocks)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=ROOT))
     for line in proc.stdout:
@@ -104,18 +112,22 @@ def measure(model: str, kib: int, repeats: int, threads: int, rng: random.Random
             k.zero_()
             v.zero_()
         with KVTransferClient(llm, endpoint) as client:
-            read, plain = client._read, []
+            start_read, finish_read, plain, turn = client._start_read, client._finish_read, [], {}
 
-            def read_beside_plain(runs):
+            def start_beside_plain(runs):
                 """pagedkv's read and a plain one of the same descriptors, both while the blocks are lent
                 (the prefill server in the same state), taking turns at going first."""
-                if len(plain) % 2:
+                turn["plain_first"], turn["runs"] = len(plain) % 2 == 1, runs
+                if turn["plain_first"]:
                     plain.append(plain_read(client, runs))
-                    return read(runs)
-                error = read(runs)
-                plain.append(plain_read(client, runs))
-                return error
-            client._read = read_beside_plain
+                return start_read(runs)
+
+            def finish_beside_plain(read, block):
+                state = finish_read(read, block)
+                if state != "PROC" and not turn["plain_first"]:
+                    plain.append(plain_read(client, turn["runs"]))
+                return state
+            client._start_read, client._finish_read = start_beside_plain, finish_beside_plain
             for i in range(repeats + 1):                       # the first is a warm-up
                 prompt = [rng.randrange(512) for _ in range(PROMPT_BLOCK_TOKENS + 1)]
                 start = time.perf_counter()
@@ -142,16 +154,66 @@ def measure(model: str, kib: int, repeats: int, threads: int, rng: random.Random
     return med
 
 
+def overlap(model: str, repeats: int, threads: int, rng: random.Random, num_prompts: int = 8, gap_steps: int = 3,
+            max_tokens: int = 24) -> dict:
+    block_size = 64 * 1024 // TOKEN_BYTES
+    # pools that hold every prompt of the workload at once (the prefill side computes arrivals in batches)
+    proc, endpoint = start_server(model, block_size, threads, num_prompts * blocks_for(block_size))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    times: dict = {"transfer": [], "submit": []}
+    try:
+        llm = LLM(model, block_size=block_size, num_blocks=num_prompts * blocks_for(block_size), cpu_threads=threads)
+        with KVTransferClient(llm, endpoint) as client:
+            for i in range(2 * repeats + 2):                   # the first pair is a warm-up
+                mode = ("transfer", "submit")[i % 2]
+                batch = [[rng.randrange(512) for _ in range(PROMPT_BLOCK_TOKENS + 1)] for _ in range(num_prompts)]
+                start, last, stall, steps, results = time.perf_counter(), None, 0.0, 0, []
+                arrived = 0
+                while arrived < num_prompts or client.has_unfinished():
+                    if arrived < num_prompts and steps >= arrived * gap_steps:
+                        if mode == "transfer":
+                            results += client.transfer([batch[arrived]])
+                            llm.add_request(batch[arrived], params)
+                        else:
+                            results.append(client.submit(batch[arrived], params).result)
+                        arrived += 1
+                    running = llm.has_unfinished()
+                    client.step() if mode == "submit" else client.llm.step()
+                    now = time.perf_counter()
+                    if running and last is not None:
+                        stall = max(stall, now - last)
+                    last, steps = now, steps + 1
+                client.release()
+                if any(r.fallback for r in results):
+                    raise RuntimeError(f"{mode}: a transfer fell back: {[r.fallback for r in results]}")
+                if i >= 2:
+                    times[mode].append((time.perf_counter() - start, stall))
+                llm.bm.check_invariants()
+    finally:
+        proc.kill()
+        proc.wait()
+    return {m: (statistics.median(t for t, _ in v), statistics.median(s for _, s in v)) for m, v in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-kib", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each instance")
+    parser.add_argument("--overlap", action="store_true", help="arrivals during decoding: transfer() vs submit()")
     args = parser.parse_args()
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         model = os.path.join(tmp, "model")
         save_model(model)
+        if args.overlap:
+            m = overlap(model, args.repeats, args.threads, rng)
+            print(f"{'mode':>10} {'wall s':>8} {'longest decode pause ms':>24}")
+            for mode, (wall, stall) in m.items():
+                print(f"{mode:>10} {wall:>8.3f} {stall * 1e3:>24.1f}")
+            print(f"submit / transfer: wall {m['submit'][0] / m['transfer'][0]:.2f}x, "
+                  f"longest pause {m['submit'][1] / m['transfer'][1]:.2f}x")
+            return
         print(f"{'block':>8} {'MiB/req':>8} {'descs':>6} {'pagedkv GB/s':>13} {'read GB/s':>10} {'plain GB/s':>11} "
               f"{'ratio':>6} {'read ratio':>11} {'control ms':>11} {'+handshake':>11}")
         for kib in args.block_kib:

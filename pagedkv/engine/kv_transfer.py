@@ -24,6 +24,7 @@ from .scheduler import ScheduledBatch
 PROTOCOL = 1
 LEASE_MARGIN = 0.5    # a read ended within this share of the lease (from the request) needs no confirmation
 WIRE_UP_S = 10.0      # how long the server drives the transport for a connecting decode instance
+IDLE_WAIT_S = 0.005   # how long KVTransferClient.step() with nothing to run waits for a reply
 
 __all__ = ["KVTransferServer", "KVTransferClient", "KVTransferError", "FingerprintMismatch", "PendingTransfer", "fingerprint",
            "check_fingerprint", "require_packages"]
@@ -739,7 +740,10 @@ class KVTransferClient:
         reads are checked and registered and their prompts added to the engine, requests past timeout_s fall
         back), then runs one engine step when the engine has work. Returns the engine requests that ended."""
         self._progress()
-        finished = self.llm.step() if self.llm.has_unfinished() else []
+        if not self.llm.has_unfinished():
+            self._idle()
+            return []
+        finished = self.llm.step()
         for request in finished:
             pending = self._admitted.pop(request.request_id, None)
             if pending is not None:
@@ -798,13 +802,25 @@ class KVTransferClient:
                 self._let_go(reply)
             self._admit(pending)
         for pending in list(self._reading):
-            state = self._finish_read(pending.read, block=False)
-            if state == "PROC":
-                continue
-            self._reading.remove(pending)
-            if not self._end_receive(pending.token_ids, pending.reply, pending.result, pending.read, state):
-                self._let_go(pending.reply)
-            self._admit(pending)
+            self._read_ended(pending, self._finish_read(pending.read, block=False))
+
+    def _read_ended(self, pending: "PendingTransfer", state: str) -> None:
+        """A polled read's state: once it ended, its blocks are checked and registered, its prompt added."""
+        if state == "PROC":
+            return
+        self._reading.remove(pending)
+        if not self._end_receive(pending.token_ids, pending.reply, pending.result, pending.read, state):
+            self._let_go(pending.reply)
+        self._admit(pending)
+
+    def _idle(self) -> None:
+        """Nothing for the engine to run: waits for the next transfer event instead of spinning (the prefill
+        instance may share this machine's cores): a finished read, else a reply, for at most IDLE_WAIT_S."""
+        if self._reading:
+            pending = self._reading[0]
+            self._read_ended(pending, self._finish_read(pending.read, block=True))
+        elif self._submitted:
+            self.socket.poll(int(IDLE_WAIT_S * 1000))
 
     def _let_go(self, reply: dict) -> None:
         if reply.get("lease") is not None:
