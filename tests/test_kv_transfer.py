@@ -373,8 +373,9 @@ def test_run_is_token_exact_with_local_hits_repeats_and_short_prompts(model, ser
         results = client.last_transfers
         assert results[1].read_blocks == 0 and results[1].fallback is None      # under one block: local
         assert results[0].accepted_blocks == 3 and results[2].accepted_blocks == 4
-        assert results[3].read_blocks == 0 and results[3].fallback is None, "the first copy's blocks serve it"
-        assert llm.stats()["cached_prompt_tokens"] >= 48
+        # the copy reads its own blocks when both replies are handled in one step, else the first's serve it
+        assert results[3].fallback is None and results[3].read_blocks in (0, 3)
+        assert llm.stats()["cached_prompt_tokens"] >= 3 * 48
     assert [o.token_ids for o in out] == reference(batch)
     assert_no_leak(llm)
 
