@@ -162,7 +162,10 @@ def test_block_whose_identity_differs_is_recomputed(model, server, reference):
     assert_no_leak(llm)
 
 
-def test_prefill_killed_mid_transfer_falls_back_to_recompute(model, reference):
+@pytest.mark.parametrize("drive", ["generate", "run"])
+def test_prefill_killed_mid_transfer_falls_back_to_recompute(model, reference, drive):
+    """generate() transfers then decodes; run() submits and reads while the engine steps: either way the
+    read of the dead peer's memory fails and the prompts are recomputed."""
     proc, endpoint = start_server(model)
     try:
         batch = prompts(3, [80, 50])
@@ -177,10 +180,13 @@ def test_prefill_killed_mid_transfer_falls_back_to_recompute(model, reference):
                 return read(runs)
             client._start_read = kill_then_read
             start = time.monotonic()
-            out = client.generate(batch, GREEDY)
-            assert time.monotonic() - start < 5
+            out = getattr(client, drive)(batch, GREEDY)
+            # run() may read one prompt's blocks before the other's reply came: that reply never comes and
+            # waits out timeout_s (5 s); nothing waits longer
+            assert time.monotonic() - start < (5 if drive == "generate" else 9)
             # the read of the dead peer's memory ends in state ERR (UCX: remote disconnect), not in a hang
-            assert all(r.accepted_blocks == 0 and "NIXL read failed" in r.fallback for r in client.last_transfers)
+            assert all(r.accepted_blocks == 0 and r.fallback for r in client.last_transfers)
+            assert any("NIXL read failed" in r.fallback for r in client.last_transfers)
             assert llm.stats()["cached_prompt_tokens"] == 0
         assert [o.token_ids for o in out] == reference(batch)
         assert_no_leak(llm)
@@ -378,25 +384,3 @@ def test_run_is_token_exact_with_local_hits_repeats_and_short_prompts(model, ser
         assert llm.stats()["cached_prompt_tokens"] >= 3 * 48
     assert [o.token_ids for o in out] == reference(batch)
     assert_no_leak(llm)
-
-
-def test_a_submitted_transfer_that_fails_is_recomputed(model, reference):
-    proc, endpoint = start_server(model)
-    try:
-        batch = prompts(13, [66, 52])
-        llm = decode_engine(model)
-        with KVTransferClient(llm, endpoint, timeout_s=5) as client:
-            read = client._start_read
-
-            def kill_then_read(runs):
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                return read(runs)
-            client._start_read = kill_then_read
-            out = client.run(batch, GREEDY)
-            assert all(r.accepted_blocks == 0 and r.fallback for r in client.last_transfers)
-        assert [o.token_ids for o in out] == reference(batch)
-        assert_no_leak(llm)
-    finally:
-        stop(proc)
