@@ -15,8 +15,8 @@ def toks(n, start=0):
     return list(range(start, start + n))
 
 
-def cache_prompt(bm, seq_id, prompt):
-    bm.allocate(seq_id, prompt)
+def cache_prompt(bm, seq_id, prompt, cache_salt=None):
+    bm.allocate(seq_id, prompt, cache_salt=cache_salt)
     bm.mark_computed(seq_id)
     bm.free(seq_id)
 
@@ -299,9 +299,7 @@ def test_a_failed_write_leaves_no_disk_entry():
 def test_salted_disk_entries_hit_only_their_salt():
     bm = BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=8)
     prompt = toks(9)
-    bm.allocate(1, prompt, cache_salt=b"a")
-    bm.mark_computed(1)
-    bm.free(1)
+    cache_prompt(bm, 1, prompt, cache_salt=b"a")
     offload_all(bm)
     write_all(bm)
     cache_prompt(bm, 2, toks(16, 100))
@@ -409,9 +407,7 @@ def restore_all(bm, records):
 def test_records_of_an_earlier_manager_are_restored_and_hit_on_disk():
     earlier = BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=8)
     prompt = toks(13)
-    earlier.allocate(1, prompt, cache_salt=b"tenant")
-    earlier.mark_computed(1)
-    earlier.free(1)
+    cache_prompt(earlier, 1, prompt, cache_salt=b"tenant")
     offload_all(earlier)
     write_all(earlier)
     records = disk_records(earlier)

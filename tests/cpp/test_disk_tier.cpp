@@ -38,8 +38,8 @@ std::vector<bool> all(size_t n, bool ok = true) { return std::vector<bool>(n, ok
 
 // Allocates, computes and frees a prompt: its full blocks stay cached in the device free list.
 void cache_prompt(BlockManager& bm, int64_t id, const std::vector<int64_t>& t,
-                  const std::vector<RetentionRange>& retention = {}) {
-  bm.allocate(id, t, {}, retention);
+                  const std::vector<RetentionRange>& retention = {}, std::string_view salt = {}) {
+  bm.allocate(id, t, salt, retention);
   bm.mark_computed({id});
   bm.free(id);
 }
@@ -165,9 +165,7 @@ TEST(DiskTier, PrefetchReadsDiskOnlyBlocksThenAllocateLoadsThem) {
 TEST(DiskTier, RestoredRecordsOfAnEarlierManagerHitOnDiskAndLoad) {
   BlockManager earlier(tiered(4, 4, 4, 8));
   const std::vector<int64_t> a = tokens_from(13, 0);
-  earlier.allocate(1, a, "tenant");
-  earlier.mark_computed({1});
-  earlier.free(1);
+  cache_prompt(earlier, 1, a, {}, "tenant");
   offload_all(earlier);
   write_all(earlier);
   std::map<uint64_t, int32_t> record_of;  // block hash -> record
@@ -342,9 +340,7 @@ TEST(DiskTier, PinnedAndLowPriorityBlocksNeverReachTheDisk) {
 TEST(DiskTier, SaltsKeepDiskEntriesApart) {
   BlockManager bm(tiered(4, 4, 4, 8));
   const std::vector<int64_t> a = tokens_from(9, 0);
-  bm.allocate(1, a, "tenant-a");
-  bm.mark_computed({1});
-  bm.free(1);
+  cache_prompt(bm, 1, a, {}, "tenant-a");
   offload_all(bm);
   write_all(bm);
   cache_prompt(bm, 2, tokens_from(16, 100));
