@@ -134,6 +134,7 @@ def test_a_persistent_disk_cache_survives_the_engine(tiny, tmp_path):
     assert first.disk_restored == 0 and first.disk_tier.store.persistent
     assert run(first, rounds[:2]) == want[:2 * len(rounds[0])]
     first.close()
+    assert set(first.bm.cached_blocks("CPU")) <= set(first.bm.cached_blocks("DISK")), "close wrote the host tier"
     # What a restart can bring back: the disk entries whose whole chain is on disk (a block whose parent
     # was only on the device or the host tier can no longer be reached from a prompt's first block).
     parents = {}

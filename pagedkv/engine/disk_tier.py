@@ -50,15 +50,7 @@ class DiskTier:
             bm.plan_disk_writes(write_budget)
             pairs = bm.take_disk_writes()
             if len(pairs):
-                records = pairs[:, 1].tolist()
-                identities = [bm.disk_record_identity(r) for r in records]
-                # block 0's salt goes into its header, so that a restarted engine can restore the block
-                salts = [bm.disk_record_salt(r) if i[1] is None else b"" for r, i in zip(records, identities)]
-                if self.device.type == "cuda":
-                    # Offloads into these host slots may still be in flight on the GPU (clean ahead queues
-                    # them without waiting): the thread reads the slots only once they have landed.
-                    torch.cuda.current_stream(self.device).synchronize()
-                self._writes = self._pool.submit(self._write_batch, pairs.tolist(), identities, salts)
+                self._writes = self._pool.submit(self._write_batch, *self._writes_of(bm, pairs))
         if self._reads is None:
             waiting_ids = {s.seq_id for s in waiting}
             self._looked_up &= waiting_ids
@@ -82,9 +74,29 @@ class DiskTier:
         if self.closed:
             return
         self._complete(bm, wait_for_reads=True, wait_for_writes=True)
+        if self.store.persistent:
+            self._flush_host_tier(bm)
         self._pool.shutdown(wait=True)
         self.store.close()
         self.closed = True
+
+    def _flush_host_tier(self, bm: BlockManager) -> None:
+        """A persistent cache keeps what the host tier holds and the disk lacks too: one synchronous round of
+        writes of every dirty host entry (the disk evicts its coldest records for them, as always)."""
+        if bm.plan_disk_writes(bm.num_host_blocks):
+            bm.complete_disk_writes(self._write_batch(*self._writes_of(bm, bm.take_disk_writes())))
+
+    def _writes_of(self, bm: BlockManager, pairs: torch.Tensor):
+        """(pairs, identities, salts) of taken writes, for _write_batch; their host slots ready to read."""
+        records = pairs[:, 1].tolist()
+        identities = [bm.disk_record_identity(r) for r in records]
+        # block 0's salt goes into its header, so that a restarted engine can restore the block
+        salts = [bm.disk_record_salt(r) if i[1] is None else b"" for r, i in zip(records, identities)]
+        if self.device.type == "cuda":
+            # Offloads into these host slots may still be in flight on the GPU (clean ahead queues them without
+            # waiting): the thread reads the slots only once they have landed.
+            torch.cuda.current_stream(self.device).synchronize()
+        return pairs.tolist(), identities, salts
 
     # ---- the background thread -----------------------------------------------------------------------
     def _write_batch(self, pairs: list[list[int]], identities, salts) -> list[bool]:
