@@ -34,9 +34,10 @@ test-cpp: env
 	cmake --build build/cpp-asan
 	ctest --test-dir build/cpp-asan --output-on-failure
 
-# The CPU attention kernels' NEON copy, cross-compiled for aarch64 and run under qemu-user against the same
-# float64 reference (x86-64 hosts: scripts/setup_env.sh installs g++-aarch64-linux-gnu and qemu-user; on an
-# aarch64 host test-cpp runs the NEON copy natively).
+# The CPU attention kernels' Arm copies (NEON, NEON BF16, SVE at vector lengths of 128 to 2048 bits),
+# cross-compiled for aarch64 and run under qemu-user against the same float64 reference, and the copy chosen
+# on qemu's CPU models with and without SVE / BF16 (x86-64 hosts: scripts/setup_env.sh installs
+# g++-aarch64-linux-gnu and qemu-user; on an aarch64 host test-cpp runs the copies this CPU has natively).
 test-cpp-arm: env
 	@if [ "$$(uname -m)" != x86_64 ] || ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then \
 	  echo "test-cpp-arm: skipped (needs an x86-64 host with g++-aarch64-linux-gnu and qemu-user)"; \

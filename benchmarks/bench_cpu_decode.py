@@ -5,6 +5,7 @@ streaming read (a 256 MiB fp32 sum, timed the same way) is measured in every rou
 
     python benchmarks/bench_cpu_decode.py --threads 1                       # avx2 vs avx512, fp32/bf16/fp16/fp8
     python benchmarks/bench_cpu_decode.py --isas avx2 --dtypes bfloat16 --hot
+    python benchmarks/bench_cpu_decode.py --hot          # on aarch64: neon_bf16 vs sve vs neon (those the CPU has)
 
 Per case and K/V dtype it prints, for each copy, the time, the K/V bytes per second as a share of the
 streaming read, and with --hot the time of the same call with every block table pointing at the first

@@ -51,9 +51,10 @@ PYBIND11_MODULE(_C, m) {
       "Hash of one block: xxh64(seed=0, parent as 8 little-endian bytes + tokens as int64 little-endian).");
   m.def("sha256_available", &sha256_available);
   m.def("_set_cpu_attention_isa", &set_cpu_attention_isa, py::arg("isa"),
-        "Testing hook: 'avx512', 'avx2' or 'baseline' caps the CPU attention kernel copy, 'auto' picks the fastest.");
+        "Testing hook: 'amx', 'avx512', 'avx2', 'neon_bf16', 'sve', 'neon' or 'baseline' caps the CPU attention "
+        "kernel copy, 'auto' picks the fastest.");
   m.def("_cpu_attention_isa", &cpu_attention_isa,
-        "The CPU attention kernel copy in use: 'avx512', 'avx2' or 'baseline'.");
+        "The CPU attention kernel copy in use: 'amx', 'avx512', 'avx2', 'neon_bf16', 'sve', 'neon' or 'baseline'.");
   m.def("_cpu_attention_isas", [] {
     py::list names;
     for (const std::string& name : cpu_attention_isas()) names.append(name);

@@ -116,11 +116,11 @@ def sha256_available() -> bool:
 
 
 def _set_cpu_attention_isa(isa: str) -> None:
-    """Testing hook: 'amx', 'avx512', 'avx2', 'neon' or 'baseline' caps the CPU attention kernel copy, 'auto' picks the fastest."""
+    """Testing hook: 'amx', 'avx512', 'avx2', 'neon_bf16', 'sve', 'neon' or 'baseline' caps the CPU attention kernel copy, 'auto' picks the fastest."""
 
 
 def _cpu_attention_isa() -> str:
-    """The CPU attention kernel copy in use: 'amx', 'avx512', 'avx2', 'neon' or 'baseline'."""
+    """The CPU attention kernel copy in use: 'amx', 'avx512', 'avx2', 'neon_bf16', 'sve', 'neon' or 'baseline'."""
 
 
 def _cpu_attention_isas() -> list[str]:

@@ -198,7 +198,8 @@ def load_blocks(host_cache: torch.Tensor, key_caches: list[torch.Tensor], value_
 
 def cpu_attention_isa() -> str:
     """The copy of the CPU attention kernels that runs on this machine: "amx", "avx512", "avx2" (x86-64),
-    "neon" (aarch64) or "baseline" (the portable copy, any CPU), chosen at run time from what the CPU has."""
+    "neon_bf16", "sve", "neon" (aarch64) or "baseline" (the portable copy, any CPU), chosen at run time from
+    what the CPU has."""
     return _C._cpu_attention_isa()
 
 

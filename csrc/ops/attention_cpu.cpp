@@ -146,7 +146,9 @@ void set_cpu_attention_isa(const std::string& isa) {
     isa_limit.store(candidate);
     return;
   }
-  TORCH_CHECK_VALUE(false, "cpu attention isa must be 'auto', 'amx', 'avx512', 'avx2', 'neon' or 'baseline', got '",
+  TORCH_CHECK_VALUE(false,
+                    "cpu attention isa must be 'auto', 'amx', 'avx512', 'avx2', 'neon_bf16', 'sve', 'neon' or "
+                    "'baseline', got '",
                     isa, "'");
 }
 

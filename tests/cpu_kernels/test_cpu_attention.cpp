@@ -6,18 +6,24 @@
 // one buffer (vLLM's interleaved cells, FlashInfer's HND pages). Cache rows the kernels must not read (the
 // tail of each sequence's last block, blocks of no sequence) hold NaN and block tables are padded with
 // -1. On x86-64 this runs the AVX2 / AVX-512 / AMX copies where the CPU has them; built for aarch64
-// (make test-cpp-arm) it runs the NEON copy under qemu-user.
+// (make test-cpp-arm) it runs the NEON, NEON BF16 and SVE copies under qemu-user, the SVE one at every
+// vector length from 128 to 2048 bits that the CPU offers (Linux's PR_SVE_SET_VL).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/prctl.h>
+#endif
 
 #include "ops/cpu/attention_cpu.h"
 
@@ -215,16 +221,37 @@ struct Batch {
     lse_out = m + std::log(sum);
   }
 
-  void expect_matches_reference(const char* isa) const {
-    const double tol = tolerance<scalar_t>();
+  // The reference of every output row, [token][head][head_dim], and of every lse.
+  struct Expected {
+    std::vector<double> out, lse;
+  };
+  Expected expected_outputs() const {
+    Expected e;
+    e.out.reserve(out.size());
     std::vector<double> o;
-    double ref_lse = 0;
+    double row_lse = 0;
+    for (int b = 0; b < int(seq_lens.size()); ++b) {
+      for (int t = query_start_loc[b]; t < query_start_loc[b + 1]; ++t) {
+        for (int h = 0; h < num_q_heads; ++h) {
+          reference(b, t, h, o, row_lse);
+          e.out.insert(e.out.end(), o.begin(), o.end());
+          e.lse.push_back(row_lse);
+        }
+      }
+    }
+    return e;
+  }
+
+  // The outputs of the last run against the reference; the outputs are then NaN again for the next run.
+  void expect_matches(const Expected& e, const std::string& isa) {
+    const double tol = tolerance<scalar_t>();
     int failures = 0;
     for (int b = 0; b < int(seq_lens.size()); ++b) {
       for (int t = query_start_loc[b]; t < query_start_loc[b + 1]; ++t) {
         for (int h = 0; h < num_q_heads; ++h) {
-          reference(b, t, h, o, ref_lse);
           const size_t row = size_t(t) * num_q_heads + h;
+          const double* o = e.out.data() + row * s.head_dim;
+          const double ref_lse = e.lse[row];
           for (int d = 0; d < s.head_dim && failures < 5; ++d) {
             const double got = float(out[row * s.head_dim + d]);
             if (!(std::abs(got - o[d]) <= tol + tol * std::abs(o[d]))) {
@@ -243,6 +270,9 @@ struct Batch {
         }
       }
     }
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::fill(out.begin(), out.end(), scalar_t(nan));
+    std::fill(lse.begin(), lse.end(), nan);
   }
 };
 
@@ -281,30 +311,89 @@ std::vector<cpu::Isa> isas() {
   return out;
 }
 
+// The SVE vector length in bytes, and a new one (the length the CPU gives, at most the one asked for);
+// 0 without SVE.
+int sve_vector_bytes() {
+#if defined(__aarch64__) && defined(__linux__)
+  const int vl = prctl(PR_SVE_GET_VL);
+  return vl < 0 ? 0 : vl & PR_SVE_VL_LEN_MASK;
+#else
+  return 0;
+#endif
+}
+int set_sve_vector_bytes(int bytes) {
+#if defined(__aarch64__) && defined(__linux__)
+  const int vl = prctl(PR_SVE_SET_VL, bytes);
+  return vl < 0 ? 0 : vl & PR_SVE_VL_LEN_MASK;
+#else
+  (void)bytes;
+  return 0;
+#endif
+}
+
+// One run of the kernels: a copy, and for the SVE copy the vector length its threads run at (the
+// threads that Batch::run starts inherit the main thread's).
+struct KernelRun {
+  cpu::Isa isa;
+  int sve_bytes;  // 0: the length as it is
+  std::string name;
+};
+
+std::vector<KernelRun> runs() {
+  std::vector<KernelRun> out;
+  for (cpu::Isa isa : isas()) {
+    if (isa != cpu::Isa::kSve) {
+      out.push_back({isa, 0, cpu::isa_name(isa)});
+      continue;
+    }
+    const int initial = sve_vector_bytes();
+    std::vector<int> lengths;
+    for (int bytes : {16, 32, 64, 256}) {
+      const int got = set_sve_vector_bytes(bytes);
+      if (got != 0 && std::find(lengths.begin(), lengths.end(), got) == lengths.end()) lengths.push_back(got);
+    }
+    set_sve_vector_bytes(initial);
+    for (int bytes : lengths) out.push_back({isa, bytes, "sve" + std::to_string(bytes * 8)});
+  }
+  return out;
+}
+
 template <typename scalar_t, typename cache_t>
 void check_every_isa_and_shape() {
   std::mt19937_64 rng(std::hash<std::string>{}(::testing::UnitTest::GetInstance()->current_test_info()->name()));
-  for (cpu::Isa isa : isas()) {
-    for (size_t i = 0; i < kShapes.size(); ++i) {
-      // Every shape contiguous, and each in one of the strided layouts (alternating).
-      for (Layout layout : {Layout::kContiguous, i % 2 ? Layout::kCells : Layout::kHndPages}) {
-        Batch<scalar_t, cache_t> batch(kShapes[i], layout, rng);
-        batch.run(isa);
-        batch.expect_matches_reference(cpu::isa_name(isa));
+  const std::vector<KernelRun> all = runs();
+  const int initial_sve_bytes = sve_vector_bytes();
+  for (size_t i = 0; i < kShapes.size(); ++i) {
+    // Every shape contiguous, and each in one of the strided layouts (alternating).
+    for (Layout layout : {Layout::kContiguous, i % 2 ? Layout::kCells : Layout::kHndPages}) {
+      Batch<scalar_t, cache_t> batch(kShapes[i], layout, rng);
+      const auto expected = batch.expected_outputs();
+      for (const KernelRun& run : all) {
+        if (run.sve_bytes != 0) {
+          ASSERT_EQ(set_sve_vector_bytes(run.sve_bytes), run.sve_bytes);
+        }
+        batch.run(run.isa);
+        if (run.sve_bytes != 0) set_sve_vector_bytes(initial_sve_bytes);
+        batch.expect_matches(expected, run.name);
       }
     }
   }
 }
 
+// The copy chosen at run time: PAGEDKV_EXPECT_CPU_ATTENTION_ISA names it where the test is run on a
+// known CPU (make test-cpp-arm runs it under qemu-user's models with and without SVE and BF16).
 TEST(CpuAttention, RunsTheCopiesThisCpuHas) {
   const std::vector<cpu::Isa> found = isas();
   ASSERT_FALSE(found.empty());
   EXPECT_EQ(found.back(), cpu::Isa::kBaseline);
+  EXPECT_EQ(cpu::best_isa(cpu::Isa::kAmx), found.front());
 #if defined(__aarch64__)
-  EXPECT_EQ(found.front(), cpu::Isa::kNeon);
-  EXPECT_EQ(cpu::best_isa(cpu::Isa::kAmx), cpu::Isa::kNeon);
+  EXPECT_NE(std::find(found.begin(), found.end(), cpu::Isa::kNeon), found.end());
 #endif
-  for (cpu::Isa isa : found) std::printf("cpu attention copy: %s\n", cpu::isa_name(isa));
+  if (const char* expected = std::getenv("PAGEDKV_EXPECT_CPU_ATTENTION_ISA")) {
+    EXPECT_STREQ(cpu::isa_name(found.front()), expected);
+  }
+  for (const KernelRun& run : runs()) std::printf("cpu attention copy: %s\n", run.name.c_str());
 }
 
 TEST(CpuAttention, Float32) { check_every_isa_and_shape<float, float>(); }

@@ -19,7 +19,7 @@
 #include <immintrin.h>  // used by the x86 copies of the kernels only (PAGEDKV_CPU_AVX2)
 #endif
 #if defined(__aarch64__)
-#include <arm_neon.h>  // used by the NEON copy only (PAGEDKV_CPU_NEON)
+#include <arm_neon.h>  // used by the NEON copies only (PAGEDKV_CPU_NEON)
 #endif
 
 #include "ops/attention_plan.h"
@@ -83,6 +83,7 @@ struct Scratch {
   std::vector<KeyRange> row_keys;
   std::vector<const float*> row_q;  // decode: the query rows and accumulators of one KV head's group
   std::vector<float*> row_acc;
+  std::vector<const c10::BFloat16*> row_q16;  // decode by bf16 dot products: the group's bf16 query rows
   int64_t slot_rows[kKeyTile];  // element offset of each tile key's slot (head 0)
   const float* k_rows[kKeyTile];
   const float* v_rows[kKeyTile];
@@ -173,9 +174,10 @@ void write_item_row(const AttentionParams& a, const WorkItem& item, int64_t r, c
 }
 
 // The copies of the kernels, best first; only the first that this CPU runs and that is not above a
-// forced choice is used (x86-64: AMX, AVX-512, AVX2; aarch64: NEON; any CPU: the portable one).
-enum class Isa : int8_t { kAmx, kAvx512, kAvx2, kNeon, kBaseline };
-constexpr Isa kAllIsas[] = {Isa::kAmx, Isa::kAvx512, Isa::kAvx2, Isa::kNeon, Isa::kBaseline};
+// forced choice is used (x86-64: AMX, AVX-512, AVX2; aarch64: NEON with the BF16 extension, SVE,
+// NEON; any CPU: the portable one).
+enum class Isa : int8_t { kAmx, kAvx512, kAvx2, kNeonBf16, kSve, kNeon, kBaseline };
+constexpr Isa kAllIsas[] = {Isa::kAmx, Isa::kAvx512, Isa::kAvx2, Isa::kNeonBf16, Isa::kSve, Isa::kNeon, Isa::kBaseline};
 
 const char* isa_name(Isa isa);
 bool cpu_supports(Isa isa);  // whether this CPU runs the copy (and this build has it)
@@ -201,6 +203,8 @@ PAGEDKV_CPU_ATTENTION_ENTRY(avx512)
 PAGEDKV_CPU_ATTENTION_ENTRY(amx)
 #endif
 #if defined(__aarch64__)
+PAGEDKV_CPU_ATTENTION_ENTRY(neon_bf16)
+PAGEDKV_CPU_ATTENTION_ENTRY(sve)
 PAGEDKV_CPU_ATTENTION_ENTRY(neon)
 #endif
 #undef PAGEDKV_CPU_ATTENTION_ENTRY
@@ -216,6 +220,8 @@ void attend_work_items(Isa isa, const AttentionParams& a, const std::vector<Work
     case Isa::kAvx2: return avx2::attend_work_items<scalar_t, cache_t>(a, items, next, scratch);
 #endif
 #if defined(__aarch64__)
+    case Isa::kNeonBf16: return neon_bf16::attend_work_items<scalar_t, cache_t>(a, items, next, scratch);
+    case Isa::kSve: return sve::attend_work_items<scalar_t, cache_t>(a, items, next, scratch);
     case Isa::kNeon: return neon::attend_work_items<scalar_t, cache_t>(a, items, next, scratch);
 #endif
     default: return baseline::attend_work_items<scalar_t, cache_t>(a, items, next, scratch);

@@ -7,5 +7,7 @@
 #define PAGEDKV_CPU_AVX512 0
 #define PAGEDKV_CPU_AMX 0
 #define PAGEDKV_CPU_NEON 1
+#define PAGEDKV_CPU_NEON_BF16 0
+#define PAGEDKV_CPU_SVE 0
 #include "ops/cpu/kernels.inc"
 #endif

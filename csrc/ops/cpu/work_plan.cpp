@@ -8,6 +8,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
 
 #include "ops/cpu/attention_cpu.h"
 
@@ -31,12 +34,33 @@ bool amx_bf16_usable() {
 
 }  // namespace
 #endif
+#if defined(__aarch64__)
+namespace {
+
+// Linux's hardware capability bits (asm/hwcap.h): SVE in AT_HWCAP, the Advanced SIMD BF16 instructions
+// (FEAT_BF16: bfdot, bfmmla, bfcvt) in AT_HWCAP2.
+constexpr unsigned long kHwcapSve = 1ul << 22, kHwcap2Bf16 = 1ul << 14;
+
+// The AT_HWCAP (second: AT_HWCAP2) word; none where the kernel reports none.
+unsigned long hwcaps(bool second) {
+#if defined(__linux__)
+  return getauxval(second ? AT_HWCAP2 : AT_HWCAP);
+#else
+  (void)second;
+  return 0;
+#endif
+}
+
+}  // namespace
+#endif
 
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::kAmx: return "amx";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
+    case Isa::kNeonBf16: return "neon_bf16";
+    case Isa::kSve: return "sve";
     case Isa::kNeon: return "neon";
     default: return "baseline";
   }
@@ -60,11 +84,25 @@ bool cpu_supports(Isa isa) {
                               __builtin_cpu_supports("f16c");
       return has;
     }
+    case Isa::kNeonBf16:
+    case Isa::kSve:
     case Isa::kNeon: return false;
     default: return true;
   }
 #elif defined(__aarch64__)
-  return isa == Isa::kNeon || isa == Isa::kBaseline;  // Advanced SIMD is part of every AArch64 CPU
+  switch (isa) {
+    case Isa::kNeonBf16: {
+      static const bool has = (hwcaps(true) & kHwcap2Bf16) != 0;
+      return has;
+    }
+    case Isa::kSve: {
+      static const bool has = (hwcaps(false) & kHwcapSve) != 0;
+      return has;
+    }
+    case Isa::kNeon:  // Advanced SIMD is part of every AArch64 CPU
+    case Isa::kBaseline: return true;
+    default: return false;
+  }
 #else
   return isa == Isa::kBaseline;
 #endif
