@@ -441,6 +441,12 @@ class LLM:
         if self.tp is not None:
             self.tp.close()
         if getattr(self, "disk_tier", None) is not None:
+            if self.disk_tier.store.persistent and not self.disk_tier.closed:
+                # What the device pool caches goes down too (as much as the host tier holds), so that a
+                # restart finds the prefixes that were hottest; close() writes the host tier to disk.
+                if self.bm.plan_offloads(self.bm.num_blocks):
+                    self.runner.move_blocks(ScheduledBatch(offloads=self.bm.take_offloads()))
+                    self.bm.complete_offloads(True)
             self.disk_tier.close(self.bm)
 
     def __enter__(self) -> "LLM":
