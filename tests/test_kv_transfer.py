@@ -284,10 +284,17 @@ def test_bad_arguments_are_refused_before_anything_starts(model, server):
     with pytest.raises(ValueError, match="lease_s"):
         KVTransferServer(llm, lease_s=float("nan"))
     with KVTransferClient(llm, server) as client:
-        for bad in ([1.5, 2], [10**9], "text needs a tokenizer"):
+        before = client.server_stats()["prefills"]
+        for bad in ([1.5, 2], [10**9], "text needs a tokenizer", [], [float("nan")] * 40):
             with pytest.raises((TypeError, ValueError)):
                 client.generate([bad], GREEDY)
-        assert client.server_stats()["prefills"] >= 0
+            with pytest.raises((TypeError, ValueError)):
+                client.submit(bad, GREEDY)
+            with pytest.raises((TypeError, ValueError)):
+                client.run([list(range(40)), bad], GREEDY)       # nothing is sent unless every prompt is good
+        with pytest.raises(TypeError):
+            client.submit(list(range(40)), {"max_tokens": 3})
+        assert not client.has_unfinished() and client.server_stats()["prefills"] == before
     assert_no_leak(llm)
 
 
