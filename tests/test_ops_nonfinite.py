@@ -88,6 +88,8 @@ PATH_SHAPES = {
     "prefill-per-row": ([0, 11, 30], [5, 7, 3], 8, 2, 2, 64),             # q_len * group < 16
     "prefill-gemm": ([0, 7, 60], [20, 33, 70], 16, 2, 4, 64),             # q_len * group >= 16
     "prefill-gemm-odd": ([0, 130], [20, 90], 5, 1, 3, 72),                # padded rows and head_dim
+    # one query per 64-row block: the block's last key pair reaches past its odd number of keys
+    "prefill-gemm-mqa": ([40], [3], 16, 1, 64, 32),
     "mixed": ([36, 0, 50, 300, 4, 17], [1, 20, 13, 1, 1, 40], 16, 2, 2, 80),
 }
 

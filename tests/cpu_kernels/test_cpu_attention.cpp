@@ -301,6 +301,15 @@ const std::vector<Shape> kShapes = {
     {128, 1, 16, 2, {700}, {200}, 64, 0.f, 2},
     {40, 8, 3, 1, {90, 20}, {90, 1}, -1, 3.f, 2},
     {96, 2, 32, 3, {1, 2, 260}, {1, 2, 7}, -1, 0.f, 1},
+    // micro-GEMM tails: row blocks of 64, 32 and 16 rows, key blocks and key pairs cut anywhere by the
+    // causal edge and the last tile, column blocks of 64, 32 and 16, GQA 1..8, windows, softcap, split-K
+    {64, 4, 16, 1, {701}, {101}, -1, 0.f, 1},
+    {48, 8, 16, 1, {300}, {40}, -1, 0.f, 1},
+    {80, 2, 16, 2, {400, 130}, {70, 130}, 100, 0.f, 2},
+    {32, 4, 8, 2, {259}, {37}, -1, 30.f, 1},
+    {16, 2, 16, 1, {45}, {45}, -1, 0.f, 1},
+    {96, 8, 32, 1, {1000}, {64}, -1, 0.f, 3},
+    {112, 1, 16, 1, {129, 300}, {129, 23}, 33, 0.f, 1},
 };
 
 std::vector<cpu::Isa> isas() {

@@ -91,8 +91,14 @@ struct Scratch {
   // St [kGemmKeyTile][R], accumulator [R][Dp], per-row alpha and visible key range.
   std::vector<float> g_qt, g_k, g_v, g_st, g_acc, g_alpha;
   std::vector<int32_t> g_begin, g_end;
-  const float* g_k_rows[kGemmKeyTile];  // K/V row of each tile key: in the cache (fp32) or in g_k/g_v
+  const float* g_k_rows[kGemmKeyTile];  // K/V row of each tile key, in g_k/g_v
   const float* g_v_rows[kGemmKeyTile];
+  // GEMM path with bf16 pair products (AVX-512 BF16): query rows as dimension pairs [D/2][R], K rows as
+  // stored [kGemmKeyTile][D], V as key pairs [kGemmKeyTile/2][D], probabilities as key pairs [.../2][R].
+  std::vector<uint32_t> g_qw, g_vw, g_pw;
+  std::vector<uint16_t> g_k16;
+  const uint16_t* g_k16_rows[kGemmKeyTile];  // K row of each tile key (in g_k16), V row (in the cache)
+  const uint16_t* g_v16_rows[kGemmKeyTile];
   // AMX GEMM path (bf16, kAmxGemmKeyTile keys per tile): the query rows [R][D], probabilities [R][<=tile]
   // (row-major, as the P V operand), V as key-pair words [tile/2][D], K as VNNI words [tile/16][D/32][16][16].
   std::vector<uint32_t> g_vp, g_kw;
@@ -119,6 +125,13 @@ struct Scratch {
     grow(state, R);
     grow(g_k, kGemmKeyTile * Dp);
     grow(g_v, kGemmKeyTile * Dp);
+  }
+
+  void reserve_gemm_pairs(int64_t R, int64_t D) {
+    grow(g_qw, R * D / 2);
+    grow(g_vw, kGemmKeyTile / 2 * D);
+    grow(g_pw, kGemmKeyTile / 2 * R);
+    grow(g_k16, kGemmKeyTile * D);
   }
 
   // With 64 bytes to spare in each buffer, so that the kernel can start it on a cache line (aligned64).
