@@ -28,12 +28,13 @@ def offload_all(bm, ok=True):
     return mapping
 
 
-def test_the_tier_is_off_by_default_and_for_hybrid_groups():
+def test_the_tier_is_off_by_default_and_on_for_windows_and_hybrid_groups():
     assert not BlockManager(8, 4).host_tier_enabled
     bm = BlockManager(8, 4, num_host_blocks=4, host_offload_min_priority=10)
     assert bm.host_tier_enabled and bm.num_host_blocks == 4 and bm.num_free_host_blocks == 4
     assert bm.host_offload_min_priority == 10
-    assert not BlockManager(8, 4, num_host_blocks=4, group_windows=[None, 8]).host_tier_enabled
+    assert BlockManager(8, 4, num_host_blocks=4, group_windows=[None, 8]).host_tier_enabled
+    assert BlockManager(8, 4, num_host_blocks=4, group_windows=[8]).host_tier_enabled
     assert not BlockManager(8, 4, num_host_blocks=4, enable_prefix_caching=False).host_tier_enabled
     with pytest.raises(ValueError, match="num_host_blocks"):
         BlockManager(8, 4, num_host_blocks=-1)
@@ -221,7 +222,7 @@ def test_the_disk_tier_needs_the_host_tier():
     with pytest.raises(ValueError, match="num_disk_blocks"):
         BlockManager(8, 4, num_host_blocks=4, num_disk_blocks=-1)
     hybrid = BlockManager(8, 4, num_host_blocks=4, num_disk_blocks=4, group_windows=[None, 8])
-    assert not hybrid.disk_tier_enabled and hybrid.prefetch(toks(9)) == 0 and hybrid.plan_disk_writes(4) == 0
+    assert hybrid.disk_tier_enabled and hybrid.prefetch(toks(9)) == 0 and hybrid.plan_disk_writes(4) == 0
     stats = bm.stats()
     assert stats["num_disk_blocks"] == 16 and stats["free_disk_blocks"] == 16 and stats["cached_disk_blocks"] == 0
 
