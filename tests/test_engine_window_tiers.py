@@ -19,6 +19,10 @@ HOST_BYTES = 64 << 20
 HOST_BLOCKS = 12  # with the disk tier: a host tier so small that prefixes go down to disk
 
 
+# Device blocks: a sequence of Mistral holds its window's few blocks, one of Gemma 2 its whole prefix too.
+POOL = {"mistral": 10, "gemma2": 24}
+
+
 @pytest.fixture(scope="module", params=["mistral", "gemma2"])
 def windowed(request, tmp_path_factory):
     """(checkpoint dir, vocab size, bytes of one KV block) of a tiny model with a window of 8 tokens."""
@@ -29,8 +33,10 @@ def windowed(request, tmp_path_factory):
     return str(path), model.config.vocab_size, per_block
 
 
-def common(**kwargs):
-    return dict(block_size=8, num_blocks=24, max_num_batched_tokens=32, **kwargs)
+def common(path, **kwargs):
+    """The engines' settings: a pool so small that prefixes leave the device between visits."""
+    model_type = "mistral" if "mistral" in path else "gemma2"
+    return dict(block_size=8, num_blocks=POOL[model_type], max_num_batched_tokens=32, **kwargs)
 
 
 def check_nothing_held(llm):
@@ -73,8 +79,8 @@ def run_retrying(llm, rounds):
 def test_host_tier_tokens_equal_the_single_tier_engine(windowed):
     path, vocab, _ = windowed
     rounds = conversations(vocab)
-    want = run(LLM(path, **common()), rounds)
-    tiered = LLM(path, host_cache_bytes=HOST_BYTES, **common())
+    want = run(LLM(path, **common(path)), rounds)
+    tiered = LLM(path, host_cache_bytes=HOST_BYTES, **common(path))
     assert tiered.bm.host_tier_enabled
     assert run(tiered, rounds) == want
     t = tiered.stats()
@@ -88,17 +94,17 @@ def test_host_tier_tokens_equal_the_single_tier_engine(windowed):
 def test_the_loaded_blocks_are_read(windowed, monkeypatch):
     path, vocab, _ = windowed
     rounds = conversations(vocab, seed=1)
-    want = run(LLM(path, **common()), rounds)
+    want = run(LLM(path, **common(path)), rounds)
     monkeypatch.setattr(model_runner, "load_blocks", lambda *args, **kwargs: None)
-    assert run(LLM(path, host_cache_bytes=HOST_BYTES, **common()), rounds) != want
+    assert run(LLM(path, host_cache_bytes=HOST_BYTES, **common(path)), rounds) != want
 
 
 @pytest.mark.parametrize("fail", ["offload_blocks", "load_blocks"])
 def test_a_failed_copy_costs_a_recompute_not_a_wrong_token(windowed, monkeypatch, fail):
     path, vocab, _ = windowed
     rounds = conversations(vocab, seed=2)
-    want = run(LLM(path, **common()), rounds)
-    tiered = LLM(path, host_cache_bytes=HOST_BYTES, **common())
+    want = run(LLM(path, **common(path)), rounds)
+    tiered = LLM(path, host_cache_bytes=HOST_BYTES, **common(path))
     calls = flaky(monkeypatch, model_runner, fail)
     assert run_retrying(tiered, rounds) == want
     assert calls["failed"] > 0
@@ -108,9 +114,9 @@ def test_a_failed_copy_costs_a_recompute_not_a_wrong_token(windowed, monkeypatch
 def test_disk_tier_tokens_equal_the_single_tier_engine(windowed, tmp_path):
     path, vocab, per_block = windowed
     rounds = conversations(vocab, turns=4)
-    want = run(LLM(path, **common()), rounds)
+    want = run(LLM(path, **common(path)), rounds)
     tiered = LLM(path, host_cache_bytes=HOST_BLOCKS * per_block, disk_cache_dir=tmp_path,
-                 disk_cache_bytes=256 * (per_block + 8192), **common())
+                 disk_cache_bytes=256 * (per_block + 8192), **common(path))
     assert tiered.bm.disk_tier_enabled
     assert run(tiered, rounds) == want
     t = tiered.stats()
@@ -123,15 +129,15 @@ def test_disk_tier_tokens_equal_the_single_tier_engine(windowed, tmp_path):
 def test_a_failed_disk_transfer_costs_a_recompute_not_a_wrong_token(windowed, tmp_path, monkeypatch, fail):
     path, vocab, per_block = windowed
     rounds = conversations(vocab, seed=3, turns=4)
-    want = run(LLM(path, **common()), rounds)
+    want = run(LLM(path, **common(path)), rounds)
     tiered = LLM(path, host_cache_bytes=HOST_BLOCKS * per_block, disk_cache_dir=tmp_path,
-                 disk_cache_bytes=256 * (per_block + 8192), **common())
+                 disk_cache_bytes=256 * (per_block + 8192), **common(path))
     real = getattr(disk_store.DiskStore, fail)
     calls = {"n": 0}
 
     def failing(self, *args):
         calls["n"] += 1
-        if calls["n"] % 3 == 0:
+        if calls["n"] % 2 == 0:
             if fail == "write":
                 raise OSError(28, "injected: no space left on device")
             return False  # a record that reads as stale or foreign
@@ -139,5 +145,5 @@ def test_a_failed_disk_transfer_costs_a_recompute_not_a_wrong_token(windowed, tm
 
     monkeypatch.setattr(disk_store.DiskStore, fail, failing)
     assert run(tiered, rounds) == want
-    assert tiered.stats()[f"disk_{fail}_failures"] > 0
+    assert tiered.stats()[f"disk_{fail}_failures"] > 0, tiered.stats()
     check_nothing_held(tiered)
