@@ -49,6 +49,8 @@ void BlockManager::match_prefix(Span<int64_t> prompt, std::string_view salt, Pre
       const bool full = group_windows()[g] == kFullAttention;
       if (full != (pass == 0)) continue;
       PrefixCache::NodeId parent = PrefixCache::root(g);
+      std::vector<int32_t>& blocks = chain[g];
+      std::vector<int32_t>& slots = m.slots[g];
       bool on_host = false;  // a full group: once a block is loaded, the rest of its hit is loaded too
       for (int32_t i = 0; i < limit; ++i) {
         const uint64_t key = key_of(i);
@@ -71,13 +73,13 @@ void BlockManager::match_prefix(Span<int64_t> prompt, std::string_view salt, Pre
           } else if (block == PrefixCache::kNoBlock && slot != PrefixCache::kNoBlock) {
             block = kHostHit;
           }
-          m.slots[g].push_back(block == kHostHit ? slot : PrefixCache::kNoBlock);
+          slots.push_back(block == kHostHit ? slot : PrefixCache::kNoBlock);
         }
         if (block == PrefixCache::kNoBlock && full) break;
-        chain[g].push_back(block);
+        blocks.push_back(block);
         parent = node;
       }
-      if (full) limit = std::min(limit, static_cast<int32_t>(chain[g].size()));
+      if (full) limit = std::min(limit, static_cast<int32_t>(blocks.size()));
     }
   // The longest hit every group can serve: its chain reaches block k - 1 (the cache has seen that
   // prefix) and the blocks [released_for(g, k * bs), k) hold KV.
