@@ -4,9 +4,11 @@ holds by construction; the free list is one OrderedDict per level in LRU order (
 level 1 + p: cached KV at retention priority p); pins hold references; durations expire on set_time.
 Groups of layers (hybrid models): one table per group, each with its window (None: full attention); a
 windowed table releases the leading blocks no future query reads (a pad, 0, stays in their place), and
-the prefix cache keys each group's blocks apart. The host tier (one full-attention group only) is a second
-pool of the same kind keyed by the same prefixes: offloads hold their device block and host slot until
-completed, loads hold theirs, and a failed load truncates its sequence's computed prefix. The disk tier
+the prefix cache keys each group's blocks apart. The host tier (every group) is a second pool of the same
+kind keyed by the same prefixes: offloads hold their device block and host slot until completed, loads
+hold theirs, and a failed load truncates its sequence's computed prefix to its first failed block when
+every window there is held (device hits after it replaced by fresh blocks), else sends the sequence back
+to admission (its failed host entries dropped). The disk tier
 is a third pool of the same kind below the host tier: writes hold their host slot and record, reads
 (prefetch) hold their record and a host slot, and a dirty host entry about to be evicted is written first
 while another host slot stays free."""
