@@ -147,3 +147,17 @@ def test_a_failed_disk_transfer_costs_a_recompute_not_a_wrong_token(windowed, tm
     assert run(tiered, rounds) == want
     assert tiered.stats()[f"disk_{fail}_failures"] > 0, tiered.stats()
     check_nothing_held(tiered)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_cuda_loads_on_a_side_stream_give_the_same_tokens(windowed):
+    """On a GPU every group's loads run on the side stream, layer by layer: the tokens equal the
+    single-tier engine's on the same device."""
+    path, vocab, _ = windowed
+    rounds = conversations(vocab, seed=5)
+    settings = common(path, device="cuda", dtype=torch.float32)
+    want = run(LLM(path, **settings), rounds)
+    tiered = LLM(path, host_cache_bytes=HOST_BYTES, **settings)
+    assert run(tiered, rounds) == want
+    assert tiered.stats()["loaded_blocks"] > 0
+    check_nothing_held(tiered)
