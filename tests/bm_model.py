@@ -548,7 +548,8 @@ class Model:
         j = min(q.failed_at, q.computed // bs)
         q.failed_at = None
         safe = all(self.released_for(g, j * bs) == q.released[g] for g in range(len(q.tables)))
-        hits = [(g, i) for g, t in enumerate(q.tables) for i in range(max(j, q.released[g]), len(t)) if t[i] in self.tag]
+        hits = [(g, i) for g, t in enumerate(q.tables) for i in range(max(j, q.released[g]), len(t))
+                if t[i] in self.tag or self.ref[t[i]] > 1]  # registered or shared: device hits
         freed = sum(1 for g, i in hits if self.ref[q.tables[g][i]] == 1 and not self.is_copy_source(q.tables[g][i]))
         if not safe or len(hits) > len(self.free) + freed:
             q.readmit, q.computed = True, 0

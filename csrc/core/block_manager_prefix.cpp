@@ -417,11 +417,12 @@ void BlockManager::recover_failed_load(Sequence& seq) {
   const int64_t p = int64_t(j) * block_size_;
   bool safe = true;
   for (int32_t g = 0; g < num_groups() && safe; ++g) safe = released_for(g, p) == seq.groups[g].released;
-  // Blocks at or after j that hold registered content (device hits, maybe shared; a windowed group may take
-  // some after a loaded one) are replaced by fresh ones; loaded and fresh blocks are not registered yet.
+  // Blocks at or after j that hold registered content or are shared (device hits; a windowed group may
+  // take some after a loaded one; a reset may have untagged them) are replaced by fresh ones. Loaded and
+  // fresh blocks are neither: nothing registered them, and only this sequence holds them.
   const auto hits_from_j = [&](const GroupTable& t, auto&& f) {
     for (size_t i = static_cast<size_t>(std::max(j, t.released)); i < t.blocks.size(); ++i)
-      if (gpu_.tag(t.blocks[i]) != PrefixCache::kNoNode) f(i);
+      if (gpu_.tag(t.blocks[i]) != PrefixCache::kNoNode || gpu_.ref_count(t.blocks[i]) > 1) f(i);
   };
   int32_t shared = 0, freed = 0;  // releasing a block no one else holds frees it
   for (const GroupTable& t : seq.groups)
