@@ -605,9 +605,10 @@ void bind_block_manager(py::module_& m) {
           },
           py::arg("token_ids"), py::kw_only(), py::arg("cache_salt") = py::none(),
           "The prompt's prefix hit as allocate() would take it now: (device_blocks, host_blocks, disk_blocks),\n"
-          "the leading blocks hit on the device, after them those loaded from the host tier, and after the hit\n"
-          "the blocks that would hit once the disk tier's reads are confirmed (those prefetch() reads and the\n"
-          "host entries between them).")
+          "the leading blocks hit on the device, after them those loaded from the host tier (with several groups:\n"
+          "from the first block any group loads; a windowed group loads only its window's blocks), and after the\n"
+          "hit the blocks that would hit once the disk tier's reads are confirmed (those prefetch() reads and\n"
+          "the host entries between them).")
       .def("plan_offloads", &BlockManager::plan_offloads, py::arg("max_blocks"),
            "Clean ahead: of the max_blocks cached free device blocks the pool would evict first, queues copies to\n"
            "the host tier of those it lacks, so that reusing them later needs no copy; returns how many it queued.")

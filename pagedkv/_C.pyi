@@ -439,9 +439,10 @@ class BlockManager(metaclass=_pybind11_type):
 
     def lookup(self, token_ids: _Ints, *, cache_salt: _Salt = None) -> tuple[int, int, int]:
         """The prompt's prefix hit as allocate() would take it now: (device_blocks, host_blocks, disk_blocks),
-        the leading blocks hit on the device, after them those loaded from the host tier, and after the hit
-        the blocks that would hit once the disk tier's reads are confirmed (those prefetch() reads and the
-        host entries between them).
+        the leading blocks hit on the device, after them those loaded from the host tier (with several groups:
+        from the first block any group loads; a windowed group loads only its window's blocks), and after the
+        hit the blocks that would hit once the disk tier's reads are confirmed (those prefetch() reads and
+        the host entries between them).
         """
 
     def plan_offloads(self, max_blocks: SupportsIndex) -> int:

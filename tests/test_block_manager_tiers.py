@@ -191,6 +191,66 @@ def test_hostile_outcomes_do_not_crash_the_process():
 
 
 # ---------------------------------------------------------------------------------------------------
+# Windows and groups
+
+
+def test_a_windowed_hit_loads_its_window_and_a_failed_load_sends_the_sequence_back():
+    bm = BlockManager(6, 4, num_host_blocks=8, group_windows=[8])
+    prompt = toks(21)  # 5 full blocks; the window at position 20 reads blocks 3 and 4
+    cache_prompt(bm, 1, prompt)
+    assert len(offload_all(bm)) == 5, "the blocks the window released are cached and offloaded too"
+    cache_prompt(bm, 2, toks(24, 100))
+    assert bm.lookup(prompt) == (3, 2, 0)
+    assert bm.allocate(3, prompt) == 20
+    offload_all(bm)  # the write-backs allocate queued
+    loads = bm.take_loads().tolist()
+    assert [b for _, b in loads] == bm.block_table(3)[3:5]
+    with pytest.raises(ValueError, match="complete_loads"):
+        bm.mark_computed(3)
+    assert bm.complete_loads([True, False]) == [3]
+    assert bm.must_readmit(3) and bm.num_computed_tokens(3) == 0
+    for call in (lambda: bm.append_token(3, 1), lambda: bm.truncate(3, 2), lambda: bm.fork(3, 4),
+                 lambda: bm.pin(3), lambda: bm.mark_computed(3), lambda: bm.reserve(3, 21)):
+        with pytest.raises(ValueError, match="re-admitted"):
+            call()
+    bm.check_invariants()
+    bm.free(3)
+    with pytest.raises(KeyError):
+        bm.must_readmit(3)
+    assert sum(bm.lookup(prompt)[:2]) < 5, "the failed host entry was dropped"
+    bm.allocate(3, prompt)
+    bm.take_loads()
+    assert bm.complete_loads(True) == []
+    assert not bm.must_readmit(3)
+    bm.mark_computed(3)
+    bm.check_invariants()
+
+
+def test_a_hybrid_hit_is_the_longest_every_group_serves_and_events_stay_group_zeros():
+    bm = BlockManager(12, 4, num_host_blocks=16, group_windows=[None, 32], enable_events=True)
+    prompt = toks(21)
+    cache_prompt(bm, 1, prompt)
+    assert len(offload_all(bm)) == 10, "both groups' blocks"
+    cache_prompt(bm, 2, toks(24, 100))
+    assert bm.lookup(prompt) == (0, 5, 0)
+    assert bm.allocate(3, prompt) == 20
+    assert len(bm.take_loads()) == 10
+    assert bm.complete_loads([True] * 2 + [False] + [True] * 7) == [], "a wide window recomputes in place"
+    assert bm.num_computed_tokens(3) == 8
+    bm.mark_computed(3)
+    bm.check_invariants()
+    replayed = {m: Counter() for m in ("GPU", "CPU")}
+    for e in bm.take_events():
+        if e["medium"] in replayed:
+            sign = 1 if e["kind"] == "stored" else -1
+            for h in e["block_hashes"]:
+                replayed[e["medium"]][h] += sign
+    for medium, counts in replayed.items():
+        assert +counts == Counter(h for h, _ in bm.cached_blocks(medium)), medium
+    assert bm.stats()["cached_host_blocks"] == 10 and len(bm.cached_blocks("CPU")) == 5, "group 0's listed"
+
+
+# ---------------------------------------------------------------------------------------------------
 # The disk tier
 
 
