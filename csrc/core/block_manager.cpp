@@ -319,7 +319,7 @@ int64_t BlockManager::admit(int64_t seq_id, Span<int64_t> tokens, std::string_vi
       for (int32_t i = t.released; i < m.num_blocks; ++i) {
         if (t.blocks[i] != kHostHit) continue;
         t.blocks[i] = gpu_.take_fresh(retention_of(seq, i));
-        host_.queue_load(m.held_slots[g][i - t.released], t.blocks[i], seq.serial, g, i);
+        host_.queue_load(m.held_slots[g][i - t.released], t.blocks[i], seq.serial, i);
         ++seq.loading;
       }
     }

@@ -115,9 +115,9 @@ void HostTier::finish_offload(const Offload& o, bool ok) {
 // ---------------------------------------------------------------------------------------------------
 // Loads
 
-void HostTier::queue_load(int32_t slot, int32_t block, uint64_t owner, int32_t group, int32_t index) {
+void HostTier::queue_load(int32_t slot, int32_t block, uint64_t owner, int32_t index) {
   device_->acquire(block);  // held until the copy is confirmed, even if the sequence lets go of it
-  loads_.push_back({slot, block, owner, group, index});
+  loads_.push_back({slot, block, owner, index});
 }
 
 void HostTier::drop_entry(int32_t slot) {

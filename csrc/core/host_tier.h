@@ -55,16 +55,16 @@ class HostTier final : public WriteBack {
   int32_t num_offloads_in_flight() const { return static_cast<int32_t>(offloads_taken_.size()); }
 
   // Loads: a load copies a host slot into a device block some sequence took for it; it holds both until
-  // the runner confirms it. `owner` identifies the sequence (its serial), `group` and `index` the block in it.
+  // the runner confirms it. `owner` identifies the sequence (its serial) and `index` the block in it (in
+  // whichever group: a failed load's recovery needs only the position).
   struct Load {
     int32_t slot;
     int32_t block;
     uint64_t owner;
-    int32_t group;
     int32_t index;
   };
   void hold_slot(int32_t slot) { host_.acquire(slot); }   // a hit's slot, before device blocks are taken
-  void queue_load(int32_t slot, int32_t block, uint64_t owner, int32_t group, int32_t index);  // takes over the slot's hold
+  void queue_load(int32_t slot, int32_t block, uint64_t owner, int32_t index);  // takes over the slot's hold
   std::vector<BlockPair> take_loads();  // (host slot, device block)
   // Each taken load's outcome, in the order taken (ok.size() == num_loads_in_flight()): releases the
   // loads' slots and device blocks and returns the loads.
