@@ -25,18 +25,14 @@ POOL = {"mistral": 10, "gemma2": 24}
 
 @pytest.fixture(scope="module", params=["mistral", "gemma2"])
 def windowed(request, tmp_path_factory):
-    """(checkpoint dir, vocab size, bytes of one KV block) of a tiny model with a window of 8 tokens."""
+    """(checkpoint dir, vocab size, bytes of one KV block, the engines' settings) of a tiny model with a
+    window of 8 tokens; the settings' pool is so small that prefixes leave the device between visits."""
     path = tmp_path_factory.mktemp(f"tiers_{request.param}")
     model = save_tiny_model(path, request.param)
     per_block = model_runner.kv_cache_block_bytes(LLM(str(path), block_size=8, num_blocks=8).model, 8,
                                                   torch.float32)
-    return str(path), model.config.vocab_size, per_block
-
-
-def common(path, **kwargs):
-    """The engines' settings: a pool so small that prefixes leave the device between visits."""
-    model_type = "mistral" if "mistral" in path else "gemma2"
-    return dict(block_size=8, num_blocks=POOL[model_type], max_num_batched_tokens=32, **kwargs)
+    settings = dict(block_size=8, num_blocks=POOL[request.param], max_num_batched_tokens=32)
+    return str(path), model.config.vocab_size, per_block, settings
 
 
 def check_nothing_held(llm):
@@ -77,10 +73,10 @@ def run_retrying(llm, rounds):
 
 
 def test_host_tier_tokens_equal_the_single_tier_engine(windowed):
-    path, vocab, _ = windowed
+    path, vocab, _, common = windowed
     rounds = conversations(vocab)
-    want = run(LLM(path, **common(path)), rounds)
-    tiered = LLM(path, host_cache_bytes=HOST_BYTES, **common(path))
+    want = run(LLM(path, **common), rounds)
+    tiered = LLM(path, host_cache_bytes=HOST_BYTES, **common)
     assert tiered.bm.host_tier_enabled
     assert run(tiered, rounds) == want
     t = tiered.stats()
@@ -92,19 +88,19 @@ def test_host_tier_tokens_equal_the_single_tier_engine(windowed):
 
 
 def test_the_loaded_blocks_are_read(windowed, monkeypatch):
-    path, vocab, _ = windowed
+    path, vocab, _, common = windowed
     rounds = conversations(vocab, seed=1)
-    want = run(LLM(path, **common(path)), rounds)
+    want = run(LLM(path, **common), rounds)
     monkeypatch.setattr(model_runner, "load_blocks", lambda *args, **kwargs: None)
-    assert run(LLM(path, host_cache_bytes=HOST_BYTES, **common(path)), rounds) != want
+    assert run(LLM(path, host_cache_bytes=HOST_BYTES, **common), rounds) != want
 
 
 @pytest.mark.parametrize("fail", ["offload_blocks", "load_blocks"])
 def test_a_failed_copy_costs_a_recompute_not_a_wrong_token(windowed, monkeypatch, fail):
-    path, vocab, _ = windowed
+    path, vocab, _, common = windowed
     rounds = conversations(vocab, seed=2)
-    want = run(LLM(path, **common(path)), rounds)
-    tiered = LLM(path, host_cache_bytes=HOST_BYTES, **common(path))
+    want = run(LLM(path, **common), rounds)
+    tiered = LLM(path, host_cache_bytes=HOST_BYTES, **common)
     calls = flaky(monkeypatch, model_runner, fail)
     assert run_retrying(tiered, rounds) == want
     assert calls["failed"] > 0
@@ -112,11 +108,11 @@ def test_a_failed_copy_costs_a_recompute_not_a_wrong_token(windowed, monkeypatch
 
 
 def test_disk_tier_tokens_equal_the_single_tier_engine(windowed, tmp_path):
-    path, vocab, per_block = windowed
+    path, vocab, per_block, common = windowed
     rounds = conversations(vocab, turns=4)
-    want = run(LLM(path, **common(path)), rounds)
+    want = run(LLM(path, **common), rounds)
     tiered = LLM(path, host_cache_bytes=HOST_BLOCKS * per_block, disk_cache_dir=tmp_path,
-                 disk_cache_bytes=256 * (per_block + 8192), **common(path))
+                 disk_cache_bytes=256 * (per_block + 8192), **common)
     assert tiered.bm.disk_tier_enabled
     assert run(tiered, rounds) == want
     t = tiered.stats()
@@ -127,11 +123,11 @@ def test_disk_tier_tokens_equal_the_single_tier_engine(windowed, tmp_path):
 
 @pytest.mark.parametrize("fail", ["write", "read"])
 def test_a_failed_disk_transfer_costs_a_recompute_not_a_wrong_token(windowed, tmp_path, monkeypatch, fail):
-    path, vocab, per_block = windowed
+    path, vocab, per_block, common = windowed
     rounds = conversations(vocab, seed=3, turns=4)
-    want = run(LLM(path, **common(path)), rounds)
+    want = run(LLM(path, **common), rounds)
     tiered = LLM(path, host_cache_bytes=HOST_BLOCKS * per_block, disk_cache_dir=tmp_path,
-                 disk_cache_bytes=256 * (per_block + 8192), **common(path))
+                 disk_cache_bytes=256 * (per_block + 8192), **common)
     real = getattr(disk_store.DiskStore, fail)
     calls = {"n": 0}
 
@@ -153,9 +149,9 @@ def test_a_failed_disk_transfer_costs_a_recompute_not_a_wrong_token(windowed, tm
 def test_cuda_loads_on_a_side_stream_give_the_same_tokens(windowed):
     """On a GPU every group's loads run on the side stream, layer by layer: the tokens equal the
     single-tier engine's on the same device."""
-    path, vocab, _ = windowed
+    path, vocab, _, common = windowed
     rounds = conversations(vocab, seed=5)
-    settings = common(path, device="cuda", dtype=torch.float32)
+    settings = dict(common, device="cuda", dtype=torch.float32)
     want = run(LLM(path, **settings), rounds)
     tiered = LLM(path, host_cache_bytes=HOST_BYTES, **settings)
     assert run(tiered, rounds) == want
