@@ -235,10 +235,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.model.tier and self.model.free)
     @rule()
-    def evict_device_copies(self):
+    def evict_device_copies(self, num_blocks=None):
         """A prompt of new tokens as long as the free list, allocated and freed uncomputed: every free
-        block is reused, so cached prompts survive only in the host tier (or in write-backs)."""
-        n = len(self.model.free) // len(self.WINDOWS) * BS  # every group takes as many blocks
+        block is reused, so cached prompts survive only in the host tier (or in write-backs). With
+        num_blocks, only that many blocks per group are reused (the coldest)."""
+        n = len(self.model.free) // len(self.WINDOWS)  # every group takes as many blocks
+        n = BS * (n if num_blocks is None else min(n, num_blocks))
         if not n:
             return
         self.allocate([3] * n, b"", None)
@@ -257,6 +259,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if self.model.free:
                 self.evict_device_copies()
         self.allocate(data.draw(st.sampled_from(self.cached_prompts)) + extra, b"", None)
+
+    @precondition(lambda self: self.model.tier)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=3, max_size=12), extra=st.lists(st.integers(0, 2), max_size=2))
+    def host_round_trip(self, data, tokens, extra):
+        """A prompt is cached, offloaded, pushed off the device and admitted again (a host hit in every
+        group whose blocks the host kept), then its loads are copied, some failing."""
+        self.cache_prompt(tokens)
+        assert self.bm.plan_offloads(NB) == self.model.plan_offloads(NB)
+        self.complete_offloads(data)
+        self.evict_device_copies(data.draw(st.sampled_from([None, 1, 2, 3])))  # some device hits may stay
+        self.allocate(tokens + extra, b"", None)
+        self.transfer(data, 0)
 
     def complete_offloads(self, data):
         """Takes the offloads, copies them (a failed copy leaves garbage in its slot) and completes them."""
@@ -470,7 +484,14 @@ class WindowedTieredMachine(BlockManagerMachine):
 
 class HybridTieredMachine(BlockManagerMachine):
     WINDOWS = (None, 3)
-    NHOST = 5
+    NHOST = 10  # a hit needs every group's blocks: room for both groups' copies of a prompt
+
+
+class HybridWideWindowTieredMachine(BlockManagerMachine):
+    """A window about as long as the prompts: a failed load recomputes in place, replacing the windowed
+    group's device hits after it."""
+    WINDOWS = (9, None)
+    NHOST = 10
 
 
 class HybridDiskTieredMachine(BlockManagerMachine):
@@ -493,5 +514,7 @@ TestWindowedTieredStateful = WindowedTieredMachine.TestCase
 TestWindowedTieredStateful.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 TestHybridTieredStateful = HybridTieredMachine.TestCase
 TestHybridTieredStateful.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestHybridWideWindowTieredStateful = HybridWideWindowTieredMachine.TestCase
+TestHybridWideWindowTieredStateful.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
 TestHybridDiskTieredStateful = HybridDiskTieredMachine.TestCase
 TestHybridDiskTieredStateful.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
