@@ -591,7 +591,7 @@ void bind_block_manager(py::module_& m) {
           "device blocks, 'CPU': the host tier, 'DISK': the disk tier); replaying that medium's KV events gives\n"
           "the same multiset.")
       .def_property_readonly("host_tier_enabled", &BlockManager::host_tier_enabled,
-                             "Whether the host tier is in use: num_host_blocks > 0, prefix caching, one full-attention group.")
+                             "Whether the host tier is in use: num_host_blocks > 0 and prefix caching (any groups and windows).")
       .def_property_readonly("num_host_blocks", [](const BlockManager& bm) { return bm.config().num_host_blocks; })
       .def_property_readonly("num_free_host_blocks", [](const BlockManager& bm) { return bm.host_pool().num_free(); })
       .def_property_readonly("host_offload_min_priority",
@@ -605,9 +605,10 @@ void bind_block_manager(py::module_& m) {
           },
           py::arg("token_ids"), py::kw_only(), py::arg("cache_salt") = py::none(),
           "The prompt's prefix hit as allocate() would take it now: (device_blocks, host_blocks, disk_blocks),\n"
-          "the leading blocks hit on the device, after them those loaded from the host tier, and after the hit\n"
-          "the blocks that would hit once the disk tier's reads are confirmed (those prefetch() reads and the\n"
-          "host entries between them).")
+          "the leading blocks hit on the device, after them those loaded from the host tier (with several groups:\n"
+          "from the first block any group loads; a windowed group loads only its window's blocks), and after the\n"
+          "hit the blocks that would hit once the disk tier's reads are confirmed (those prefetch() reads and\n"
+          "the host entries between them).")
       .def("plan_offloads", &BlockManager::plan_offloads, py::arg("max_blocks"),
            "Clean ahead: of the max_blocks cached free device blocks the pool would evict first, queues copies to\n"
            "the host tier of those it lacks, so that reusing them later needs no copy; returns how many it queued.")
@@ -628,12 +629,16 @@ void bind_block_manager(py::module_& m) {
       .def(
           "complete_loads",
           [](BlockManager& bm, const py::object& ok) {
-            bm.complete_loads(outcomes(ok, bm.num_loads_in_flight()));
+            return bm.complete_loads(outcomes(ok, bm.num_loads_in_flight()));
           },
           py::arg("ok") = true,
           "The outcome of every load taken and not yet completed, in the order taken (one bool for all, or one\n"
-          "per load). A sequence whose load failed keeps as computed only the tokens before the first failed\n"
-          "block: num_computed_tokens drops and the rest is recomputed.")
+          "per load). A sequence whose load failed keeps as computed the tokens before the first failed block:\n"
+          "num_computed_tokens drops and the rest is recomputed. Returns the ids of the sequences for which no\n"
+          "such point is safe (a window would need blocks it released, or no free block can replace a shared\n"
+          "one): their num_computed_tokens is 0 and they refuse everything but free(); free and re-admit them.")
+      .def("must_readmit", &BlockManager::must_readmit, py::arg("seq_id"),
+           "Whether a failed load left the sequence to be freed and re-admitted (complete_loads returned it).")
       .def("num_loading_blocks", &BlockManager::num_loading_blocks, py::arg("seq_id"),
            "Blocks of the sequence whose loads from the host tier are not confirmed yet.")
       .def_property_readonly("disk_tier_enabled", &BlockManager::disk_tier_enabled,

@@ -423,7 +423,7 @@ class BlockManager(metaclass=_pybind11_type):
 
     @property
     def host_tier_enabled(self) -> bool:
-        """Whether the host tier is in use: num_host_blocks > 0, prefix caching, one full-attention group."""
+        """Whether the host tier is in use: num_host_blocks > 0 and prefix caching (any groups and windows)."""
 
     @property
     def num_host_blocks(self) -> int:
@@ -439,9 +439,10 @@ class BlockManager(metaclass=_pybind11_type):
 
     def lookup(self, token_ids: _Ints, *, cache_salt: _Salt = None) -> tuple[int, int, int]:
         """The prompt's prefix hit as allocate() would take it now: (device_blocks, host_blocks, disk_blocks),
-        the leading blocks hit on the device, after them those loaded from the host tier, and after the hit
-        the blocks that would hit once the disk tier's reads are confirmed (those prefetch() reads and the
-        host entries between them).
+        the leading blocks hit on the device, after them those loaded from the host tier (with several groups:
+        from the first block any group loads; a windowed group loads only its window's blocks), and after the
+        hit the blocks that would hit once the disk tier's reads are confirmed (those prefetch() reads and
+        the host entries between them).
         """
 
     def plan_offloads(self, max_blocks: SupportsIndex) -> int:
@@ -464,11 +465,17 @@ class BlockManager(metaclass=_pybind11_type):
         copy before the step's attention reads them; both are held until complete_loads.
         """
 
-    def complete_loads(self, ok: bool | Sequence[bool] | torch.Tensor = True) -> None:
+    def complete_loads(self, ok: bool | Sequence[bool] | torch.Tensor = True) -> list[int]:
         """The outcome of every load taken and not yet completed, in the order taken (one bool for all, or one
-        per load). A sequence whose load failed keeps as computed only the tokens before the first failed
-        block: num_computed_tokens drops and the rest is recomputed.
+        per load). A sequence whose load failed keeps as computed the tokens before the first failed block:
+        num_computed_tokens drops and the rest is recomputed in blocks private to it. Returns the ids of the
+        sequences for which no such point is safe (a windowed group would need blocks its window released, or
+        no free block can replace a shared one): their num_computed_tokens is 0 and they refuse everything but
+        free(); free them and allocate them again (the failed host entries are dropped, so they hit less).
         """
+
+    def must_readmit(self, seq_id: SupportsIndex) -> bool:
+        """Whether a failed load left the sequence to be freed and re-admitted (complete_loads returned it)."""
 
     def num_loading_blocks(self, seq_id: SupportsIndex) -> int:
         """Blocks of the sequence whose loads from the host tier are not confirmed yet."""

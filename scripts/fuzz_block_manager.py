@@ -16,7 +16,8 @@ group's held blocks are checked, released entries must be pads that slot_mapping
 into released blocks must be refused. Pools with a host tier offload (clean ahead and write-back) and load
 (host hits) through copies the fuzzer performs and sometimes fails (a failed copy scribbles over its
 destination): every loaded prefix must hold its own KV once confirmed, a failed load must lower the
-computed tokens, and each medium's events must replay to its cached blocks. Pools with a disk tier below
+computed tokens (to the first failed block of any group; a windowed pool's sequence that has no safe point
+there is returned for re-admission and freed), and each medium's events must replay to its cached blocks. Pools with a disk tier below
 the host tier write host slots to records (clean ahead and write-back) and prefetch them back into host
 slots, the I/O lagging a step behind as on a background thread; each record keeps the identity the manager
 gave when it was written as its header, a read whose header is not the record's identity now (or that
@@ -58,6 +59,7 @@ class Figures:
     events: int = 0
     event_resyncs: int = 0
     rejected_tokens: int = 0
+    readmitted: int = 0
     pools: int = 0
     retained_prompts: int = 0
     pins: int = 0
@@ -195,14 +197,25 @@ class Fuzzer:
             self.gpu[block] = dict(self.host.get(slot, {})) if ok[-1] else {o: "garbage" for o in range(self.bs)}
             if not ok[-1]:
                 failed.add(block)
-        self.bm.complete_loads(ok)
+        readmit = set(self.bm.complete_loads(ok))
         self.fig.loads += len(ok)
         self.fig.failed_copies += ok.count(False)
+        if not readmit <= self.loading:
+            self.fail(f"complete_loads returned {sorted(readmit - self.loading)}, which were not loading")
         for sid in self.loading:
             s = self.seqs[sid]
             computed = self.bm.num_computed_tokens(sid)
-            table = self.bm.block_table(sid)
-            first_failed = next((i for i in range(s.computed // self.bs) if table[i] in failed), None)
+            if sid in readmit:  # no safe point to recompute from: freed, to be admitted again
+                tables = [self.bm.block_table(sid, group=g) for g in range(len(self.windows))]
+                if computed != 0 or not self.bm.must_readmit(sid) or not any(b in failed for t in tables for b in t):
+                    self.fail(f"sequence {sid} was returned for re-admission with {computed} computed tokens")
+                self.bm.free(sid)
+                del self.seqs[sid]
+                self.fig.readmitted += 1
+                continue
+            # Recomputed from the first failed block of any group (its windows are the ones held there).
+            first_failed = min((i for _, t, released in self.held_tables(sid)
+                                for i in range(released, s.computed // self.bs) if t[i] in failed), default=None)
             expected = s.computed if first_failed is None else first_failed * self.bs
             if computed != expected:
                 self.fail(f"sequence {sid} has {computed} computed tokens after its loads, expected {expected}")
@@ -260,7 +273,7 @@ class Fuzzer:
         if disk and not self.ndisk:
             self.fail("lookup found disk blocks without a disk tier")
         queued = self.bm.prefetch(tokens, cache_salt=salt)
-        if queued > disk:
+        if queued > disk * len(self.windows):  # a read per group's block
             self.fail(f"prefetch queued {queued} reads but lookup said {disk} disk blocks")
         self.fig.prefetched_blocks += queued
         if queued and self.rng.random() < 0.5:  # the reads are done: admit the prompt, its hit loaded
@@ -726,7 +739,8 @@ def main():
           f"replayed to cached_blocks() ({fig.event_resyncs:,} resyncs after a full buffer); "
           f"{fig.released_blocks_seen:,} released table entries checked; {fig.reserved_chunks:,} prefill chunks reserved; "
           f"host tier: {fig.offloads:,} offloads, {fig.loads:,} loads, {fig.failed_copies:,} failed copies, "
-          f"{fig.loaded_tokens_checked:,} loaded tokens held their own KV; disk tier: {fig.disk_writes:,} writes, "
+          f"{fig.loaded_tokens_checked:,} loaded tokens held their own KV, {fig.readmitted:,} sequences re-admitted; "
+          f"disk tier: {fig.disk_writes:,} writes, "
           f"{fig.disk_reads:,} reads ({fig.prefetched_blocks:,} blocks prefetched), {fig.failed_disk_io:,} failed, "
           f"{fig.stale_headers:,} stale headers refused")
     print("operations: " + ", ".join(f"{k} {v:,}" for k, v in sorted(fig.ops.items())))

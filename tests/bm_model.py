@@ -4,9 +4,11 @@ holds by construction; the free list is one OrderedDict per level in LRU order (
 level 1 + p: cached KV at retention priority p); pins hold references; durations expire on set_time.
 Groups of layers (hybrid models): one table per group, each with its window (None: full attention); a
 windowed table releases the leading blocks no future query reads (a pad, 0, stays in their place), and
-the prefix cache keys each group's blocks apart. The host tier (one full-attention group only) is a second
-pool of the same kind keyed by the same prefixes: offloads hold their device block and host slot until
-completed, loads hold theirs, and a failed load truncates its sequence's computed prefix. The disk tier
+the prefix cache keys each group's blocks apart. The host tier (every group) is a second pool of the same
+kind keyed by the same prefixes: offloads hold their device block and host slot until completed, loads
+hold theirs, and a failed load truncates its sequence's computed prefix to its first failed block when
+every window there is held (device hits after it replaced by fresh blocks), else sends the sequence back
+to admission (its failed host entries dropped). The disk tier
 is a third pool of the same kind below the host tier: writes hold their host slot and record, reads
 (prefetch) hold their record and a host slot, and a dirty host entry about to be evicted is written first
 while another host slot stays free."""
@@ -35,6 +37,8 @@ class Seq:
     retention: list = field(default_factory=list)  # (start, end, priority, duration)
     loading: int = 0              # loads not yet completed
     serial: int = 0
+    failed_at: int = None         # the first block index a load failed at, while loading
+    readmit: bool = False         # a failed load left no safe point: freed and admitted again
 
     def __post_init__(self):
         n = len(self.tables)
@@ -118,7 +122,7 @@ class Model:
         self.retention = {b: (self.default_priority, FOREVER) for b in range(self.num_blocks)}
         self.pin_count = {b: 0 for b in range(self.num_blocks)}
         self.max_pinned = int(self.max_pinned_fraction * self.num_blocks)
-        self.tier = self.num_host_blocks > 0 and self.windows == (None,)
+        self.tier = self.num_host_blocks > 0
         self.host_free = FreeLists(range(self.num_host_blocks))
         self.host_ref = {s: 0 for s in range(self.num_host_blocks)}
         self.host_tag = {}        # slot -> prefix key
@@ -127,7 +131,7 @@ class Model:
         self.host_expiry = {}
         self.offloading = set()   # keys with a pending offload
         self.offloads, self.offloads_taken = [], []  # (block, slot, key, epoch)
-        self.loads, self.loads_taken = [], []        # (slot, block, serial, index)
+        self.loads, self.loads_taken = [], []        # (slot, block, serial, group, index)
         self.epoch = 0
         self.next_serial = 1
         self.spare = 0            # free blocks write-backs may hold during the current call
@@ -175,21 +179,35 @@ class Model:
     def match(self, tokens, salt):
         """(k, held): the longest k leading blocks every group serves, and each group's cached blocks
         [released_for(g, k * bs), k) (windows >= 2: the chain then reaches block k - 1). With the host
-        tier: device blocks, then ("host", slot) entries (a loaded hit is the tail of the hit)."""
-        if self.tier:
+        tier a held entry may be ("host", slot): a full group's loaded hits are the tail of its hit, a
+        windowed group takes the device's blocks and loads the others."""
+        full = {}
+        limit = self.nblocks(len(tokens)) - 1
+        for g, w in enumerate(self.windows):
+            if w is not None or not self.tier:
+                continue
             chain, on_host = [], False
-            for i in range(self.nblocks(len(tokens)) - 1):
-                key = self.key(tokens, salt, i)
+            for i in range(limit):
+                key = self.key(tokens, salt, i, g)
                 on_host = on_host or key not in self.registry
                 if on_host and key not in self.host_registry:
                     break
                 chain.append(("host", self.host_registry[key]) if on_host else self.registry[key])
-            return len(chain), [chain]
-        for k in range(self.nblocks(len(tokens)) - 1, -1, -1):
+            full[g] = chain
+            limit = min(limit, len(chain))
+
+        def entry(g, i):
+            if g in full:
+                return full[g][i]
+            key = self.key(tokens, salt, i, g)
+            if key in self.registry:
+                return self.registry[key]
+            return ("host", self.host_registry[key]) if self.tier and key in self.host_registry else None
+
+        for k in range(limit, -1, -1):
             held = []
             for g in range(len(self.windows)):
-                blocks = [self.registry.get(self.key(tokens, salt, i, g))
-                          for i in range(self.released_for(g, k * self.block_size), k)]
+                blocks = [entry(g, i) for i in range(self.released_for(g, k * self.block_size), k)]
                 if None in blocks:
                     break
                 held.append(blocks)
@@ -430,7 +448,7 @@ class Model:
 
     def dirty(self, b):
         k = self.tag.get(b)
-        return (self.cached(b) and k[0] == 0 and k not in self.host_registry and k not in self.offloading
+        return (self.cached(b) and k not in self.host_registry and k not in self.offloading
                 and k not in self.disk_reading and self.retention[b][0] >= self.host_min_priority)
 
     def can_take_slot(self, p):
@@ -490,27 +508,73 @@ class Model:
 
     def take_loads(self):
         self.loads_taken += self.loads
-        out, self.loads = [(s, b) for s, b, _, _ in self.loads], []
+        out, self.loads = [(s, b) for s, b, _, _, _ in self.loads], []
         return out
 
     def complete_loads(self, ok):
+        """Returns the ids of the sequences that must be freed and admitted again."""
         done, self.loads_taken = self.loads_taken, []
         by_serial = {q.serial: (sid, q) for sid, q in self.seqs.items() if q.loading}
         finished = []
-        for (slot, b, serial, i), good in zip(done, ok):
+        for (slot, b, serial, g, i), good in zip(done, ok):
             self.host_release(slot)
             self.release(b)
             if serial not in by_serial:
                 continue
             sid, q = by_serial[serial]
             if not good:
-                q.computed = min(q.computed, i * self.block_size)
-                q.registered[0] = min(q.registered[0], i)
+                q.failed_at = i if q.failed_at is None else min(q.failed_at, i)
             q.loading -= 1
             if q.loading == 0:
                 finished.append(sid)
+        readmit = []
         for sid in finished:
-            self.mark_computed(sid, self.seqs[sid].computed)
+            q = self.seqs[sid]
+            if q.failed_at is not None:
+                self.recover(q)
+            if q.readmit:
+                for (slot, _, serial, _, _), good in zip(done, ok):
+                    if not good and serial == q.serial:
+                        self.host_drop(slot)
+                readmit.append(sid)
+                continue
+            self.mark_computed(sid, q.computed)
+        return readmit
+
+    def recover(self, q):
+        """After a failed load: recompute from the first failed block when every window there is the one
+        the table holds (registered blocks after it replaced by fresh ones), else re-admission."""
+        bs = self.block_size
+        j = min(q.failed_at, q.computed // bs)
+        q.failed_at = None
+        safe = all(self.released_for(g, j * bs) == q.released[g] for g in range(len(q.tables)))
+        hits = [(g, i) for g, t in enumerate(q.tables) for i in range(max(j, q.released[g]), len(t))
+                if t[i] in self.tag or self.ref[t[i]] > 1]  # registered or shared: device hits
+        freed = sum(1 for g, i in hits if self.ref[q.tables[g][i]] == 1 and not self.is_copy_source(q.tables[g][i]))
+        if not safe or len(hits) > len(self.free) + freed:
+            q.readmit, q.computed = True, 0
+            q.registered = [0] * len(q.tables)
+            return
+        for g, t in enumerate(q.tables):
+            mine = [i for h, i in hits if h == g]
+            for i in mine:
+                self.release(t[i])
+            for i in mine:
+                b = t[i] = self.take()
+                self.retention[b] = self.retention_of(q, i)
+            q.registered[g] = min(q.registered[g], j)
+        q.computed = min(q.computed, j * bs)
+
+    def host_drop(self, s):
+        """The slot's entry leaves the host tier (a failed load's, when its sequence is re-admitted)."""
+        k = self.host_tag.get(s)
+        if k is None:
+            return
+        self.host_acquire(s)
+        if self.host_registry.get(k) == s:
+            del self.host_registry[k]
+        del self.host_tag[s]
+        self.host_release(s)
 
     # --- disk tier --------------------------------------------------------------------------------
     def disk_cached(self, r):
@@ -552,7 +616,7 @@ class Model:
 
     def disk_dirty(self, s):
         k = self.host_tag.get(s)
-        return self.host_cached(s) and k[0] == 0 and k not in self.disk_registry and k not in self.disk_writing
+        return self.host_cached(s) and k not in self.disk_registry and k not in self.disk_writing
 
     def can_take_record(self, p):
         if not len(self.disk_free):
@@ -602,36 +666,51 @@ class Model:
             self.host_release(slot, cold=True)
 
     def tier_walk(self, tokens, salt):
-        """(hit, keys): the prompt's keys through its hit and the run after it that the host or disk tier
-        holds (or is reading), up to the first block neither holds."""
+        """(hit, keys): per group, the keys the longest extension of the hit needs (a windowed group: those
+        its window reads) once the disk tier's reads are done; a full group's extension stops at the first
+        block no tier holds (or is reading). Returns (hit, reach, keys per group)."""
+        bs = self.block_size
         hit = self.match(tokens, salt)[0]
-        keys = []
-        for i in range(self.nblocks(len(tokens)) - 1):
-            key = self.key(tokens, salt, i)
-            if i >= hit and key not in self.host_registry and key not in self.disk_registry and key not in self.disk_reading:
-                break
-            keys.append(key)
-        return hit, keys
+
+        def somewhere(key):
+            return (key in self.registry or key in self.host_registry or key in self.disk_registry
+                    or key in self.disk_reading)
+
+        limit = self.nblocks(len(tokens)) - 1
+        for g, w in enumerate(self.windows):
+            if w is None:
+                n = 0
+                while n < limit and (n < hit or somewhere(self.key(tokens, salt, n, g))):
+                    n += 1
+                limit = n
+        reach = max(limit, hit)
+        while reach > hit and not all(somewhere(self.key(tokens, salt, i, g)) for g in range(len(self.windows))
+                                      for i in range(self.released_for(g, reach * bs), reach)):
+            reach -= 1
+        keys = [[self.key(tokens, salt, i, g) for i in range(min(self.released_for(g, reach * bs), reach), reach)]
+                for g in range(len(self.windows))]
+        return hit, reach, keys
 
     def lookup(self, tokens, salt=b""):
         k, held = self.match(tokens, salt)
-        host = sum(1 for b in held[0] if isinstance(b, tuple)) if self.tier and k else 0
+        first = min([self.released_for(g, k * self.block_size) + j for g, h in enumerate(held)
+                     for j, b in enumerate(h) if not isinstance(b, int)], default=k) if self.tier else k
         disk = 0
         if self.disk:
-            hit, keys = self.tier_walk(tokens, salt)
-            disk = len(keys) - hit
-        return k - host, host, disk
+            hit, reach, _ = self.tier_walk(tokens, salt)
+            disk = reach - hit
+        return first, k - first, disk
 
     def prefetch(self, tokens, salt=b""):
         if not self.disk:
             return 0
-        hit, keys = self.tier_walk(tokens, salt)
-        held = [self.host_registry[k] for k in keys if k in self.host_registry]
+        hit, reach, keys = self.tier_walk(tokens, salt)
+        held = [self.host_registry[k] for group in keys for k in group if k in self.host_registry]
         for s in held:
             self.host_acquire(s)
         queued = 0
-        for k in keys[hit:]:
-            if k in self.host_registry or k in self.disk_reading:
+        for k in [k for group in keys for k in group]:
+            if k in self.registry or k in self.host_registry or k in self.disk_reading:
                 continue
             if k not in self.disk_registry:
                 break
@@ -689,14 +768,14 @@ class Model:
                 self.ref[b] += 1
                 self.keep_stronger(b, self.retention_of(s, len(t)))
                 t.append(b)
-        hosted = [i for i, b in enumerate(s.tables[0]) if not isinstance(b, int)]
+        hosted = [(g, i) for g, t in enumerate(s.tables) for i, b in enumerate(t) if not isinstance(b, int)]
         self.allow_write_backs((n - k) * len(s.tables) + len(hosted))
-        for i in hosted:
-            slot = s.tables[0][i][1]
-            b = s.tables[0][i] = self.take()
+        for g, i in hosted:
+            slot = s.tables[g][i][1]
+            b = s.tables[g][i] = self.take()
             self.retention[b] = self.retention_of(s, i)
             self.ref[b] += 1  # the load's hold
-            self.loads.append((slot, b, s.serial, i))
+            self.loads.append((slot, b, s.serial, g, i))
             s.loading += 1
         for t in s.tables:  # after every group's hits: a fresh block never evicts one
             while len(t) < n:

@@ -87,9 +87,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for g in range(len(self.WINDOWS)):
             table = self.bm.block_table(sid, group=g)
             assert table == q.tables[g]
-            loaded = min([i for _, _, serial, i in self.model.loads if serial == q.serial], default=cached // BS)
-            for p in range(q.released[g] * BS, loaded * BS):  # every hit it holds has exactly this prefix's KV
-                assert self.kv[table[p // BS]][p % BS] == tuple(tokens[: p + 1])
+            loading = {i for _, _, serial, h, i in self.model.loads if serial == q.serial and h == g}
+            for p in range(q.released[g] * BS, cached):  # every hit it holds has exactly this prefix's KV
+                if p // BS not in loading:
+                    assert self.kv[table[p // BS]][p % BS] == tuple(tokens[: p + 1])
 
     @precondition(lambda self: self.model.seqs)
     @rule(data=st.data(), extra=st.lists(st.integers(0, 2), max_size=3), retention=retentions)
@@ -234,10 +235,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.model.tier and self.model.free)
     @rule()
-    def evict_device_copies(self):
+    def evict_device_copies(self, num_blocks=None):
         """A prompt of new tokens as long as the free list, allocated and freed uncomputed: every free
-        block is reused, so cached prompts survive only in the host tier (or in write-backs)."""
-        self.allocate([3] * (len(self.model.free) * BS), b"", None)
+        block is reused, so cached prompts survive only in the host tier (or in write-backs). With
+        num_blocks, only that many blocks per group are reused (the coldest)."""
+        n = len(self.model.free) // len(self.WINDOWS)  # every group takes as many blocks
+        n = BS * (n if num_blocks is None else min(n, num_blocks))
+        if not n:
+            return
+        self.allocate([3] * n, b"", None)
         sid = self.next_id - 1
         if sid in self.model.seqs:
             self.bm.free(sid)
@@ -253,6 +259,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if self.model.free:
                 self.evict_device_copies()
         self.allocate(data.draw(st.sampled_from(self.cached_prompts)) + extra, b"", None)
+
+    @precondition(lambda self: self.model.tier)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=3, max_size=12), extra=st.lists(st.integers(0, 2), max_size=2))
+    def host_round_trip(self, data, tokens, extra):
+        """A prompt is cached, offloaded, pushed off the device and admitted again (a host hit in every
+        group whose blocks the host kept), then its loads are copied, some failing."""
+        self.cache_prompt(tokens)
+        assert self.bm.plan_offloads(NB) == self.model.plan_offloads(NB)
+        self.complete_offloads(data)
+        self.evict_device_copies(data.draw(st.sampled_from([None, 1, 2, 3])))  # some device hits may stay
+        self.allocate(tokens + extra, b"", None)
+        self.transfer(data, 0)
 
     def complete_offloads(self, data):
         """Takes the offloads, copies them (a failed copy leaves garbage in its slot) and completes them."""
@@ -278,8 +296,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.perform_copies()  # before the loads write their blocks (a pending copy may read a loaded block's old KV)
         for (slot, block), good in zip(loads, ok):
             self.kv[block] = dict(self.host_kv.get(slot, {})) if good else {o: "garbage" for o in range(BS)}
-        self.bm.complete_loads(ok)
-        self.model.complete_loads(ok)
+        readmit = self.bm.complete_loads(ok)
+        assert readmit == self.model.complete_loads(ok)
+        for sid in readmit:  # no safe point to recompute from: freed, its prompt admitted again
+            assert self.bm.must_readmit(sid) and self.bm.num_computed_tokens(sid) == 0
+            with pytest.raises(ValueError, match="re-admitted"):
+                self.bm.mark_computed(sid)
+            tokens = self.model.seqs[sid].tokens
+            self.bm.free(sid)
+            self.model.free_seq(sid)
+            self.allocate(tokens, b"", None)
         for sid, q in self.model.seqs.items():
             assert self.bm.num_computed_tokens(sid) == q.computed
             assert self.bm.num_loading_blocks(sid) == q.loading
@@ -383,10 +409,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         pending = self.model.loads + self.model.loads_taken
         for q in self.model.seqs.values():
             where = cpu if q.swapped else gpu
-            loaded = min([i for _, _, serial, i in pending if serial == q.serial], default=q.computed // BS + 1)
+            loading = {(g, i) for _, _, serial, g, i in pending if serial == q.serial}
             for g, table in enumerate(q.tables):
-                for p in range(q.released[g] * BS, min(q.computed, loaded * BS)):
-                    assert where[table[p // BS]][p % BS] == tuple(q.tokens[: p + 1])
+                for p in range(q.released[g] * BS, q.computed):
+                    if (g, p // BS) not in loading:
+                        assert where[table[p // BS]][p % BS] == tuple(q.tokens[: p + 1])
 
     @invariant()
     def events_replay_to_the_cached_blocks(self):
@@ -450,6 +477,29 @@ class DiskTieredMachine(BlockManagerMachine):
     NDISK = 8
 
 
+class WindowedTieredMachine(BlockManagerMachine):
+    WINDOWS = (3,)
+    NHOST = 5
+
+
+class HybridTieredMachine(BlockManagerMachine):
+    WINDOWS = (None, 3)
+    NHOST = 10  # a hit needs every group's blocks: room for both groups' copies of a prompt
+
+
+class HybridWideWindowTieredMachine(BlockManagerMachine):
+    """A window about as long as the prompts: a failed load recomputes in place, replacing the windowed
+    group's device hits after it."""
+    WINDOWS = (9, None)
+    NHOST = 10
+
+
+class HybridDiskTieredMachine(BlockManagerMachine):
+    WINDOWS = (3, None)
+    NHOST = 4
+    NDISK = 10
+
+
 TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestWindowedStateful = WindowedMachine.TestCase
@@ -460,3 +510,11 @@ TestTieredStateful = TieredMachine.TestCase
 TestTieredStateful.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 TestDiskTieredStateful = DiskTieredMachine.TestCase
 TestDiskTieredStateful.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestWindowedTieredStateful = WindowedTieredMachine.TestCase
+TestWindowedTieredStateful.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestHybridTieredStateful = HybridTieredMachine.TestCase
+TestHybridTieredStateful.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestHybridWideWindowTieredStateful = HybridWideWindowTieredMachine.TestCase
+TestHybridWideWindowTieredStateful.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)
+TestHybridDiskTieredStateful = HybridDiskTieredMachine.TestCase
+TestHybridDiskTieredStateful.settings = settings(max_examples=100, stateful_step_count=60, deadline=None)

@@ -28,12 +28,13 @@ def offload_all(bm, ok=True):
     return mapping
 
 
-def test_the_tier_is_off_by_default_and_for_hybrid_groups():
+def test_the_tier_is_off_by_default_and_on_for_windows_and_hybrid_groups():
     assert not BlockManager(8, 4).host_tier_enabled
     bm = BlockManager(8, 4, num_host_blocks=4, host_offload_min_priority=10)
     assert bm.host_tier_enabled and bm.num_host_blocks == 4 and bm.num_free_host_blocks == 4
     assert bm.host_offload_min_priority == 10
-    assert not BlockManager(8, 4, num_host_blocks=4, group_windows=[None, 8]).host_tier_enabled
+    assert BlockManager(8, 4, num_host_blocks=4, group_windows=[None, 8]).host_tier_enabled
+    assert BlockManager(8, 4, num_host_blocks=4, group_windows=[8]).host_tier_enabled
     assert not BlockManager(8, 4, num_host_blocks=4, enable_prefix_caching=False).host_tier_enabled
     with pytest.raises(ValueError, match="num_host_blocks"):
         BlockManager(8, 4, num_host_blocks=-1)
@@ -190,6 +191,66 @@ def test_hostile_outcomes_do_not_crash_the_process():
 
 
 # ---------------------------------------------------------------------------------------------------
+# Windows and groups
+
+
+def test_a_windowed_hit_loads_its_window_and_a_failed_load_sends_the_sequence_back():
+    bm = BlockManager(6, 4, num_host_blocks=8, group_windows=[8])
+    prompt = toks(21)  # 5 full blocks; the window at position 20 reads blocks 3 and 4
+    cache_prompt(bm, 1, prompt)
+    assert len(offload_all(bm)) == 5, "the blocks the window released are cached and offloaded too"
+    cache_prompt(bm, 2, toks(24, 100))
+    assert bm.lookup(prompt) == (3, 2, 0)
+    assert bm.allocate(3, prompt) == 20
+    offload_all(bm)  # the write-backs allocate queued
+    loads = bm.take_loads().tolist()
+    assert [b for _, b in loads] == bm.block_table(3)[3:5]
+    with pytest.raises(ValueError, match="complete_loads"):
+        bm.mark_computed(3)
+    assert bm.complete_loads([True, False]) == [3]
+    assert bm.must_readmit(3) and bm.num_computed_tokens(3) == 0
+    for call in (lambda: bm.append_token(3, 1), lambda: bm.truncate(3, 2), lambda: bm.fork(3, 4),
+                 lambda: bm.pin(3), lambda: bm.mark_computed(3), lambda: bm.reserve(3, 21)):
+        with pytest.raises(ValueError, match="re-admitted"):
+            call()
+    bm.check_invariants()
+    bm.free(3)
+    with pytest.raises(KeyError):
+        bm.must_readmit(3)
+    assert sum(bm.lookup(prompt)[:2]) < 5, "the failed host entry was dropped"
+    bm.allocate(3, prompt)
+    bm.take_loads()
+    assert bm.complete_loads(True) == []
+    assert not bm.must_readmit(3)
+    bm.mark_computed(3)
+    bm.check_invariants()
+
+
+def test_a_hybrid_hit_is_the_longest_every_group_serves_and_events_stay_group_zeros():
+    bm = BlockManager(12, 4, num_host_blocks=16, group_windows=[None, 32], enable_events=True)
+    prompt = toks(21)
+    cache_prompt(bm, 1, prompt)
+    assert len(offload_all(bm)) == 10, "both groups' blocks"
+    cache_prompt(bm, 2, toks(24, 100))
+    assert bm.lookup(prompt) == (0, 5, 0)
+    assert bm.allocate(3, prompt) == 20
+    assert len(bm.take_loads()) == 10
+    assert bm.complete_loads([True] * 2 + [False] + [True] * 7) == [], "a wide window recomputes in place"
+    assert bm.num_computed_tokens(3) == 8
+    bm.mark_computed(3)
+    bm.check_invariants()
+    replayed = {m: Counter() for m in ("GPU", "CPU")}
+    for e in bm.take_events():
+        if e["medium"] in replayed:
+            sign = 1 if e["kind"] == "stored" else -1
+            for h in e["block_hashes"]:
+                replayed[e["medium"]][h] += sign
+    for medium, counts in replayed.items():
+        assert +counts == Counter(h for h, _ in bm.cached_blocks(medium)), medium
+    assert bm.stats()["cached_host_blocks"] == 10 and len(bm.cached_blocks("CPU")) == 5, "group 0's listed"
+
+
+# ---------------------------------------------------------------------------------------------------
 # The disk tier
 
 
@@ -221,7 +282,7 @@ def test_the_disk_tier_needs_the_host_tier():
     with pytest.raises(ValueError, match="num_disk_blocks"):
         BlockManager(8, 4, num_host_blocks=4, num_disk_blocks=-1)
     hybrid = BlockManager(8, 4, num_host_blocks=4, num_disk_blocks=4, group_windows=[None, 8])
-    assert not hybrid.disk_tier_enabled and hybrid.prefetch(toks(9)) == 0 and hybrid.plan_disk_writes(4) == 0
+    assert hybrid.disk_tier_enabled and hybrid.prefetch(toks(9)) == 0 and hybrid.plan_disk_writes(4) == 0
     stats = bm.stats()
     assert stats["num_disk_blocks"] == 16 and stats["free_disk_blocks"] == 16 and stats["cached_disk_blocks"] == 0
 

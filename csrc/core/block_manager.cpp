@@ -54,9 +54,7 @@ BlockManager::BlockManager(BlockManagerConfig config)
             &gpu_, &counters_),
       disk_(config_.num_disk_blocks, config_.default_priority, &cache_, &events_, &host_, &counters_) {
   for (int64_t w : config_.group_windows) has_windows_ |= w != kFullAttention;
-  // The host tier serves one full-attention group: a failed load then truncates the computed prefix
-  // without needing blocks a window released or another group's shared blocks.
-  if (num_groups() > 1 || has_windows_ || !prefix_caching()) host_.disable();
+  if (!prefix_caching()) host_.disable();
   if (!host_.enabled()) disk_.disable();  // it writes back host slots and reads into them
   if (disk_.enabled()) host_.set_lower_tier(&disk_);
   seqs_.reserve(static_cast<size_t>(std::min(config_.num_blocks, 1 << 16)));
@@ -97,6 +95,9 @@ const BlockManager::Sequence& BlockManager::get_resident(int64_t seq_id, const c
 }
 
 void BlockManager::check_loaded(const Sequence& seq, int64_t seq_id, const char* what) const {
+  if (seq.readmit)
+    throw ValueError(cat(what, ": ", seq_str(seq_id), " lost its cached prefix to a failed load and must be "
+                         "re-admitted; free() it and allocate it again"));
   if (seq.loading > 0)
     throw ValueError(cat(what, ": ", seq_str(seq_id), " has ", seq.loading,
                          " blocks loading from the host tier; complete_loads() first"));
@@ -250,11 +251,12 @@ int64_t BlockManager::allocate(int64_t seq_id, Span<int64_t> tokens, std::string
 TierHits BlockManager::lookup(Span<int64_t> tokens, std::string_view salt) const {
   if (tokens.empty()) throw ValueError("lookup: token_ids is empty");
   const PrefixMatch& m = match_prefix_memo(tokens, salt);
-  TierHits hits{m.num_blocks - m.host_blocks, m.host_blocks, 0};
+  TierHits hits{m.first_loaded, m.num_blocks - m.first_loaded, 0};
   if (disk_.enabled()) {
-    std::vector<PrefixCache::NodeId> nodes;
-    const int32_t hit = tier_walk(tokens, salt, &nodes);
-    hits.disk_blocks = static_cast<int32_t>(nodes.size()) - hit;
+    std::vector<std::vector<PrefixCache::NodeId>> nodes;
+    int32_t reach = 0;
+    const int32_t hit = tier_walk(tokens, salt, &nodes, &reach);
+    hits.disk_blocks = reach - hit;
   }
   return hits;
 }
@@ -285,9 +287,10 @@ int64_t BlockManager::admit(int64_t seq_id, Span<int64_t> tokens, std::string_vi
     t.num_registered = m.num_blocks;
     t.blocks.reserve(needed);
     t.blocks.assign(static_cast<size_t>(t.released), kPad);
-    for (int32_t b : m.held[g]) {
-      if (b == kHostHit) {  // group 0 of a tiered manager: registered only once loaded
-        host_.hold_slot(m.host_slots[t.blocks.size()]);
+    for (size_t j = 0; j < m.held[g].size(); ++j) {
+      const int32_t b = m.held[g][j];
+      if (b == kHostHit) {  // registered only once loaded
+        host_.hold_slot(m.held_slots[g][j]);
         t.num_registered = std::min(t.num_registered, static_cast<int32_t>(t.blocks.size()));
         t.blocks.push_back(kHostHit);
         continue;
@@ -311,12 +314,14 @@ int64_t BlockManager::admit(int64_t seq_id, Span<int64_t> tokens, std::string_vi
   // From here on m may be stale: taking free blocks changes the prefix cache.
   allow_write_backs(fresh + m.host_blocks);  // the hits taken back from the free list are out of it already
   if (m.host_blocks > 0) {
-    std::vector<int32_t>& table = seq.groups[0].blocks;
-    for (int32_t i = 0; i < m.num_blocks; ++i) {
-      if (table[i] != kHostHit) continue;
-      table[i] = gpu_.take_fresh(retention_of(seq, i));
-      host_.queue_load(m.host_slots[i], table[i], seq.serial, i);
-      ++seq.loading;
+    for (int32_t g = 0; g < num_groups(); ++g) {
+      GroupTable& t = seq.groups[g];
+      for (int32_t i = t.released; i < m.num_blocks; ++i) {
+        if (t.blocks[i] != kHostHit) continue;
+        t.blocks[i] = gpu_.take_fresh(retention_of(seq, i));
+        host_.queue_load(m.held_slots[g][i - t.released], t.blocks[i], seq.serial, i);
+        ++seq.loading;
+      }
     }
     loading_seqs_.emplace(seq.serial, seq_id);
   }
@@ -378,11 +383,15 @@ int32_t BlockManager::blocks_to_reserve(const std::vector<const Sequence*>& seqs
 
 bool BlockManager::can_reserve(Span<int64_t> seq_ids, Span<int64_t> num_tokens) const {
   const std::vector<const Sequence*> seqs = resolve(seq_ids, "reserve", /*unique=*/true);
+  for (size_t i = 0; i < seqs.size() && num_readmit_ > 0; ++i)
+    if (seqs[i]->readmit) check_loaded(*seqs[i], seq_ids[i], "reserve");
   return blocks_to_reserve(seqs, seq_ids, num_tokens) <= gpu_.num_free();
 }
 
 void BlockManager::reserve(Span<int64_t> seq_ids, Span<int64_t> num_tokens) {
   const std::vector<Sequence*> seqs = resolve(seq_ids, "reserve", /*unique=*/true);
+  for (size_t i = 0; i < seqs.size() && num_readmit_ > 0; ++i)
+    if (seqs[i]->readmit) check_loaded(*seqs[i], seq_ids[i], "reserve");
   const int32_t needed =
       blocks_to_reserve(std::vector<const Sequence*>(seqs.begin(), seqs.end()), seq_ids, num_tokens);
   if (needed > gpu_.num_free())
@@ -410,6 +419,7 @@ void BlockManager::free(int64_t seq_id) {
   if (it == seqs_.end()) throw KeyError(cat("free: unknown ", seq_str(seq_id), " (never allocated or already freed)"));
   const Sequence& seq = it->second;
   if (seq.loading > 0) loading_seqs_.erase(seq.serial);  // its loads still hold their blocks until confirmed
+  num_readmit_ -= seq.readmit;
   BlockPool& pool = seq.swapped ? cpu_ : gpu_;
   // Tail first: prefix blocks are freed last, so they are the last to be evicted.
   for (const GroupTable& t : seq.groups)

@@ -58,9 +58,11 @@ struct BlockManagerConfig {
 };
 
 // How many leading blocks of a prompt hit, and how many of those the host tier serves (they are loaded).
+// With several groups a hit position may be served by a load in one group and a device block in another:
+// host_blocks counts the hit from the first position any group loads.
 struct TierHits {
-  int32_t device_blocks = 0;  // hit blocks whose KV is on the device (taken as they are)
-  int32_t host_blocks = 0;    // hit blocks loaded from the host tier (the tail of the hit)
+  int32_t device_blocks = 0;  // leading hit blocks no group loads (taken as they are)
+  int32_t host_blocks = 0;    // the rest of the hit: some group loads these from the host tier
   int32_t disk_blocks = 0;    // blocks after the hit that would hit once the disk tier's reads are confirmed
 };
 
@@ -198,8 +200,7 @@ class BlockManager {
   // (block hash, parent block hash) of every block the prefix cache holds KV for now on `medium`.
   std::vector<std::pair<uint64_t, std::optional<uint64_t>>> cached_blocks(Medium medium = Medium::kGpu) const;
 
-  // The host tier (num_host_blocks > 0; used by managers of one full-attention group with prefix
-  // caching). Each step the runner takes the offloads and loads, performs the copies before the step's KV
+  // The host tier (num_host_blocks > 0; used by managers with prefix caching, any groups and windows). Each step the runner takes the offloads and loads, performs the copies before the step's KV
   // writes, then confirms them. See docs/design.md, "Tiers".
   bool host_tier_enabled() const { return host_.enabled(); }
   const BlockPool& host_pool() const { return host_.pool(); }
@@ -215,12 +216,17 @@ class BlockManager {
   void complete_offloads(const std::vector<bool>& ok);
   std::vector<BlockPair> take_loads();     // (host slot, device block), to copy host -> device
   // One outcome per load taken and not yet completed, in the order taken. A sequence whose load failed
-  // keeps as computed only the tokens before the first failed block (num_computed_tokens drops; the rest
-  // is recomputed); its loaded blocks are registered once all its loads are confirmed.
-  void complete_loads(const std::vector<bool>& ok);
+  // keeps as computed the tokens before the first failed block (num_computed_tokens drops; the rest is
+  // recomputed in place, in blocks private to it); its loaded blocks are registered once all its loads are
+  // confirmed. When no such point is safe (a window would need blocks it released, or no fresh block is
+  // free to replace a shared one), the sequence must be re-admitted: its id is returned, its
+  // num_computed_tokens is 0 and it refuses everything but free (free it and allocate it again).
+  std::vector<int64_t> complete_loads(const std::vector<bool>& ok);
   // Blocks of the sequence whose loads are not confirmed yet (mark_computed, append, truncate, fork,
   // swap_out and pin wait for them).
   int32_t num_loading_blocks(int64_t seq_id) const;
+  // Whether a failed load left the sequence to be freed and re-admitted (complete_loads returned its id).
+  bool must_readmit(int64_t seq_id) const { return get(seq_id).readmit; }
   int32_t num_offloads_in_flight() const { return host_.num_offloads_in_flight(); }  // taken, not completed
   int32_t num_loads_in_flight() const { return host_.num_loads_in_flight(); }
 
@@ -290,6 +296,8 @@ class BlockManager {
     std::vector<uint64_t> block_keys;
     std::vector<GroupTable> groups;     // one per group of layers
     int32_t loading = 0;                // loads from the host tier not yet confirmed (next to what every call reads)
+    bool readmit = false;               // a failed load left no safe point to recompute from: free and re-admit
+    int32_t load_failed_at = -1;        // the first block index a load failed at (-1: none), while loading
     int64_t num_computed = 0;           // tokens whose KV is written
     uint64_t serial = 0;                // identifies this sequence's loads (ids may be reused)
     std::string salt;
@@ -301,7 +309,7 @@ class BlockManager {
   // The same for a batch; free while no sequence is loading (always, without the tier).
   template <typename Seqs>
   void check_loaded(const Seqs& seqs, Span<int64_t> seq_ids, const char* what) const {
-    if (loading_seqs_.empty()) return;
+    if (loading_seqs_.empty() && num_readmit_ == 0) return;
     for (size_t i = 0; i < seqs.size(); ++i) check_loaded(*seqs[i], seq_ids[i], what);
   }
   // Write-backs of cached blocks to the host tier may hold the free blocks beyond `needed` (and the
@@ -347,16 +355,23 @@ class BlockManager {
   static constexpr int32_t kHostHit = -3;  // a held entry the host tier serves (a fresh block is loaded)
   struct PrefixMatch {
     int32_t num_blocks = 0;
-    int32_t host_blocks = 0;                  // entries of held[0] that are kHostHit
-    std::vector<int32_t> host_slots;          // group 0's walk: the host slot of each kHostHit, else kNoBlock
+    int32_t host_blocks = 0;                  // entries of held (all groups) that are kHostHit
+    int32_t first_loaded = 0;                 // the first block index any group loads (num_blocks: none)
     std::vector<uint64_t> keys;               // index keys of the prompt's leading full blocks (those walked)
     std::vector<std::vector<int32_t>> held;   // per group
+    std::vector<std::vector<int32_t>> held_slots;  // per group, along held: the host slot of each kHostHit
     std::vector<std::vector<int32_t>> chain;  // per group: scratch of the walk (kept for its capacity)
+    std::vector<std::vector<int32_t>> slots;  // per group, along chain: host slots (tiered walks only)
   };
   void match_prefix(Span<int64_t> tokens, std::string_view salt, PrefixMatch* out) const;
   // The prompt's prefix-cache nodes from block 0 through the hit and the run after it that the host or
   // disk tier holds (or is reading), up to the first block neither holds. Returns the hit's length.
-  int32_t tier_walk(Span<int64_t> tokens, std::string_view salt, std::vector<PrefixCache::NodeId>* nodes) const;
+  // Per group, nodes[g] are the nodes the longest such extension of the hit needs in group g (a windowed
+  // group: those its window reads); the extension's length is returned in *reach.
+  int32_t tier_walk(Span<int64_t> tokens, std::string_view salt, std::vector<std::vector<PrefixCache::NodeId>>* nodes,
+                    int32_t* reach) const;
+  // After a failed load: recomputes from the largest safe point, or marks the sequence for re-admission.
+  void recover_failed_load(Sequence& seq);
   // Cached: allocate() right after can_allocate() for the same prompt reuses the lookup.
   const PrefixMatch& match_prefix_memo(Span<int64_t> tokens, std::string_view salt) const;
   int32_t from_free_for(const PrefixMatch& m, int32_t num_blocks) const;  // free blocks allocate takes
@@ -420,6 +435,7 @@ class BlockManager {
   DiskTier disk_;
   uint64_t next_serial_ = 1;
   std::unordered_map<uint64_t, int64_t> loading_seqs_;  // serial -> id of sequences with loads pending
+  int32_t num_readmit_ = 0;  // sequences waiting to be freed and re-admitted
 
   std::unordered_map<int64_t, Sequence> seqs_;
   struct MatchMemo {

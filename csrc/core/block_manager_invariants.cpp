@@ -44,13 +44,18 @@ void BlockManager::check_invariants() const {
   copies_.check_invariants(num_blocks());
   host_.check_invariants();
   disk_.check_invariants();
-  int32_t loading = 0;
+  int32_t loading = 0, readmit = 0;
   for (const auto& [id, seq] : seqs_) {
     loading += seq.loading;
+    readmit += seq.readmit;
+    if (seq.readmit && (seq.loading > 0 || seq.num_computed != 0 || seq.swapped))
+      fail(cat(seq_str(id), " waits to be re-admitted but is loading, swapped or has computed tokens"));
+    if (seq.loading == 0 && seq.load_failed_at >= 0) fail(cat(seq_str(id), " keeps a failed load after its loads"));
     if (seq.loading > 0 && (!loading_seqs_.count(seq.serial) || loading_seqs_.at(seq.serial) != id))
       fail(cat(seq_str(id), " has ", seq.loading, " loads pending but is not listed as loading"));
   }
   if (loading_seqs_.size() > seqs_.size()) fail("a freed sequence is still listed as loading");
+  if (readmit != num_readmit_) fail(cat(readmit, " sequences wait to be re-admitted but the count says ", num_readmit_));
   if (loading > host_.num_loads_queued() + host_.num_loads_in_flight())
     fail(cat("sequences wait for ", loading, " loads but only ", host_.num_loads_queued() + host_.num_loads_in_flight(),
              " are pending"));
@@ -72,11 +77,12 @@ void BlockManager::check_sequence(int64_t id, const Sequence& seq, std::vector<i
     if (size > blocks_for_tokens(len) || size < std::max<int64_t>(blocks_for_tokens(seq.num_computed), t.released) ||
         t.blocks.size() != seq.groups[0].blocks.size())
       fail(cat(where, " has ", t.blocks.size(), " blocks for ", len, " tokens (", seq.num_computed, " computed)"));
-    if (t.released != released_for(g, seq.num_computed))
+    // A sequence waiting to be re-admitted keeps its table as it was (nothing reads it; free releases it).
+    if (t.released != released_for(g, seq.num_computed) && !seq.readmit)
       fail(cat(where, " released ", t.released, " blocks but its window releases ", released_for(g, seq.num_computed),
                " at ", seq.num_computed, " computed tokens"));
     // Held: at most the window's blocks, the block being written and the tokens not yet computed.
-    if (group_windows()[g] != kFullAttention &&
+    if (group_windows()[g] != kFullAttention && !seq.readmit &&
         size - t.released > window_blocks(g, blocks_for_tokens(len - seq.num_computed)))
       fail(cat(where, " holds ", t.blocks.size() - t.released, " blocks, more than its window needs"));
     if (int64_t(t.num_registered) * block_size_ > seq.num_computed)
@@ -160,13 +166,11 @@ void BlockManager::check_prefix_cache() const {
     }
     if (n.host_slot != PrefixCache::kNoBlock) {
       ++host_registered;
-      if (n.root != PrefixCache::kRoot) fail(cat("prefix-cache node ", id, " of another group than 0 is in the host tier"));
       if (host.tag(n.host_slot) != id)
         fail(cat("prefix-cache node ", id, " names host slot ", n.host_slot, " which holds other content"));
     }
     if (n.disk_record != PrefixCache::kNoBlock) {
       ++disk_registered;
-      if (n.root != PrefixCache::kRoot) fail(cat("prefix-cache node ", id, " of another group than 0 is in the disk tier"));
       if (disk.tag(n.disk_record) != id)
         fail(cat("prefix-cache node ", id, " names disk record ", n.disk_record, " which holds other content"));
     }

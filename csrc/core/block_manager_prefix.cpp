@@ -14,12 +14,16 @@ void BlockManager::match_prefix(Span<int64_t> prompt, std::string_view salt, Pre
   PrefixMatch& m = *out;  // its vectors keep their capacity from one prompt to the next
   m.num_blocks = 0;
   m.host_blocks = 0;
-  m.host_slots.clear();
+  m.first_loaded = 0;
   m.held.resize(num_groups);
+  m.held_slots.resize(num_groups);
   m.chain.resize(num_groups);
+  m.slots.resize(num_groups);
   for (int32_t g = 0; g < num_groups; ++g) {
     m.held[g].clear();
+    m.held_slots[g].clear();
     m.chain[g].clear();
+    m.slots[g].clear();
   }
   m.keys.clear();
   if (!prefix_caching()) return;
@@ -39,13 +43,15 @@ void BlockManager::match_prefix(Span<int64_t> prompt, std::string_view salt, Pre
   };
   std::vector<std::vector<int32_t>>& chain = m.chain;
   int32_t limit = max_hits;
-  const bool tiered = host_.enabled();  // then group 0 is the only group, full attention
+  const bool tiered = host_.enabled();
   for (int32_t pass = 0; pass < 2; ++pass)  // full-attention groups first: they bound the walk
     for (int32_t g = 0; g < num_groups && limit > 0; ++g) {
       const bool full = group_windows()[g] == kFullAttention;
       if (full != (pass == 0)) continue;
       PrefixCache::NodeId parent = PrefixCache::root(g);
-      bool on_host = false;  // once a block is loaded, the rest of the hit is loaded too
+      std::vector<int32_t>& blocks = chain[g];
+      std::vector<int32_t>& slots = m.slots[g];
+      bool on_host = false;  // a full group: once a block is loaded, the rest of its hit is loaded too
       for (int32_t i = 0; i < limit; ++i) {
         const uint64_t key = key_of(i);
         if (i + 1 < limit && i + 1 < static_cast<int32_t>(m.keys.size()))
@@ -56,18 +62,24 @@ void BlockManager::match_prefix(Span<int64_t> prompt, std::string_view salt, Pre
         if (node == PrefixCache::kNoNode) break;
         int32_t block = cache_.node(node).block;
         if (tiered) {
-          // Loaded blocks form the tail of the hit, so a failed load leaves the blocks after it fresh.
+          // A full group's loaded blocks form the tail of its hit, so a failed load leaves the blocks after
+          // it fresh. A windowed group takes what the device has and loads the rest: its hit is only the
+          // window, and recovering from a failed load replaces whatever shared block follows it anyway.
           const int32_t slot = cache_.node(node).host_slot;
-          on_host = on_host || block == PrefixCache::kNoBlock;
-          if (on_host && slot == PrefixCache::kNoBlock) break;
-          m.host_slots.push_back(on_host ? slot : PrefixCache::kNoBlock);
-          if (on_host) block = kHostHit;
+          if (full) {
+            on_host = on_host || block == PrefixCache::kNoBlock;
+            if (on_host && slot == PrefixCache::kNoBlock) break;
+            if (on_host) block = kHostHit;
+          } else if (block == PrefixCache::kNoBlock && slot != PrefixCache::kNoBlock) {
+            block = kHostHit;
+          }
+          slots.push_back(block == kHostHit ? slot : PrefixCache::kNoBlock);
         }
         if (block == PrefixCache::kNoBlock && full) break;
-        chain[g].push_back(block);
+        blocks.push_back(block);
         parent = node;
       }
-      if (full) limit = std::min(limit, static_cast<int32_t>(chain[g].size()));
+      if (full) limit = std::min(limit, static_cast<int32_t>(blocks.size()));
     }
   // The longest hit every group can serve: its chain reaches block k - 1 (the cache has seen that
   // prefix) and the blocks [released_for(g, k * bs), k) hold KV.
@@ -82,32 +94,67 @@ void BlockManager::match_prefix(Span<int64_t> prompt, std::string_view salt, Pre
     if (servable) break;
   }
   m.num_blocks = k;
-  if (tiered) {
-    m.host_slots.resize(static_cast<size_t>(k));
-    for (int32_t i = 0; i < k; ++i) m.host_blocks += chain[0][i] == kHostHit;
+  m.first_loaded = k;
+  for (int32_t g = 0; g < num_groups; ++g) {
+    const int32_t first = static_cast<int32_t>(std::min<int64_t>(released_for(g, int64_t(k) * block_size_), k));
+    m.held[g].assign(chain[g].begin() + first, chain[g].begin() + k);  // k <= chain[g].size()
+    if (!tiered) continue;
+    m.held_slots[g].assign(m.slots[g].begin() + first, m.slots[g].begin() + k);
+    for (int32_t i = first; i < k; ++i)
+      if (chain[g][i] == kHostHit) {
+        ++m.host_blocks;
+        m.first_loaded = std::min(m.first_loaded, i);
+      }
   }
-  for (int32_t g = 0; g < num_groups; ++g)
-    m.held[g].assign(chain[g].begin() + std::min<int64_t>(released_for(g, int64_t(k) * block_size_), k),
-                     chain[g].begin() + k);  // k <= chain[g].size()
 }
 
 int32_t BlockManager::tier_walk(Span<int64_t> prompt, std::string_view salt,
-                               std::vector<PrefixCache::NodeId>* nodes) const {
+                               std::vector<std::vector<PrefixCache::NodeId>>* nodes, int32_t* reach) const {
   const int32_t hit = match_prefix_memo(prompt, salt).num_blocks;
-  nodes->clear();
-  const int32_t limit = blocks_for_tokens(static_cast<int64_t>(prompt.size)) - 1;  // last block: computed
+  const int32_t num_groups = this->num_groups();
+  nodes->resize(num_groups);
+  const int32_t max_hits = blocks_for_tokens(static_cast<int64_t>(prompt.size)) - 1;  // last block: computed
   std::vector<uint64_t> keys;
-  PrefixCache::NodeId parent = PrefixCache::root(0);
-  for (int32_t i = 0; i < limit; ++i) {
-    if (i >= static_cast<int32_t>(keys.size())) extend_keys(prompt.data, salt, std::min(limit, i + 8), &keys);
-    const std::string_view block_salt = i == 0 ? salt : std::string_view();
-    const PrefixCache::NodeId node = cache_.find(keys[i], parent, prompt.data + int64_t(i) * block_size_, block_salt);
-    if (node == PrefixCache::kNoNode) break;
-    const PrefixCache::Node& n = cache_.node(node);
-    if (i >= hit && n.host_slot == PrefixCache::kNoBlock && n.disk_record == PrefixCache::kNoBlock && !n.disk_reading)
-      break;
-    nodes->push_back(node);
-    parent = node;
+  // Per group, the chain's nodes and whether some tier holds (or is reading) each one's KV. A full group
+  // stops past the hit at the first block no tier holds; a windowed group walks the whole chain.
+  std::vector<std::vector<PrefixCache::NodeId>> chain(num_groups);
+  std::vector<std::vector<char>> held(num_groups);
+  int32_t limit = max_hits;
+  for (int32_t pass = 0; pass < 2; ++pass)
+    for (int32_t g = 0; g < num_groups; ++g) {
+      const bool full = group_windows()[g] == kFullAttention;
+      if (full != (pass == 0)) continue;
+      PrefixCache::NodeId parent = PrefixCache::root(g);
+      for (int32_t i = 0; i < limit; ++i) {
+        if (i >= static_cast<int32_t>(keys.size())) extend_keys(prompt.data, salt, std::min(max_hits, i + 8), &keys);
+        const std::string_view block_salt = i == 0 ? salt : std::string_view();
+        const PrefixCache::NodeId node = cache_.find(keys[i], parent, prompt.data + int64_t(i) * block_size_, block_salt);
+        if (node == PrefixCache::kNoNode) break;
+        const PrefixCache::Node& n = cache_.node(node);
+        const bool some_tier = n.block != PrefixCache::kNoBlock || n.host_slot != PrefixCache::kNoBlock ||
+                               n.disk_record != PrefixCache::kNoBlock || n.disk_reading;
+        if (full && i >= hit && !some_tier) break;
+        chain[g].push_back(node);
+        held[g].push_back(some_tier);
+        parent = node;
+      }
+      if (full) limit = std::min(limit, static_cast<int32_t>(chain[g].size()));
+    }
+  int32_t k = std::max(limit, hit);
+  for (; k > hit; --k) {  // the longest extension every group serves once its reads are confirmed
+    bool servable = true;
+    for (int32_t g = 0; g < num_groups && servable; ++g) {
+      servable = k <= static_cast<int32_t>(chain[g].size());
+      for (int32_t i = static_cast<int32_t>(released_for(g, int64_t(k) * block_size_)); i < k && servable; ++i)
+        servable = held[g][i];
+    }
+    if (servable) break;
+  }
+  *reach = k;
+  for (int32_t g = 0; g < num_groups; ++g) {
+    const int32_t first = static_cast<int32_t>(std::min<int64_t>(released_for(g, int64_t(k) * block_size_), k));
+    const int32_t last = std::min<int32_t>(k, static_cast<int32_t>(chain[g].size()));  // k == hit: the hit's chain
+    (*nodes)[g].assign(chain[g].begin() + std::min(first, last), chain[g].begin() + last);
   }
   return hit;
 }
@@ -328,26 +375,76 @@ void BlockManager::complete_offloads(const std::vector<bool>& ok) {
 
 std::vector<BlockPair> BlockManager::take_loads() { return host_.take_loads(); }
 
-void BlockManager::complete_loads(const std::vector<bool>& ok) {
+std::vector<int64_t> BlockManager::complete_loads(const std::vector<bool>& ok) {
   if (ok.size() != static_cast<size_t>(host_.num_loads_in_flight()))
     throw ValueError(cat("complete_loads: ", ok.size(), " outcomes for ", host_.num_loads_in_flight(),
                          " loads taken and not completed"));
   const std::vector<HostTier::Load> done = host_.finish_loads(ok);
-  std::vector<Sequence*> loaded;
+  std::vector<std::pair<int64_t, Sequence*>> loaded;
   for (size_t i = 0; i < done.size(); ++i) {
     const auto it = loading_seqs_.find(done[i].owner);
     if (it == loading_seqs_.end()) continue;  // freed meanwhile
     Sequence& seq = seqs_.at(it->second);
-    if (!ok[i]) {  // the prefix before the first failed block stays computed; the rest is recomputed
-      seq.num_computed = std::min(seq.num_computed, int64_t(done[i].index) * block_size_);
-      seq.groups[0].num_registered = std::min(seq.groups[0].num_registered, done[i].index);
-    }
+    if (!ok[i] && (seq.load_failed_at < 0 || done[i].index < seq.load_failed_at)) seq.load_failed_at = done[i].index;
     if (--seq.loading == 0) {
+      loaded.emplace_back(it->second, &seq);
       loading_seqs_.erase(it);
-      loaded.push_back(&seq);
     }
   }
-  for (Sequence* seq : loaded) register_computed_blocks(*seq, 0);  // the loaded blocks are hits from now on
+  std::vector<int64_t> readmit;
+  for (auto& [id, seq] : loaded) {
+    if (seq->load_failed_at >= 0) recover_failed_load(*seq);
+    if (seq->readmit) {
+      // Its failed entries leave the host tier, so the next lookup does not hit them again.
+      for (size_t i = 0; i < done.size(); ++i)
+        if (!ok[i] && done[i].owner == seq->serial) host_.drop_entry(done[i].slot);
+      ++num_readmit_;
+      readmit.push_back(id);
+      continue;
+    }
+    for (int32_t g = 0; g < num_groups(); ++g) register_computed_blocks(*seq, g);  // hits from now on
+  }
+  return readmit;
+}
+
+void BlockManager::recover_failed_load(Sequence& seq) {
+  // Recomputing from p = j * bs needs every block at or after p private to the sequence, and each windowed
+  // group's window at p present: the table holds [released, ...) only, so that is released_for(g, p) ==
+  // released (a smaller p would need blocks the window did not keep). The largest candidate is the first
+  // failed block's start; a smaller one needs the same windows or more, so it is that or none.
+  const int32_t j = std::min<int32_t>(seq.load_failed_at, static_cast<int32_t>(seq.num_computed / block_size_));
+  seq.load_failed_at = -1;
+  const int64_t p = int64_t(j) * block_size_;
+  bool safe = true;
+  for (int32_t g = 0; g < num_groups() && safe; ++g) safe = released_for(g, p) == seq.groups[g].released;
+  // Blocks at or after j that hold registered content or are shared (device hits; a windowed group may
+  // take some after a loaded one; a reset may have untagged them) are replaced by fresh ones. Loaded and
+  // fresh blocks are neither: nothing registered them, and only this sequence holds them.
+  const auto hits_from_j = [&](const GroupTable& t, auto&& f) {
+    for (size_t i = static_cast<size_t>(std::max(j, t.released)); i < t.blocks.size(); ++i)
+      if (gpu_.tag(t.blocks[i]) != PrefixCache::kNoNode || gpu_.ref_count(t.blocks[i]) > 1) f(i);
+  };
+  int32_t shared = 0, freed = 0;  // releasing a block no one else holds frees it
+  for (const GroupTable& t : seq.groups)
+    hits_from_j(t, [&](size_t i) {
+      ++shared;
+      freed += gpu_.ref_count(t.blocks[i]) == 1 && !copies_.is_source(t.blocks[i]);
+    });
+  if (!safe || shared > gpu_.num_free() + freed) {
+    seq.readmit = true;
+    seq.num_computed = 0;
+    for (GroupTable& t : seq.groups) t.num_registered = 0;
+    return;
+  }
+  std::vector<size_t> replaced;
+  for (GroupTable& t : seq.groups) {
+    replaced.clear();
+    hits_from_j(t, [&](size_t i) { replaced.push_back(i); });
+    for (size_t i : replaced) gpu_.release(t.blocks[i]);
+    for (size_t i : replaced) t.blocks[i] = gpu_.take_fresh(retention_of(seq, static_cast<int32_t>(i)));
+    t.num_registered = std::min(t.num_registered, j);
+  }
+  seq.num_computed = std::min(seq.num_computed, p);
 }
 
 int32_t BlockManager::num_loading_blocks(int64_t seq_id) const { return get(seq_id).loading; }
@@ -376,27 +473,35 @@ void BlockManager::complete_disk_writes(const std::vector<bool>& ok) {
 int32_t BlockManager::prefetch(Span<int64_t> tokens, std::string_view salt) {
   if (tokens.empty()) throw ValueError("prefetch: token_ids is empty");
   if (!disk_.enabled()) return 0;
-  std::vector<PrefixCache::NodeId> nodes;
-  const int32_t hit = tier_walk(tokens, salt, &nodes);
+  std::vector<std::vector<PrefixCache::NodeId>> nodes;
+  int32_t reach = 0;
+  tier_walk(tokens, salt, &nodes, &reach);
   // The prompt's host entries stay while the reads take host slots (and become the most recently used),
   // and its nodes stay while taking a slot writes another entry to disk, which may evict a disk entry.
   std::vector<int32_t> held;
-  for (PrefixCache::NodeId node : nodes) {
-    cache_.add_ref(node);
-    if (cache_.node(node).host_slot != PrefixCache::kNoBlock) {
-      held.push_back(cache_.node(node).host_slot);
-      host_.hold_slot(held.back());
+  for (const auto& group_nodes : nodes)
+    for (PrefixCache::NodeId node : group_nodes) {
+      cache_.add_ref(node);
+      if (cache_.node(node).host_slot != PrefixCache::kNoBlock) {
+        held.push_back(cache_.node(node).host_slot);
+        host_.hold_slot(held.back());
+      }
     }
-  }
   int32_t queued = 0;
-  for (size_t i = static_cast<size_t>(hit); i < nodes.size(); ++i) {
-    const PrefixCache::Node& n = cache_.node(nodes[i]);
-    if (n.host_slot != PrefixCache::kNoBlock || n.disk_reading) continue;  // on the host, or on its way
-    if (n.disk_record == PrefixCache::kNoBlock || !disk_.queue_read(nodes[i])) break;  // evicted meanwhile, or no slot
-    ++queued;
-  }
+  bool stopped = false;
+  for (size_t g = 0; g < nodes.size() && !stopped; ++g)
+    for (PrefixCache::NodeId node : nodes[g]) {
+      const PrefixCache::Node& n = cache_.node(node);
+      if (n.block != PrefixCache::kNoBlock || n.host_slot != PrefixCache::kNoBlock || n.disk_reading) continue;
+      if (n.disk_record == PrefixCache::kNoBlock || !disk_.queue_read(node)) {  // evicted meanwhile, or no slot
+        stopped = true;
+        break;
+      }
+      ++queued;
+    }
   for (int32_t slot : held) host_.release_slot(slot);
-  for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) cache_.release(*it);
+  for (auto g = nodes.rbegin(); g != nodes.rend(); ++g)
+    for (auto it = g->rbegin(); it != g->rend(); ++it) cache_.release(*it);
   return queued;
 }
 

@@ -22,8 +22,11 @@ DiskTier::DiskTier(int32_t num_records, int32_t default_priority, PrefixCache* c
 DiskTier::Identity DiskTier::identity_of(PrefixCache::NodeId node) const {
   const PrefixCache::Node& n = cache_->node(node);
   Identity id;
-  id.hash = cache_->hash(node);
-  if (!PrefixCache::is_root(n.parent)) id.parent = cache_->hash(n.parent);
+  // Equal content in two groups has equal chained hashes but other layers' KV: the group is folded into
+  // the hashes of groups after the first, so one group's record never passes for another's.
+  const uint64_t group_mix = uint64_t(PrefixCache::kRoot - n.root) * 0x9E3779B97F4A7C15ull;
+  id.hash = cache_->hash(node) ^ group_mix;
+  if (!PrefixCache::is_root(n.parent)) id.parent = cache_->hash(n.parent) ^ group_mix;
   const int64_t* tokens = cache_->tokens(node);
   id.tokens.assign(tokens, tokens + cache_->block_size());
   id.salt = n.salt;
@@ -43,7 +46,7 @@ bool DiskTier::can_take_record(int32_t priority) const {
 bool DiskTier::dirty(int32_t slot) const {
   if (!host_->holds_cached_kv(slot)) return false;
   const PrefixCache::Node& n = cache_->node(host_->tag(slot));
-  return n.root == PrefixCache::kRoot && n.disk_record == PrefixCache::kNoBlock && !n.disk_writing;
+  return n.disk_record == PrefixCache::kNoBlock && !n.disk_writing;
 }
 
 bool DiskTier::write_back(int32_t free_slot) {
@@ -104,7 +107,7 @@ void DiskTier::finish_write(const Transfer& w, bool ok) {
   if (ok && current) {
     disk_.set_tag(w.record, w.node);
     cache_->set_location(w.node, Medium::kDisk, w.record);
-    if (events_->enabled())
+    if (events_->enabled() && cache_->node(w.node).root == PrefixCache::kRoot)  // events: group 0's cache
       events_->stored(id.hash, id.parent, id.tokens.data(), cache_->block_size(), cache_->node(w.node).salt,
                       Medium::kDisk);
     ++counters_->disk_writes;
@@ -153,7 +156,7 @@ void DiskTier::finish_read(const Transfer& r, bool ok) {
     if (ok && cache_->node(r.node).host_slot == PrefixCache::kNoBlock) {
       host_->set_tag(r.slot, r.node);
       cache_->set_location(r.node, Medium::kCpu, r.slot);
-      if (events_->enabled())
+      if (events_->enabled() && cache_->node(r.node).root == PrefixCache::kRoot)
         events_->stored(id.hash, id.parent, id.tokens.data(), cache_->block_size(), cache_->node(r.node).salt,
                         Medium::kCpu);
     } else if (!ok && disk_.tag(r.record) == r.node) {

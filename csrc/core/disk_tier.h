@@ -30,7 +30,8 @@ class DiskTier final : public WriteBack {
   void disable() { enabled_ = false; }
   const BlockPool& pool() const { return disk_; }
 
-  // What a record's file holds besides the KV: the block's chained hash, its parent's and its tokens.
+  // What a record's file holds besides the KV: the block's chained hash, its parent's and its tokens (for a
+  // group g > 0 both hashes are xor-ed with g times a constant, so groups' equal contents differ).
   struct Identity {
     uint64_t hash = 0;
     std::optional<uint64_t> parent;

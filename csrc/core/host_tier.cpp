@@ -25,7 +25,7 @@ HostTier::HostTier(int32_t num_slots, int32_t min_priority, int32_t default_prio
 bool HostTier::dirty(int32_t block) const {
   if (!device_->holds_cached_kv(block)) return false;
   const PrefixCache::Node& n = cache_->node(device_->tag(block));
-  return n.root == PrefixCache::kRoot && n.host_slot == PrefixCache::kNoBlock && !n.offloading && !n.disk_reading &&
+  return n.host_slot == PrefixCache::kNoBlock && !n.offloading && !n.disk_reading &&
          device_->retention(block).priority >= min_priority_;
 }
 
@@ -96,7 +96,7 @@ void HostTier::finish_offload(const Offload& o, bool ok) {
     host_.set_tag(o.slot, o.node);
     cache_->set_location(o.node, Medium::kCpu, o.slot);
     const PrefixCache::Node& n = cache_->node(o.node);
-    if (events_->enabled()) {
+    if (events_->enabled() && n.root == PrefixCache::kRoot) {  // events describe group 0's cache
       const std::optional<uint64_t> parent =
           PrefixCache::is_root(n.parent) ? std::nullopt : std::optional<uint64_t>(cache_->hash(n.parent));
       events_->stored(cache_->hash(o.node), parent, cache_->tokens(o.node), cache_->block_size(), n.salt, Medium::kCpu);
@@ -118,6 +118,13 @@ void HostTier::finish_offload(const Offload& o, bool ok) {
 void HostTier::queue_load(int32_t slot, int32_t block, uint64_t owner, int32_t index) {
   device_->acquire(block);  // held until the copy is confirmed, even if the sequence lets go of it
   loads_.push_back({slot, block, owner, index});
+}
+
+void HostTier::drop_entry(int32_t slot) {
+  if (host_.tag(slot) == PrefixCache::kNoNode) return;
+  host_.acquire(slot);  // forget() wants it held: a free slot leaves its cached level
+  host_.forget(slot);
+  host_.release(slot);
 }
 
 std::vector<BlockPair> HostTier::take_loads() {

@@ -1,8 +1,8 @@
 // The host tier of the prefix cache: a pool of host slots (a cache pool of medium kCpu: the device pool's
 // free-list levels, retention and content tags) holding copies of device blocks' KV, the offloads
 // (device block -> host slot) that write KV back to it and the loads (host slot -> device block) that
-// bring it back, each queued until the runner takes it and held until the runner confirms it. Only
-// group 0's chains are offloaded (the manager enables the tier for single-group managers).
+// bring it back, each queued until the runner takes it and held until the runner confirms it. Every group's
+// chains are offloaded: a block id's bytes serve whichever group owns it, so the copy is the same.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -38,7 +38,7 @@ class HostTier final : public WriteBack {
   // while a prefetch takes others).
   void release_slot(int32_t slot) { host_.release(slot); }
 
-  // Offloads. A free device block is dirty when it holds cached KV of group 0 that the host tier does not
+  // Offloads. A free device block is dirty when it holds cached KV (of any group) that the host tier does not
   // have (nor is being given or read from disk), at a priority >= min_priority.
   bool dirty(int32_t block) const;
   // WriteBack: queues the offload of a dirty block about to be reused when a host slot can take it.
@@ -55,7 +55,8 @@ class HostTier final : public WriteBack {
   int32_t num_offloads_in_flight() const { return static_cast<int32_t>(offloads_taken_.size()); }
 
   // Loads: a load copies a host slot into a device block some sequence took for it; it holds both until
-  // the runner confirms it. `owner` identifies the sequence (its serial) and `index` the block in it.
+  // the runner confirms it. `owner` identifies the sequence (its serial) and `index` the block in it (in
+  // whichever group: a failed load's recovery needs only the position).
   struct Load {
     int32_t slot;
     int32_t block;
@@ -68,6 +69,8 @@ class HostTier final : public WriteBack {
   // Each taken load's outcome, in the order taken (ok.size() == num_loads_in_flight()): releases the
   // loads' slots and device blocks and returns the loads.
   std::vector<Load> finish_loads(const std::vector<bool>& ok);
+  // Drops the entry a free or held slot holds (a removed event for group 0's), as when it is evicted.
+  void drop_entry(int32_t slot);
   int32_t num_loads_queued() const { return static_cast<int32_t>(loads_.size()); }
   int32_t num_loads_in_flight() const { return static_cast<int32_t>(loads_taken_.size()); }
 

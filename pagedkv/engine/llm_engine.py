@@ -142,9 +142,6 @@ class LLM:
                                enable_prefix_caching=self.config.enable_prefix_caching, enable_events=enable_events,
                                group_windows=self.model_config.group_windows, num_host_blocks=num_host_blocks,
                                num_disk_blocks=num_disk_blocks)
-        if num_host_blocks and not self.bm.host_tier_enabled:
-            raise ValueError(f"host_cache_bytes > 0: the host tier serves models with full attention in every layer "
-                             f"(one KV group); this model's layer windows are {self.model_config.group_windows}")
         self.disk_tier = None
         self.disk_restored = 0     # disk records a persistent cache brought back at start
         if num_disk_blocks:

@@ -72,16 +72,16 @@ void demote_to_disk(BlockManager& bm, const std::vector<int64_t>& a, const std::
 
 }  // namespace
 
-TEST(DiskTier, NeedsTheHostTierAndIsOffForHybridGroups) {
+TEST(DiskTier, NeedsTheHostTierAndServesHybridGroups) {
   EXPECT_FALSE(BlockManager(tiered(8, 4, 4, 0)).disk_tier_enabled());
   EXPECT_TRUE(BlockManager(tiered(8, 4, 4, 4)).disk_tier_enabled());
   EXPECT_THROW(BlockManager(tiered(8, 4, 0, 4)), ValueError) << "a disk tier without a host tier";
   EXPECT_THROW(BlockManager(tiered(8, 4, 4, -1)), ValueError);
   BlockManagerConfig c = tiered(8, 4, 4, 4);
   c.group_windows = {BlockManager::kFullAttention, 8};
-  BlockManager hybrid(c);  // accepted, and off as the host tier is
-  EXPECT_FALSE(hybrid.host_tier_enabled());
-  EXPECT_FALSE(hybrid.disk_tier_enabled());
+  BlockManager hybrid(c);
+  EXPECT_TRUE(hybrid.host_tier_enabled());
+  EXPECT_TRUE(hybrid.disk_tier_enabled());
   EXPECT_EQ(hybrid.plan_disk_writes(4), 0);
   EXPECT_EQ(hybrid.prefetch(tokens_from(9, 0)), 0);
   c = tiered(8, 4, 4, 4);
@@ -473,6 +473,65 @@ TEST(DiskTier, EventsReplayToEachMediumsCachedBlocks) {
   EXPECT_GT(bm.stats().disk_reads, 2);
 }
 
+TEST(DiskTier, HybridGroupsRoundTripThroughTheDiskAndPrefetchOnlyTheWindow) {
+  BlockManagerConfig c = tiered(12, 4, 10, 32);
+  c.group_windows = {BlockManager::kFullAttention, 8};
+  BlockManager bm(c);
+  const std::vector<int64_t> a = tokens_from(21, 0);  // 5 full blocks per group
+  demote_to_disk(bm, a, tokens_from(24, 100));
+  bm.check_invariants();
+  TierHits hits = bm.lookup(a);
+  EXPECT_EQ(hits.device_blocks + hits.host_blocks, 0);
+  EXPECT_EQ(hits.disk_blocks, 5);
+  // Group 0 needs every block, the window of group 1 blocks 3 and 4 only.
+  EXPECT_EQ(bm.prefetch(a), 7);
+  const std::vector<BlockPair> reads = bm.take_disk_reads();
+  ASSERT_EQ(reads.size(), 7u);
+  // Equal content in two groups is told apart by the identity the record is written under.
+  std::map<std::vector<int64_t>, std::vector<uint64_t>> hashes_of_tokens;
+  for (const auto& [record, slot] : reads) {
+    const DiskTier::Identity id = bm.disk_record_identity(record);
+    hashes_of_tokens[id.tokens].push_back(id.hash);
+  }
+  int two_groups = 0;
+  for (const auto& [tokens, hashes] : hashes_of_tokens)
+    if (hashes.size() == 2) {
+      ++two_groups;
+      EXPECT_NE(hashes[0], hashes[1]);
+    }
+  EXPECT_EQ(two_groups, 2);
+  bm.complete_disk_reads(all(reads.size()));
+  bm.check_invariants();
+  hits = bm.lookup(a);
+  EXPECT_EQ(hits.host_blocks, 5);
+  EXPECT_EQ(hits.disk_blocks, 0);
+  EXPECT_EQ(bm.allocate(3, a), 20);
+  EXPECT_EQ(bm.take_loads().size(), 7u);
+  EXPECT_TRUE(bm.complete_loads(all(7)).empty());
+  bm.mark_computed({3});
+  bm.check_invariants();
+}
+
+TEST(DiskTier, EventsStayGroupZerosWithEveryGroupInTheTiers) {
+  BlockManagerConfig c = tiered(12, 4, 10, 32);
+  c.group_windows = {BlockManager::kFullAttention, 8};
+  c.enable_events = true;
+  BlockManager bm(c);
+  demote_to_disk(bm, tokens_from(21, 0), tokens_from(24, 100));
+  std::map<uint64_t, int> replay[kNumMedia];
+  for (const KvEvent& e : bm.take_events())
+    for (uint64_t h : e.block_hashes) replay[static_cast<int>(e.medium)][h] += e.kind == KvEvent::Kind::kStored ? 1 : -1;
+  for (Medium m : {Medium::kGpu, Medium::kCpu, Medium::kDisk}) {
+    std::map<uint64_t, int> cached;
+    for (const auto& [h, parent] : bm.cached_blocks(m)) ++cached[h];
+    std::map<uint64_t, int>& r = replay[static_cast<int>(m)];
+    for (auto it = r.begin(); it != r.end();) it = it->second == 0 ? r.erase(it) : std::next(it);
+    EXPECT_EQ(r, cached) << medium_name(m);
+  }
+  EXPECT_EQ(bm.cached_blocks(Medium::kDisk).size(), 11u) << "group 0's blocks of both prompts (5 + 6)";
+  EXPECT_GT(bm.stats().cached_disk_blocks, 11) << "group 1's blocks are on disk too";
+}
+
 // ---------------------------------------------------------------------------------------------------
 // A randomized run with a KV oracle: the runner keeps the KV of every device block, host slot and disk
 // record (the value written for a position is a function of the whole prefix up to it), performs every
@@ -483,16 +542,17 @@ namespace {
 
 class Oracle {
  public:
+  // Every group's layers have their own KV in each block id (a copy moves all of them).
   Oracle(BlockManager& bm, int32_t block_size)
       : bm_(bm),
         bs_(block_size),
-        device_(size_t(bm.gpu_pool().num_blocks()) * block_size, -1),
-        host_(size_t(bm.host_pool().num_blocks()) * block_size, -1),
-        disk_(size_t(bm.disk_pool().num_blocks()) * block_size, -1),
+        device_(bm.num_groups(), std::vector<int64_t>(size_t(bm.gpu_pool().num_blocks()) * block_size, -1)),
+        host_(bm.num_groups(), std::vector<int64_t>(size_t(bm.host_pool().num_blocks()) * block_size, -1)),
+        disk_(bm.num_groups(), std::vector<int64_t>(size_t(bm.disk_pool().num_blocks()) * block_size, -1)),
         header_(size_t(bm.disk_pool().num_blocks())) {}
 
-  static int64_t kv_of(const std::vector<int64_t>& tokens, int64_t pos) {
-    uint64_t h = 1469598103934665603ull;
+  static int64_t kv_of(const std::vector<int64_t>& tokens, int64_t pos, int32_t group) {
+    uint64_t h = 1469598103934665603ull + uint64_t(group);
     for (int64_t p = 0; p <= pos; ++p) h = (h ^ uint64_t(tokens[p])) * 1099511628211ull;
     return static_cast<int64_t>(h >> 1);
   }
@@ -512,8 +572,15 @@ class Oracle {
       if (ok.back()) copy(host_, slot, device_, block);
       else scribble(device_, block);
     }
-    bm_.complete_loads(ok);
+    // A sequence left without a safe point to recompute from is freed; the run admits its prompt again.
+    for (int64_t id : bm_.complete_loads(ok)) {
+      EXPECT_EQ(bm_.num_computed_tokens(id), 0);
+      EXPECT_THROW(bm_.mark_computed(Span<int64_t>(&id, 1)), ValueError);
+      readmit_.push_back(bm_.token_ids(id));
+      bm_.free(id);
+    }
   }
+  std::vector<std::vector<int64_t>> take_readmitted() { return std::move(readmit_); }
   // The disk I/O, which may lag a step behind (taken now, completed at a later call).
   void run_disk_io(std::mt19937& rng, double fail) {
     std::bernoulli_distribution failed(fail);
@@ -544,37 +611,50 @@ class Oracle {
   }
   void compute(int64_t id, int64_t end) {
     const std::vector<int64_t> tokens = bm_.token_ids(id);
-    const std::vector<int32_t>& table = bm_.block_table(id);
-    for (int64_t p = bm_.num_computed_tokens(id); p < end; ++p)
-      device_[size_t(table[p / bs_]) * bs_ + p % bs_] = kv_of(tokens, p);
+    for (int32_t g = 0; g < bm_.num_groups(); ++g) {
+      const std::vector<int32_t>& table = bm_.block_table(id, g);
+      for (int64_t p = bm_.num_computed_tokens(id); p < end; ++p)
+        device_[g][size_t(table[p / bs_]) * bs_ + p % bs_] = kv_of(tokens, p, g);
+    }
     const int64_t n = end;
     bm_.mark_computed(Span<int64_t>(&id, 1), Span<int64_t>(&n, 1));
   }
+  // Every computed position each group still holds (a window releases its oldest blocks).
   void check(int64_t id) const {
     const std::vector<int64_t> tokens = bm_.token_ids(id);
-    const std::vector<int32_t>& table = bm_.block_table(id);
-    for (int64_t p = 0; p < bm_.num_computed_tokens(id); ++p)
-      ASSERT_EQ(device_[size_t(table[p / bs_]) * bs_ + p % bs_], kv_of(tokens, p))
-          << "seq " << id << " position " << p << " holds KV that is not its own";
+    for (int32_t g = 0; g < bm_.num_groups(); ++g) {
+      const std::vector<int32_t>& table = bm_.block_table(id, g);
+      const int64_t released = bm_.num_released_blocks(id, g);
+      for (int64_t p = released * bs_; p < bm_.num_computed_tokens(id); ++p)
+        ASSERT_EQ(device_[g][size_t(table[p / bs_]) * bs_ + p % bs_], kv_of(tokens, p, g))
+            << "seq " << id << " group " << g << " position " << p << " holds KV that is not its own";
+    }
   }
 
  private:
-  void copy(const std::vector<int64_t>& from, int32_t src, std::vector<int64_t>& to, int32_t dst) {
-    std::copy_n(from.begin() + size_t(src) * bs_, bs_, to.begin() + size_t(dst) * bs_);
+  using Kv = std::vector<std::vector<int64_t>>;  // per group, per block id
+  void copy(const Kv& from, int32_t src, Kv& to, int32_t dst) {
+    for (size_t g = 0; g < from.size(); ++g)
+      std::copy_n(from[g].begin() + size_t(src) * bs_, bs_, to[g].begin() + size_t(dst) * bs_);
   }
-  void scribble(std::vector<int64_t>& kv, int32_t block) { std::fill_n(kv.begin() + size_t(block) * bs_, bs_, -7); }
+  void scribble(Kv& kv, int32_t block) {
+    for (auto& layer : kv) std::fill_n(layer.begin() + size_t(block) * bs_, bs_, -7);
+  }
   BlockManager& bm_;
   int32_t bs_;
-  std::vector<int64_t> device_, host_, disk_;
+  Kv device_, host_, disk_;
+  std::vector<std::vector<int64_t>> readmit_;
   using Header = std::tuple<uint64_t, std::optional<uint64_t>, std::vector<int64_t>>;
   static Header header_of(const DiskTier::Identity& id) { return {id.hash, id.parent, id.tokens}; }
   std::vector<Header> header_;
   std::vector<BlockPair> writes_, reads_;
 };
 
-void run_oracle(HashAlgo algo, uint32_t seed) {
-  BlockManagerConfig c = tiered(16, 4, 8, 24);
+void run_oracle(HashAlgo algo, uint32_t seed, const std::vector<int64_t>& windows = {BlockManager::kFullAttention}) {
+  const int32_t num_groups = static_cast<int32_t>(windows.size());
+  BlockManagerConfig c = tiered(16 * num_groups, 4, 8 * num_groups, 24 * num_groups);
   c.hash_algo = algo;
+  c.group_windows = windows;
   BlockManager bm(c);
   Oracle oracle(bm, 4);
   std::mt19937 rng(seed);
@@ -585,18 +665,25 @@ void run_oracle(HashAlgo algo, uint32_t seed) {
   }
   std::vector<int64_t> live;
   int64_t next_id = 0;
-  for (int step = 0; step < 500; ++step) {
-    std::vector<int64_t> t = prefixes[rng() % prefixes.size()];
-    for (int k = 0, n = 1 + int(rng() % 9); k < n; ++k) t.push_back(rng() % 3);
+  const auto admit = [&](const std::vector<int64_t>& t) {
     if (rng() % 2) {  // prefetch, and sometimes wait for the reads before admitting
       bm.prefetch(t);
       if (rng() % 2) oracle.drain(rng);
     }
-    if (bm.can_allocate(t) == AllocStatus::kOk) {
-      bm.allocate(next_id, t);
-      live.push_back(next_id++);
-    }
+    if (bm.can_allocate(t) != AllocStatus::kOk) return;
+    bm.allocate(next_id, t);
+    live.push_back(next_id++);
+  };
+  const auto drop_freed = [&] {  // sequences a failed load sent back to admission
+    live.erase(std::remove_if(live.begin(), live.end(), [&](int64_t id) { return !bm.contains(id); }), live.end());
+  };
+  for (int step = 0; step < 500; ++step) {
+    for (const std::vector<int64_t>& t : oracle.take_readmitted()) admit(t);
+    std::vector<int64_t> t = prefixes[rng() % prefixes.size()];
+    for (int k = 0, n = 1 + int(rng() % 9); k < n; ++k) t.push_back(rng() % 3);
+    admit(t);
     oracle.run_copies(rng, 0.15);
+    drop_freed();
     for (int64_t id : live) {
       oracle.check(id);
       if (bm.num_computed_tokens(id) < bm.num_tokens(id)) oracle.compute(id, bm.num_tokens(id));
@@ -615,6 +702,7 @@ void run_oracle(HashAlgo algo, uint32_t seed) {
     bm.plan_offloads(static_cast<int32_t>(rng() % 4));
     bm.plan_disk_writes(static_cast<int32_t>(rng() % 4));
     if (rng() % 2) oracle.run_copies(rng, 0.15);
+    drop_freed();
     oracle.run_disk_io(rng, 0.15);
     if (rng() % 100 == 0) bm.reset_prefix_cache();
     bm.check_invariants();
@@ -630,3 +718,8 @@ void run_oracle(HashAlgo algo, uint32_t seed) {
 
 TEST(DiskTier, OracleEveryComputedTokenHoldsItsOwnKv) { run_oracle(HashAlgo::kXXH64, 1); }
 TEST(DiskTier, OracleUnderForcedHashCollisions) { run_oracle(HashAlgo::kWeak8, 2); }
+TEST(DiskTier, OracleSlidingWindow) { run_oracle(HashAlgo::kXXH64, 3, {8}); }
+TEST(DiskTier, OracleHybridGroups) { run_oracle(HashAlgo::kXXH64, 4, {BlockManager::kFullAttention, 8}); }
+TEST(DiskTier, OracleHybridGroupsUnderForcedHashCollisions) {
+  run_oracle(HashAlgo::kWeak8, 5, {6, BlockManager::kFullAttention});
+}

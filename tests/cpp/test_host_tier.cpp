@@ -42,15 +42,19 @@ std::vector<bool> all(size_t n, bool ok = true) { return std::vector<bool>(n, ok
 
 }  // namespace
 
-TEST(HostTier, OffByDefaultAndForHybridGroups) {
+TEST(HostTier, OffByDefaultOnForWindowsAndHybridGroups) {
   BlockManagerConfig c = tiered(8, 4, 0);
   EXPECT_FALSE(BlockManager(c).host_tier_enabled());
   c.num_host_blocks = 4;
   EXPECT_TRUE(BlockManager(c).host_tier_enabled());
   c.group_windows = {BlockManager::kFullAttention, 8};
-  BlockManager hybrid(c);
-  EXPECT_FALSE(hybrid.host_tier_enabled());
-  EXPECT_EQ(hybrid.plan_offloads(4), 0);
+  EXPECT_TRUE(BlockManager(c).host_tier_enabled());
+  c.group_windows = {8};
+  EXPECT_TRUE(BlockManager(c).host_tier_enabled());
+  c.enable_prefix_caching = false;
+  BlockManager uncached(c);
+  EXPECT_FALSE(uncached.host_tier_enabled());
+  EXPECT_EQ(uncached.plan_offloads(4), 0);
   c = tiered(8, 4, -1);
   EXPECT_THROW(BlockManager{c}, ValueError);
   c = tiered(8, 4, 4);
@@ -291,6 +295,157 @@ TEST(HostTier, EventsReplayToEachMediumsCachedBlocks) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Sliding windows and hybrid groups
+
+namespace {
+
+BlockManagerConfig windowed(int32_t num_blocks, int32_t num_host_blocks, std::vector<int64_t> windows) {
+  BlockManagerConfig c = tiered(num_blocks, 4, num_host_blocks);
+  c.group_windows = std::move(windows);
+  return c;
+}
+
+// Offloads every cached free device block (all confirmed); returns how many.
+size_t offload_all(BlockManager& bm) {
+  bm.plan_offloads(bm.gpu_pool().num_blocks());
+  const size_t n = bm.take_offloads().size();
+  bm.complete_offloads(all(n));
+  return n;
+}
+
+}  // namespace
+
+TEST(HostTier, AWindowedGroupDemotesEveryCachedBlockAndLoadsOnlyItsWindow) {
+  BlockManager bm(windowed(6, 8, {8}));
+  const std::vector<int64_t> a = tokens_from(21, 0);  // 5 full blocks + 1 token
+  bm.allocate(1, a);
+  bm.mark_computed({1});
+  EXPECT_EQ(bm.num_released_blocks(1), 3) << "the window released blocks 0-2 (still cached)";
+  bm.free(1);
+  EXPECT_EQ(offload_all(bm), 5u) << "released blocks are cached and demoted too";
+  cache_prompt(bm, 2, tokens_from(24, 100));  // evicts every device copy of a
+  bm.check_invariants();
+  const TierHits hits = bm.lookup(a);
+  EXPECT_EQ(hits.device_blocks + hits.host_blocks, 5);
+  EXPECT_EQ(hits.host_blocks, 2) << "the window at position 20 reads blocks 3 and 4 only";
+  EXPECT_EQ(bm.allocate(3, a), 20);
+  EXPECT_EQ(bm.num_released_blocks(3), 3);
+  const std::vector<BlockPair> loads = bm.take_loads();
+  ASSERT_EQ(loads.size(), 2u);
+  EXPECT_EQ(loads[0].second, bm.block_table(3)[3]);
+  EXPECT_EQ(loads[1].second, bm.block_table(3)[4]);
+  EXPECT_TRUE(bm.complete_loads(all(2)).empty());
+  EXPECT_EQ(bm.num_computed_tokens(3), 20);
+  bm.check_invariants();
+  bm.mark_computed({3});
+  bm.free(3);
+  EXPECT_EQ(bm.lookup(a).host_blocks, 0) << "the loaded blocks are device hits now";
+  bm.check_invariants();
+}
+
+TEST(HostTier, AFailedWindowLoadSendsTheSequenceBackToAdmission) {
+  for (int failed = 0; failed < 2; ++failed) {
+    BlockManager bm(windowed(6, 8, {8}));
+    const std::vector<int64_t> a = tokens_from(21, 0);
+    cache_prompt(bm, 1, a);
+    offload_all(bm);
+    cache_prompt(bm, 2, tokens_from(24, 100));
+    bm.allocate(3, a);
+    offload_all(bm);  // the write-backs allocate queued
+    std::vector<bool> ok = all(bm.take_loads().size());
+    ok[failed] = false;
+    // Recomputing from block `failed` would need the window's blocks before it, which were not kept.
+    EXPECT_EQ(bm.complete_loads(ok), std::vector<int64_t>{3}) << "failed load " << failed;
+    EXPECT_TRUE(bm.must_readmit(3));
+    EXPECT_EQ(bm.num_computed_tokens(3), 0);
+    bm.check_invariants();
+    EXPECT_THROW(bm.mark_computed({3}), ValueError);
+    EXPECT_THROW(bm.append_token(3, 1), ValueError);
+    EXPECT_THROW(bm.fork(3, 4), ValueError);
+    EXPECT_THROW(bm.pin(3), ValueError);
+    const int64_t n = 21;
+    EXPECT_THROW(bm.reserve({3}, Span<int64_t>(&n, 1)), ValueError);
+    EXPECT_THROW(bm.truncate({3}, Span<int64_t>(&n, 1)), ValueError);
+    const int32_t free_before = bm.gpu_pool().num_free();
+    bm.free(3);
+    EXPECT_EQ(bm.gpu_pool().num_free(), free_before + 3) << "every block it held is back";
+    bm.check_invariants();
+    // The failed entry was dropped: the lookup now stops short of it.
+    EXPECT_LT(bm.lookup(a).device_blocks + bm.lookup(a).host_blocks, 5);
+    bm.allocate(3, a);
+    bm.complete_loads(all(bm.take_loads().size()));
+    bm.check_invariants();
+  }
+}
+
+TEST(HostTier, HybridHitLoadsEveryGroupsBlocksAndRecoversInPlaceWhenTheWindowAllows) {
+  // Group 0 a window of 32 tokens (wider than the prompt: nothing is released), group 1 full attention.
+  BlockManager bm(windowed(12, 16, {32, BlockManager::kFullAttention}));
+  const std::vector<int64_t> a = tokens_from(21, 0);
+  cache_prompt(bm, 1, a);
+  // Confirmed offloads keep their blocks next to evict, the last confirmed first: group 1's, then group 0's.
+  EXPECT_EQ(offload_all(bm), 10u);
+  cache_prompt(bm, 2, tokens_from(14, 100));  // 8 fresh blocks: the 2 empty ones, group 1's 5, group 0's block 0
+  bm.check_invariants();
+  const TierHits hits = bm.lookup(a);
+  EXPECT_EQ(hits.device_blocks, 0);
+  EXPECT_EQ(hits.host_blocks, 5);
+  EXPECT_EQ(bm.allocate(3, a), 20);
+  const std::vector<int32_t> group0 = bm.block_table(3, 0);
+  const std::vector<BlockPair> loads = bm.take_loads();
+  ASSERT_EQ(loads.size(), 6u) << "group 0's block 0 and group 1's five blocks";
+  EXPECT_EQ(loads[0].second, group0[0]);
+  bm.check_invariants();
+  std::vector<bool> ok = all(loads.size());
+  ok[3] = false;  // group 1's block 2
+  EXPECT_TRUE(bm.complete_loads(ok).empty());
+  EXPECT_EQ(bm.num_computed_tokens(3), 8) << "recomputed from the failed block on";
+  const std::vector<int32_t>& after = bm.block_table(3, 0);
+  EXPECT_EQ(after[0], group0[0]);
+  EXPECT_EQ(after[1], group0[1]);
+  // The device hits after the recompute point are private now: released, and fresh blocks taken (with
+  // nothing else free the same blocks come back, their cached content evicted).
+  for (int i = 2; i < 5; ++i) {
+    EXPECT_EQ(bm.gpu_pool().ref_count(after[i]), 1) << i;
+    EXPECT_EQ(bm.gpu_pool().tag(after[i]), PrefixCache::kNoNode) << i;
+  }
+  bm.check_invariants();
+  bm.mark_computed({3});
+  bm.check_invariants();
+  EXPECT_EQ(bm.lookup(a).device_blocks, 5);
+}
+
+TEST(HostTier, FailedLoadsAtEveryPositionOfAHybridHit) {
+  for (const std::vector<int64_t>& windows :
+       {std::vector<int64_t>{BlockManager::kFullAttention, 8}, std::vector<int64_t>{BlockManager::kFullAttention, 32}}) {
+    for (size_t failed = 0;; ++failed) {
+      BlockManager bm(windowed(12, 16, windows));
+      const std::vector<int64_t> a = tokens_from(21, 0);
+      cache_prompt(bm, 1, a);
+      offload_all(bm);
+      cache_prompt(bm, 2, tokens_from(24, 100));
+      bm.allocate(3, a);
+      const size_t n = bm.take_loads().size();
+      if (failed == n) break;
+      std::vector<bool> ok = all(n);
+      ok[failed] = false;
+      const std::vector<int64_t> readmit = bm.complete_loads(ok);
+      bm.check_invariants();
+      if (readmit.empty()) {
+        EXPECT_LT(bm.num_computed_tokens(3), 20);
+        EXPECT_EQ(bm.num_computed_tokens(3) % 4, 0);
+        bm.mark_computed({3});
+      } else {
+        EXPECT_EQ(windows[1], 8) << "a window wider than the prompt always has a safe point";
+        EXPECT_EQ(bm.num_computed_tokens(3), 0);
+        bm.free(3);
+      }
+      bm.check_invariants();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
 // A randomized run with a KV oracle: the runner keeps the KV of every device block and host slot (the
 // value written for a position is a function of the whole prefix up to it), performs every copy the
 // manager hands out and fails some; every computed token of every sequence must hold its own KV.
@@ -299,14 +454,15 @@ namespace {
 
 class Oracle {
  public:
+  // Every group's layers have their own KV in each block id (a copy moves all of them).
   Oracle(BlockManager& bm, int32_t block_size)
       : bm_(bm),
         bs_(block_size),
-        device_(size_t(bm.gpu_pool().num_blocks()) * block_size, -1),
-        host_(size_t(bm.host_pool().num_blocks()) * block_size, -1) {}
+        device_(bm.num_groups(), std::vector<int64_t>(size_t(bm.gpu_pool().num_blocks()) * block_size, -1)),
+        host_(bm.num_groups(), std::vector<int64_t>(size_t(bm.host_pool().num_blocks()) * block_size, -1)) {}
 
-  static int64_t kv_of(const std::vector<int64_t>& tokens, int64_t pos) {
-    uint64_t h = 1469598103934665603ull;
+  static int64_t kv_of(const std::vector<int64_t>& tokens, int64_t pos, int32_t group) {
+    uint64_t h = 1469598103934665603ull + uint64_t(group);
     for (int64_t p = 0; p <= pos; ++p) h = (h ^ uint64_t(tokens[p])) * 1099511628211ull;
     return static_cast<int64_t>(h >> 1);
   }
@@ -328,40 +484,58 @@ class Oracle {
       if (ok.back()) copy(host_, slot, device_, block);
       else scribble(device_, block);
     }
-    bm_.complete_loads(ok);
+    // A sequence left without a safe point to recompute from is freed; the run admits its prompt again.
+    for (int64_t id : bm_.complete_loads(ok)) {
+      EXPECT_EQ(bm_.num_computed_tokens(id), 0);
+      EXPECT_THROW(bm_.mark_computed(Span<int64_t>(&id, 1)), ValueError);
+      readmit_.push_back(bm_.token_ids(id));
+      bm_.free(id);
+    }
   }
+  std::vector<std::vector<int64_t>> take_readmitted() { return std::move(readmit_); }
   // Writes the KV of the sequence's positions [num_computed, end) and marks them computed.
   void compute(int64_t id, int64_t end) {
     const std::vector<int64_t> tokens = bm_.token_ids(id);
-    const std::vector<int32_t>& table = bm_.block_table(id);
-    for (int64_t p = bm_.num_computed_tokens(id); p < end; ++p)
-      device_[size_t(table[p / bs_]) * bs_ + p % bs_] = kv_of(tokens, p);
+    for (int32_t g = 0; g < bm_.num_groups(); ++g) {
+      const std::vector<int32_t>& table = bm_.block_table(id, g);
+      for (int64_t p = bm_.num_computed_tokens(id); p < end; ++p)
+        device_[g][size_t(table[p / bs_]) * bs_ + p % bs_] = kv_of(tokens, p, g);
+    }
     const int64_t n = end;
     bm_.mark_computed(Span<int64_t>(&id, 1), Span<int64_t>(&n, 1));
   }
+  // Every computed position each group still holds (a window releases its oldest blocks).
   void check(int64_t id) const {
     const std::vector<int64_t> tokens = bm_.token_ids(id);
-    const std::vector<int32_t>& table = bm_.block_table(id);
-    for (int64_t p = 0; p < bm_.num_computed_tokens(id); ++p)
-      ASSERT_EQ(device_[size_t(table[p / bs_]) * bs_ + p % bs_], kv_of(tokens, p))
-          << "seq " << id << " position " << p << " holds KV that is not its own";
+    for (int32_t g = 0; g < bm_.num_groups(); ++g) {
+      const std::vector<int32_t>& table = bm_.block_table(id, g);
+      const int64_t released = bm_.num_released_blocks(id, g);
+      for (int64_t p = released * bs_; p < bm_.num_computed_tokens(id); ++p)
+        ASSERT_EQ(device_[g][size_t(table[p / bs_]) * bs_ + p % bs_], kv_of(tokens, p, g))
+            << "seq " << id << " group " << g << " position " << p << " holds KV that is not its own";
+    }
   }
 
  private:
-  void copy(const std::vector<int64_t>& from, int32_t src, std::vector<int64_t>& to, int32_t dst) {
-    std::copy_n(from.begin() + size_t(src) * bs_, bs_, to.begin() + size_t(dst) * bs_);
+  using Kv = std::vector<std::vector<int64_t>>;  // per group, per block id
+  void copy(const Kv& from, int32_t src, Kv& to, int32_t dst) {
+    for (size_t g = 0; g < from.size(); ++g)
+      std::copy_n(from[g].begin() + size_t(src) * bs_, bs_, to[g].begin() + size_t(dst) * bs_);
   }
-  void scribble(std::vector<int64_t>& kv, int32_t block) {
-    std::fill_n(kv.begin() + size_t(block) * bs_, bs_, -7);
+  void scribble(Kv& kv, int32_t block) {
+    for (auto& layer : kv) std::fill_n(layer.begin() + size_t(block) * bs_, bs_, -7);
   }
   BlockManager& bm_;
   int32_t bs_;
-  std::vector<int64_t> device_, host_;
+  Kv device_, host_;
+  std::vector<std::vector<int64_t>> readmit_;
 };
 
-void run_oracle(HashAlgo algo, uint32_t seed) {
-  BlockManagerConfig c = tiered(24, 4, 16);
+void run_oracle(HashAlgo algo, uint32_t seed, const std::vector<int64_t>& windows = {BlockManager::kFullAttention}) {
+  const int32_t num_groups = static_cast<int32_t>(windows.size());
+  BlockManagerConfig c = tiered(24 * num_groups, 4, 16 * num_groups);
   c.hash_algo = algo;
+  c.group_windows = windows;
   BlockManager bm(c);
   Oracle oracle(bm, 4);
   std::mt19937 rng(seed);
@@ -372,15 +546,26 @@ void run_oracle(HashAlgo algo, uint32_t seed) {
   }
   std::vector<int64_t> live;
   int64_t next_id = 0;
+  int readmitted = 0;
+  const auto admit = [&](const std::vector<int64_t>& t) {
+    if (bm.can_allocate(t) != AllocStatus::kOk) return;
+    bm.allocate(next_id, t);
+    live.push_back(next_id++);
+  };
+  const auto drop_freed = [&] {  // sequences a failed load sent back to admission
+    live.erase(std::remove_if(live.begin(), live.end(), [&](int64_t id) { return !bm.contains(id); }), live.end());
+  };
   for (int step = 0; step < 400; ++step) {
+    for (const std::vector<int64_t>& t : oracle.take_readmitted()) {
+      ++readmitted;
+      admit(t);
+    }
     // Admit a prompt: a shared prefix and a random tail.
     std::vector<int64_t> t = prefixes[rng() % prefixes.size()];
     for (int k = 0, n = 1 + int(rng() % 9); k < n; ++k) t.push_back(rng() % 3);
-    if (bm.can_allocate(t) == AllocStatus::kOk) {
-      bm.allocate(next_id, t);
-      live.push_back(next_id++);
-    }
+    admit(t);
     oracle.run_copies(rng, 0.2);
+    drop_freed();
     for (int64_t id : live) {  // every loaded prefix holds its own KV once confirmed
       oracle.check(id);
       if (bm.num_computed_tokens(id) < bm.num_tokens(id)) oracle.compute(id, bm.num_tokens(id));
@@ -403,15 +588,22 @@ void run_oracle(HashAlgo algo, uint32_t seed) {
     }
     bm.plan_offloads(static_cast<int32_t>(rng() % 4));
     if (rng() % 2) oracle.run_copies(rng, 0.2);
+    drop_freed();
     bm.check_invariants();
     for (int64_t id : live) oracle.check(id);
     if (::testing::Test::HasFatalFailure()) return;
   }
   EXPECT_GT(bm.stats().loaded_blocks, 20);
   EXPECT_GT(bm.stats().offloaded_blocks, 20);
+  ::testing::Test::RecordProperty("readmitted", readmitted);
 }
 
 }  // namespace
 
 TEST(HostTier, OracleEveryComputedTokenHoldsItsOwnKv) { run_oracle(HashAlgo::kXXH64, 1); }
 TEST(HostTier, OracleUnderForcedHashCollisions) { run_oracle(HashAlgo::kWeak8, 2); }
+TEST(HostTier, OracleSlidingWindow) { run_oracle(HashAlgo::kXXH64, 3, {8}); }
+TEST(HostTier, OracleHybridGroups) { run_oracle(HashAlgo::kXXH64, 4, {BlockManager::kFullAttention, 8}); }
+TEST(HostTier, OracleHybridGroupsUnderForcedHashCollisions) {
+  run_oracle(HashAlgo::kWeak8, 5, {6, BlockManager::kFullAttention});
+}
