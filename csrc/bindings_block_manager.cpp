@@ -705,20 +705,21 @@ void bind_block_manager(py::module_& m) {
       .def(
           "restore_disk_record",
           [](BlockManager& bm, int32_t record, uint64_t block_hash, std::optional<int32_t> parent_record,
-             const py::object& token_ids, const std::optional<py::object>& cache_salt) {
+             const py::object& token_ids, const std::optional<py::object>& cache_salt, int32_t group) {
             Int64Array tokens(token_ids, "token_ids");
             return bm.restore_disk_record(record, block_hash, parent_record.value_or(-1), tokens.span(),
-                                          salt_bytes(cache_salt));
+                                          salt_bytes(cache_salt), group);
           },
           py::arg("record"), py::arg("block_hash"), py::arg("parent_record"), py::arg("token_ids"), py::kw_only(),
-          py::arg("cache_salt") = py::none(),
+          py::arg("cache_salt") = py::none(), py::arg("group") = 0,
           "Re-registers a disk record an earlier run of the same model wrote (its header read back and checked\n"
           "by the runner): the block `token_ids` whose chained hash is `block_hash`, after the block that disk\n"
           "record `parent_record` holds (None: block 0 of a prompt, salted with `cache_salt`). Restore parents\n"
           "before children. Returns False and changes nothing when the hash is not that block's after that\n"
           "parent, the record is in use or holds something, the parent record holds nothing, or the block has a\n"
-          "disk copy already; True adds a 'DISK' stored event. ValueError: no disk tier, a record out of\n"
-          "range, not one block of tokens, a salt after block 0, or hash_algo='weak8'.")
+          "disk copy already, or is in another group than `group` (the group of a block 0; a child is in its\n"
+          "parent's); True adds a 'DISK' stored event for group 0. ValueError: no disk tier, a record or group\n"
+          "out of range, not one block of tokens, a salt after block 0, or hash_algo='weak8'.")
       .def("set_time", &BlockManager::set_time, py::arg("now"),
            "Advances the manager's clock (the unit of retention durations; it starts at 0 and is never read\n"
            "from the wall): free blocks whose priority duration has run out fall back to the default.")

@@ -542,14 +542,15 @@ class BlockManager(metaclass=_pybind11_type):
         """
 
     def restore_disk_record(self, record: SupportsIndex, block_hash: SupportsIndex, parent_record: SupportsIndex | None,
-                            token_ids: _Ints, *, cache_salt: _Salt = None) -> bool:
+                            token_ids: _Ints, *, cache_salt: _Salt = None, group: SupportsIndex = 0) -> bool:
         """Re-registers a disk record an earlier run of the same model wrote (its header read back and checked
         by the runner): the block `token_ids` whose chained hash is `block_hash`, after the block that disk
         record `parent_record` holds (None: block 0 of a prompt, salted with `cache_salt`). Restore parents
         before children. Returns False and changes nothing when the hash is not that block's after that
         parent, the record is in use or holds something, the parent record holds nothing, or the block has a
-        disk copy already; True adds a 'DISK' stored event. ValueError: no disk tier, a record out of
-        range, not one block of tokens, a salt after block 0, or hash_algo='weak8'.
+        disk copy already, or is in another group than `group` (the group of a block 0; a child is in its
+        parent's); True adds a 'DISK' stored event for group 0. ValueError: no disk tier, a record or group
+        out of range, not one block of tokens, a salt after block 0, or hash_algo='weak8'.
         """
 
     def set_time(self, now: float) -> None:

@@ -305,7 +305,8 @@ def _salt_bytes(salt) -> bytes:
 def restore_records(manager, store: DiskStore) -> int:
     """Registers in ``manager`` (a BlockManager whose disk tier has ``store.num_records`` records and holds
     nothing yet) the records ``store.scan()`` finds, parents before children, so that its prefix cache hits
-    them on disk; returns how many it restored. A record whose parent block is not on disk, or that the
+    them on disk; returns how many it restored. A block 0 goes to the group whose record hash it carries
+    (each group's differs), a child to its parent's. A record whose parent block is not on disk, or that the
     manager refuses (another block's hash, a copy of a block already restored), stays free and is
     overwritten in time. Chains are linked by their 64-bit block hashes, so a restored hit is as exact as
     the manager's hash algorithm (tokens are compared block by block as always; hash_algo='sha256' for
@@ -314,13 +315,16 @@ def restore_records(manager, store: DiskStore) -> int:
     for found in store.scan():
         children.setdefault(found.parent_hash, []).append(found)
     restored = 0
-    todo: list[tuple[int | None, StoredRecord]] = [(None, r) for r in children.get(None, [])]
+    todo: list[tuple[int | None, int | None, StoredRecord]] = [(None, None, r) for r in children.get(None, [])]
     while todo:
-        parent_record, found = todo.pop()
-        if manager.restore_disk_record(found.record, found.block_hash, parent_record, list(found.token_ids),
-                                       cache_salt=found.cache_salt or None):
-            restored += 1
-            todo.extend((found.record, child) for child in children.get(found.block_hash, ()))
+        parent_record, group, found = todo.pop()
+        salt = found.cache_salt or None
+        for g in range(manager.num_groups) if group is None else (group,):
+            if manager.restore_disk_record(found.record, found.block_hash, parent_record, list(found.token_ids),
+                                           cache_salt=salt, group=g):
+                restored += 1
+                todo.extend((found.record, g, child) for child in children.get(found.block_hash, ()))
+                break
     return restored
 
 

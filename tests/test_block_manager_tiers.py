@@ -531,3 +531,29 @@ def test_restore_refuses_what_it_cannot_link_and_changes_nothing():
         BlockManager(4, 4, num_host_blocks=4, num_disk_blocks=4, hash_algo="weak8").restore_disk_record(
             0, 1, None, toks(4))
     bm.check_invariants()
+
+
+def test_each_groups_records_are_restored_into_their_group():
+    earlier = BlockManager(12, 4, num_host_blocks=16, num_disk_blocks=16, group_windows=[None, 64])
+    prompt = toks(13)
+    cache_prompt(earlier, 1, prompt)
+    offload_all(earlier)
+    write_all(earlier)
+    records = disk_records(earlier)
+    assert len(records) == 6, "3 blocks in each group, each group's under its own record hashes"
+    bm = BlockManager(12, 4, num_host_blocks=16, num_disk_blocks=16, group_windows=[None, 64])
+    by_hash = {h: r for r, (h, _, _, _) in records.items()}
+    group_of = {}
+    for r, (h, parent, tokens, salt) in sorted(records.items(), key=lambda kv: kv[1][2][0]):   # parents first
+        parent_record = None if parent is None else by_hash[parent]
+        tried = (0, 1) if parent is None else (group_of[parent_record],)
+        groups = [g for g in tried if bm.restore_disk_record(r, h, parent_record, tokens, group=g)]
+        assert len(groups) == 1, "a record restores into exactly one group"
+        group_of[r] = groups[0]
+        if parent is not None:
+            assert not bm.restore_disk_record(r, h, parent_record, tokens, group=1 - groups[0])
+    assert sorted(group_of.values()) == [0, 0, 0, 1, 1, 1]
+    assert bm.lookup(prompt) == (0, 0, 3), "a hybrid hit needs both groups' blocks"
+    with pytest.raises(ValueError, match="no group"):
+        bm.restore_disk_record(0, 1, None, toks(4), group=2)
+    bm.check_invariants()

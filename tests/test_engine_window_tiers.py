@@ -121,6 +121,25 @@ def test_disk_tier_tokens_equal_the_single_tier_engine(windowed, tmp_path):
     check_nothing_held(tiered)
 
 
+def test_a_persistent_disk_cache_restores_every_group(windowed, tmp_path):
+    """disk_cache_persist=True: a new engine restores each group's records (block 0 in the group whose record
+    hash it carries, a child in its parent's) and hits them from its first prompt, token-exact."""
+    path, vocab, per_block, common = windowed
+    rounds = conversations(vocab, seed=5, turns=3)
+    want = run(LLM(path, **common), rounds)
+    tiers = dict(host_cache_bytes=HOST_BLOCKS * per_block, disk_cache_dir=tmp_path,
+                 disk_cache_bytes=256 * (per_block + 8192), disk_cache_persist=True, **common)
+    first = LLM(path, **tiers)
+    assert run(first, rounds[:2]) == want[:2 * len(rounds[0])]
+    first.close()
+    second = LLM(path, **tiers)
+    assert second.disk_restored > 0
+    assert run(second, rounds[:1]) == want[:len(rounds[0])]
+    assert second.stats()["disk_hit_blocks"] > 0, "the first prompts hit the restored records"
+    assert run(second, rounds[1:]) == want[len(rounds[0]):]
+    check_nothing_held(second)
+
+
 @pytest.mark.parametrize("fail", ["write", "read"])
 def test_a_failed_disk_transfer_costs_a_recompute_not_a_wrong_token(windowed, tmp_path, monkeypatch, fail):
     path, vocab, per_block, common = windowed

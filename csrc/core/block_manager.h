@@ -258,8 +258,9 @@ class BlockManager {
   // use or holds something, the parent record holds nothing, or the block has a disk copy already.
   // ValueError: no disk tier, a record out of range, not one block of tokens, a salt after block 0, or a
   // hash algorithm whose hashes cannot link a chain (weak8).
+  // `group`: the group of a block 0 (a child is in its parent's group; another group refuses it).
   bool restore_disk_record(int32_t record, uint64_t hash, int32_t parent_record, Span<int64_t> tokens,
-                           std::string_view salt = {});
+                           std::string_view salt = {}, int32_t group = 0);
   int32_t num_disk_writes_in_flight() const { return disk_.num_writes_in_flight(); }
   int32_t num_disk_reads_in_flight() const { return disk_.num_reads_in_flight(); }
   int32_t num_pending_disk_reads() const { return disk_.num_reads_pending(); }  // queued or taken

@@ -524,7 +524,7 @@ DiskTier::Identity BlockManager::disk_record_identity(int32_t record) const {
 }
 
 bool BlockManager::restore_disk_record(int32_t record, uint64_t hash, int32_t parent_record, Span<int64_t> tokens,
-                                       std::string_view salt) {
+                                       std::string_view salt, int32_t group) {
   const int32_t num_records = disk_.pool().num_blocks();
   if (!disk_.enabled()) throw ValueError("restore_disk_record: the disk tier is off");
   if (hash_algo() == HashAlgo::kWeak8)
@@ -537,10 +537,14 @@ bool BlockManager::restore_disk_record(int32_t record, uint64_t hash, int32_t pa
     throw ValueError(cat("restore_disk_record: a record holds one block of ", block_size_, " tokens, got ", tokens.size));
   if (parent_record >= 0 && !salt.empty())
     throw ValueError("restore_disk_record: only block 0 (parent_record -1) has a salt");
-  PrefixCache::NodeId parent = PrefixCache::root(0);
+  if (group < 0 || group >= num_groups())
+    throw ValueError(cat("restore_disk_record: no group ", group, " (the manager has ", num_groups(), ")"));
+  PrefixCache::NodeId parent = PrefixCache::root(group);
   if (parent_record >= 0) {
     parent = disk_.pool().tag(parent_record);
-    if (parent == PrefixCache::kNoNode || cache_.node(parent).disk_record != parent_record) return false;
+    if (parent == PrefixCache::kNoNode || cache_.node(parent).disk_record != parent_record ||
+        cache_.node(parent).root != PrefixCache::root(group))
+      return false;
   }
   return disk_.restore(record, parent, tokens.data, salt, hash) != PrefixCache::kNoNode;
 }

@@ -22,9 +22,7 @@ DiskTier::DiskTier(int32_t num_records, int32_t default_priority, PrefixCache* c
 DiskTier::Identity DiskTier::identity_of(PrefixCache::NodeId node) const {
   const PrefixCache::Node& n = cache_->node(node);
   Identity id;
-  // Equal content in two groups has equal chained hashes but other layers' KV: the group is folded into
-  // the hashes of groups after the first, so one group's record never passes for another's.
-  const uint64_t group_mix = uint64_t(PrefixCache::kRoot - n.root) * 0x9E3779B97F4A7C15ull;
+  const uint64_t group_mix = DiskTier::group_mix(n.root);
   id.hash = cache_->hash(node) ^ group_mix;
   if (!PrefixCache::is_root(n.parent)) id.parent = cache_->hash(n.parent) ^ group_mix;
   const int64_t* tokens = cache_->tokens(node);
@@ -180,8 +178,9 @@ PrefixCache::NodeId DiskTier::restore(int32_t record, PrefixCache::NodeId parent
   const std::optional<uint64_t> parent_hash =
       PrefixCache::is_root(parent) ? std::nullopt : std::optional<uint64_t>(cache_->hash(parent));
   const int32_t block_size = cache_->block_size();
-  if (hash_block_tokens(tokens, static_cast<size_t>(block_size), parent_hash, cache_->algo(), salt) != hash)
-    return PrefixCache::kNoNode;  // another block, or the same tokens after another prefix
+  const uint64_t mix = group_mix(PrefixCache::is_root(parent) ? parent : cache_->node(parent).root);
+  if ((hash_block_tokens(tokens, static_cast<size_t>(block_size), parent_hash, cache_->algo(), salt) ^ mix) != hash)
+    return PrefixCache::kNoNode;  // another block, the same tokens after another prefix, or another group
   const PrefixCache::NodeId found = cache_->find(cache_->key(parent, tokens, salt), parent, tokens, salt);
   if (found != PrefixCache::kNoNode) {
     const PrefixCache::Node& n = cache_->node(found);
@@ -192,7 +191,7 @@ PrefixCache::NodeId DiskTier::restore(int32_t record, PrefixCache::NodeId parent
   disk_.acquire(record);
   disk_.set_tag(record, node);  // the record's reference keeps the new node
   cache_->set_location(node, Medium::kDisk, record);
-  if (events_->enabled() && cache_->node(node).root == PrefixCache::kRoot)
+  if (events_->enabled() && cache_->node(node).root == PrefixCache::kRoot)  // group 0's: mix is 0
     events_->stored(hash, parent_hash, tokens, block_size, cache_->node(node).salt, Medium::kDisk);
   disk_.release(record);
   return node;

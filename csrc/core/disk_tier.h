@@ -65,9 +65,16 @@ class DiskTier final : public WriteBack {
   int32_t num_reads_in_flight() const { return static_cast<int32_t>(reads_taken_.size()); }
   int32_t num_reads_pending() const { return num_reads_queued() + num_reads_in_flight(); }
 
+  // Equal content in two groups has equal chained hashes but other layers' KV: the group is folded into
+  // the record hashes of groups after the first (xor with this), so one group's record never passes for
+  // another's.
+  static uint64_t group_mix(PrefixCache::NodeId root) {
+    return uint64_t(PrefixCache::kRoot - root) * 0x9E3779B97F4A7C15ull;
+  }
+
   // A record an earlier run wrote (the runner read its header back): registers it as the disk copy of the
-  // block `tokens` after `parent` (a node, or root(0) for block 0, with `salt`) when `hash` is that
-  // block's chained hash, the record is free and holds nothing, and the block has no disk copy (nor a
+  // block `tokens` after `parent` (a node, or a group's root for block 0, with `salt`) when `hash` is that
+  // block's record hash (group_mix folded in), the record is free and holds nothing, and the block has no disk copy (nor a
   // transfer in flight). Returns the node, or kNoNode when refused; a refusal changes nothing.
   PrefixCache::NodeId restore(int32_t record, PrefixCache::NodeId parent, const int64_t* tokens,
                               std::string_view salt, uint64_t hash);

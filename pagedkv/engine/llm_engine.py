@@ -149,9 +149,6 @@ class LLM:
             # another model, dtype, scale or layout reads as a miss.
             fingerprint = fingerprint_digest(kv_fingerprint(self, host_record=host_record_layout(self.runner.host_tier)))
             persist = self.config.disk_cache_persist
-            if persist and self.model_config.group_windows != [None]:
-                raise ValueError("disk_cache_persist=True restores full-attention blocks only (one KV group); this "
-                                 f"model's layer windows are {self.model_config.group_windows}")
             self.disk_tier = DiskTier(self.config.disk_cache_dir, num_disk_blocks, self.runner.host_tier,
                                       self.config.block_size, fingerprint, self.config.device, persist=persist)
             if persist and not self.disk_tier.store.persistent:
