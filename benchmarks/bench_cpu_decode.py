@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pagedkv.ops as ops  # noqa: E402
 from pagedkv import _C  # noqa: E402
+from timing import thread_seconds  # noqa: E402
 
 CASES = [(16, 2048), (4, 8192), (64, 512)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -55,12 +56,6 @@ class DecodeCall:
     def __call__(self):
         return ops.paged_attention(self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
                                    self.query_start_loc, self.scale, k_scale=self.scales[0], v_scale=self.scales[1])
-
-
-def thread_seconds(fn):
-    t0 = time.thread_time()
-    fn()
-    return time.thread_time() - t0
 
 
 def main():

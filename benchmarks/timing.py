@@ -1,4 +1,5 @@
-"""Shared benchmark timing: warm up, then the median of repeats (CUDA events on GPU, wall clock on CPU)."""
+"""Shared benchmark timing: warm up, then the median of repeats (CUDA events on GPU, wall clock on CPU);
+thread_seconds for one call's CPU time on this thread (a shared machine's other jobs do not count)."""
 import statistics
 import time
 
@@ -26,3 +27,10 @@ def time_ms(fn, device, warmup, repeats):
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
+
+
+def thread_seconds(fn) -> float:
+    """This thread's CPU seconds for one call of fn."""
+    t0 = time.thread_time()
+    fn()
+    return time.thread_time() - t0
