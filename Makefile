@@ -11,7 +11,7 @@ demo: build
 
 # Block-manager-only serving simulation (no model).
 simulate: build
-	$(RUN) -m pagedkv.simulate
+	$(RUN) -m pagedkv.demo.simulate
 
 # make test and the wheel compile the CUDA kernels wherever a toolkit is (no GPU needed), so CI proves
 # they build; make demo / make build compile them only when a GPU is visible (scripts/build.sh).

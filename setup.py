@@ -105,7 +105,7 @@ setup(
     extras_require={"engine": ["safetensors", "tokenizers", "matplotlib", "gguf", "jinja2"],
                     "events": ["pyzmq", "msgspec"],          # LLM(kv_events_endpoint=...)
                     "metrics": ["prometheus_client"],        # LLM(metrics_port=...)
-                    "nixl": ["nixl", "pyzmq"],               # pagedkv.engine.kv_transfer
+                    "nixl": ["nixl", "pyzmq"],               # pagedkv.engine.kv.transfer
                     "transformers": ["transformers>=5.23"]},  # pagedkv.integrations.transformers
     # vLLM runs this in each of its processes; it does nothing unless PAGEDKV_VLLM_ATTENTION=1.
     entry_points={"vllm.general_plugins": ["pagedkv = pagedkv.integrations.vllm:register"]},

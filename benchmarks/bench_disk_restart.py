@@ -31,10 +31,10 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 from bench_host_tier import random_llama  # noqa: E402
-from pagedkv.chat_workload import smollm2_path  # noqa: E402
+from pagedkv.demo.chat_workload import smollm2_path  # noqa: E402
 from pagedkv.disk_store import DiskStore  # noqa: E402
 from pagedkv.engine import LLM, SamplingParams  # noqa: E402
-from pagedkv.engine.model_runner import kv_cache_block_bytes  # noqa: E402
+from pagedkv.engine.execution.model_runner import kv_cache_block_bytes  # noqa: E402
 
 
 def main():

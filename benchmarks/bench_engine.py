@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import pagedkv  # noqa: E402
 import torch  # noqa: E402
 from pagedkv.engine import LLM, SamplingParams  # noqa: E402
-from pagedkv.engine.model_runner import kv_cache_block_bytes  # noqa: E402
+from pagedkv.engine.execution.model_runner import kv_cache_block_bytes  # noqa: E402
 
 MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=4096, max_position_embeddings=2048, initializer_range=0.2)

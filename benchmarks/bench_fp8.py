@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import bench_engine  # noqa: E402
 from pagedkv import ops  # noqa: E402
 from pagedkv.engine import LLM, SamplingParams  # noqa: E402
-from pagedkv.engine.llama import AttentionMetadata, KVGroupInputs  # noqa: E402
+from pagedkv.engine.models.layers import AttentionMetadata, KVGroupInputs  # noqa: E402
 
 NEW_TOKENS = 64
 KV_FORMATS = [  # (label, kv_cache_dtype, kv_scale, round K/V to bf16)

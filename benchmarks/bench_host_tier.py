@@ -31,7 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from pagedkv.chat_workload import smollm2_path  # noqa: E402
+from pagedkv.demo.chat_workload import smollm2_path  # noqa: E402
 from pagedkv.engine import LLM, SamplingParams  # noqa: E402
 
 
@@ -74,7 +74,7 @@ def main():
     big = args.conversations * -(-final_len // args.block_size) + 16
     common = dict(block_size=args.block_size, max_num_batched_tokens=2048, max_num_seqs=4)
     probe = LLM(model, num_blocks=small, **common)
-    from pagedkv.engine.model_runner import kv_cache_block_bytes
+    from pagedkv.engine.execution.model_runner import kv_cache_block_bytes
     import torch
     per_block = kv_cache_block_bytes(probe.model, args.block_size, torch.float32)
     del probe

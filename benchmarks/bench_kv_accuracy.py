@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pagedkv.chat_workload import SMOLLM2_INSTALL, conversations, license_text, smollm2_path  # noqa: E402
+from pagedkv.demo.chat_workload import SMOLLM2_INSTALL, conversations, license_text, smollm2_path  # noqa: E402
 from pagedkv.engine import LLM, SamplingParams  # noqa: E402
-from pagedkv.engine.loader import open_checkpoint  # noqa: E402
+from pagedkv.engine.checkpoints.loader import open_checkpoint  # noqa: E402
 
 CONFIGS = [
     ("fp32 weights, fp32 KV (reference)", dict(), None),

@@ -46,7 +46,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from pagedkv.engine import LLM, SamplingParams  # noqa: E402
-from pagedkv.engine.kv_transfer import KVTransferClient, block_descriptors  # noqa: E402
+from pagedkv.engine.kv.transfer import KVTransferClient, block_descriptors  # noqa: E402
 
 KV_HEADS, HEAD_DIM, LAYERS, PROMPT_BLOCK_TOKENS = 8, 128, 2, 1024
 TOKEN_BYTES = KV_HEADS * HEAD_DIM * 4            # one token of one cache tensor, fp32
@@ -64,7 +64,7 @@ def save_model(path: str) -> None:
 
 def start_server(model: str, block_size: int, threads: int, num_blocks: int | None = None):
     num_blocks = num_blocks or blocks_for(block_size)
-    proc = subprocess.Popen([sys.executable, "-m", "pagedkv.engine.kv_transfer", model, "--block-size", str(block_size),
+    proc = subprocess.Popen([sys.executable, "-m", "pagedkv.engine.kv.transfer", model, "--block-size", str(block_size),
                              "--cpu-threads", str(threads), "--num-blocks", str(num_blocks)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=ROOT))

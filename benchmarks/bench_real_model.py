@@ -2,7 +2,7 @@
 engine side by side with transformers `generate` (padded batches), transformers continuous batching
 (`generate_batch`) and, when its venv exists, vLLM's CPU engine.
 
-Workload: --conversations chats over --system-prompts shared system prompts (pagedkv.chat_workload),
+Workload: --conversations chats over --system-prompts shared system prompts (pagedkv.demo.chat_workload),
 rendered with the model's chat template; every engine gets the same prompt token ids, generates exactly
 --max-tokens greedy tokens per chat (EOS ignored, so every engine does the same work), with a cold prefix
 cache. Per engine and dtype: generated tokens/s, time to first token (TTFT, from the common start: every
@@ -173,7 +173,7 @@ def export_folder(model: str, folder: str) -> None:
     """The GGUF model as a Hugging Face folder (fp32 safetensors + config.json) for vLLM."""
     from safetensors.torch import save_file
 
-    from pagedkv.engine.loader import open_checkpoint
+    from pagedkv.engine.checkpoints.loader import open_checkpoint
 
     ckpt = open_checkpoint(model)
     tensors = {name: read().contiguous() for name, _, read in ckpt.tensors()}
@@ -275,8 +275,8 @@ def main() -> int:
 
     import torch
 
-    from pagedkv.chat_workload import SMOLLM2_INSTALL, conversations, smollm2_path
-    from pagedkv.engine.loader import open_checkpoint
+    from pagedkv.demo.chat_workload import SMOLLM2_INSTALL, conversations, smollm2_path
+    from pagedkv.engine.checkpoints.loader import open_checkpoint
 
     model = smollm2_path()
     if model is None:

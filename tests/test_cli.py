@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.chat_workload import SMOLLM2_INSTALL, smollm2_path
+from pagedkv.demo.chat_workload import SMOLLM2_INSTALL, smollm2_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,14 +33,14 @@ def assert_usage_error(result, words):
     (["--cpu-blocks", "-1"], "--cpu-blocks"),
 ])
 def test_simulate_refuses_bad_flags(tmp_path, args, words):
-    assert_usage_error(run("pagedkv.simulate", *args, cwd=tmp_path, timeout=60), words)
+    assert_usage_error(run("pagedkv.demo.simulate", *args, cwd=tmp_path, timeout=60), words)
 
 
 @pytest.mark.parametrize("cpu_blocks", ["16", "0"], ids=["swap", "recompute"])
 def test_simulate_ends_when_a_request_outgrows_the_pool(tmp_path, cpu_blocks):
     """Requests of up to ~66 blocks in a 40-block pool: those that outgrow it fail instead of being
     swapped (or recomputed) in and out forever."""
-    result = run("pagedkv.simulate", "--requests", "50", "--num-blocks", "40", "--cpu-blocks", cpu_blocks,
+    result = run("pagedkv.demo.simulate", "--requests", "50", "--num-blocks", "40", "--cpu-blocks", cpu_blocks,
                  cwd=tmp_path, timeout=120)
     assert result.returncode == 1, result.stderr
     outgrew = int(result.stdout.split("failed (outgrew the KV cache):")[1].split()[0])
@@ -50,7 +50,7 @@ def test_simulate_ends_when_a_request_outgrows_the_pool(tmp_path, cpu_blocks):
 
 
 def test_simulate_succeeds_with_room(tmp_path):
-    result = run("pagedkv.simulate", "--requests", "40", "--num-blocks", "1024", cwd=tmp_path, timeout=120)
+    result = run("pagedkv.demo.simulate", "--requests", "40", "--num-blocks", "1024", cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "requests finished: 40" in result.stdout
 

@@ -1,10 +1,10 @@
-"""pagedkv.engine.cpu_linear: which projections get oneDNN-packed weights, that they compute the same
+"""pagedkv.engine.execution.cpu_linear: which projections get oneDNN-packed weights, that they compute the same
 function, and that the model is left alone when the packing ops are missing."""
 import pytest
 import torch
 from torch import nn
 
-from pagedkv.engine import cpu_linear
+from pagedkv.engine.execution import cpu_linear
 
 
 def toy():

@@ -9,7 +9,7 @@ import torch
 
 from engine_fixtures import hf_greedy, save_tiny_llama, shared_prefix_prompts
 from pagedkv.engine import LLM, SamplingParams
-from pagedkv.engine.sampling import sample
+from pagedkv.engine.serving.sampling import sample
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 MAX_TOKENS = 20

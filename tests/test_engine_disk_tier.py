@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pagedkv.disk_store as disk_store
-import pagedkv.engine.model_runner as model_runner
+import pagedkv.engine.execution.model_runner as model_runner
 from engine_fixtures import save_tiny_llama
 from pagedkv.engine import LLM
 from test_engine_host_tier import GREEDY, conversations, run

@@ -6,7 +6,7 @@ import torch
 
 from engine_fixtures import tiny_llama_and_outputs
 from pagedkv.engine import LLM, SamplingParams
-from pagedkv.engine.kv_quant import HEADROOM
+from pagedkv.engine.kv.quant import HEADROOM
 
 MAX_TOKENS = 12
 
@@ -69,7 +69,7 @@ def test_dynamic_scales_follow_the_rule_and_stay_fixed(tiny):
 
 
 def test_dynamic_scale_rule_on_known_values():
-    from pagedkv.engine.kv_quant import LayerKvScales
+    from pagedkv.engine.kv.quant import LayerKvScales
     s = LayerKvScales(2, torch.float8_e4m3fn, "dynamic", "cpu")
     key = torch.zeros(5, 2, 4)
     key[3, 0, 1] = -7.0

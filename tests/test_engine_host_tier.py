@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-import pagedkv.engine.model_runner as model_runner
+import pagedkv.engine.execution.model_runner as model_runner
 from engine_fixtures import save_tiny_llama
 from pagedkv.engine import LLM, SamplingParams
 

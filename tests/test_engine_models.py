@@ -13,7 +13,7 @@ import torch
 from engine_fixtures import hf_greedy, load_hf_eager, save_tiny_model, shared_prefix_prompts
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.engine.config import ARCHITECTURES, ModelConfig
-from pagedkv.engine.loader import MODELS
+from pagedkv.engine.models.registry import model_class
 
 MAX_TOKENS = 24          # prompts of 38-56 tokens + 24: up to 10 windows of 8
 MODEL_TYPES = ["mistral", "gemma2"]
@@ -69,7 +69,7 @@ def test_the_registry_builds_each_architecture(tiny):
     llm = LLM(path, block_size=4)
     cfg = llm.model_config
     assert ARCHITECTURES[cfg.architecture].model_type == model_type
-    assert type(llm.model) is MODELS[cfg.architecture]
+    assert type(llm.model) is model_class(cfg.architecture)
     windows = [layer.self_attn.sliding_window for layer in llm.model.model.layers]
     if model_type == "mistral":
         assert windows == [8] * cfg.num_layers

@@ -11,7 +11,7 @@ import torch
 
 from engine_fixtures import hf_greedy, save_tiny_llama
 from pagedkv.engine import LLM, SamplingParams
-from pagedkv.engine.speculative import NgramProposer, accept_greedy, accept_sampled, check_speculative
+from pagedkv.engine.serving.speculative import NgramProposer, accept_greedy, accept_sampled, check_speculative
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 MAX_TOKENS = 24

@@ -17,7 +17,7 @@ import torch
 from engine_fixtures import hf_greedy, save_tiny_llama, shared_prefix_prompts
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.engine.config import ModelConfig
-from pagedkv.engine.model_runner import kv_cache_block_bytes
+from pagedkv.engine.execution.model_runner import kv_cache_block_bytes
 from pagedkv.engine.tp.collectives import TensorParallelError
 from pagedkv.engine.tp.shard import Shard
 from pagedkv.engine.tp.step_message import StepMessage
@@ -52,7 +52,7 @@ def spawned_workers() -> list[int]:
                 zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
         except OSError:
             continue
-        if b"pagedkv.engine.worker" in cmdline and not zombie:
+        if b"pagedkv.engine.tp.worker" in cmdline and not zombie:
             found.append(pid)
     return found
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel workers start from their own entry point (`python -m pagedkv.engine.worker`), never by
+"""Tensor-parallel workers start from their own entry point (`python -m pagedkv.engine.tp.worker`), never by
 re-importing the caller's main module: tensor_parallel_size=2 works from a script without a main guard,
 from `python -c` and from `python -` (stdin), with tp=1's greedy tokens; interpreter exit and a killed
 rank 0 leave no worker behind; a worker that fails while starting or loading is reported with its

@@ -12,8 +12,8 @@ gguf = pytest.importorskip("gguf")
 
 from engine_fixtures import save_tiny_llama  # noqa: E402
 from pagedkv.engine import LLM, SamplingParams  # noqa: E402
-from pagedkv.engine.gguf import GGUFFile, permute_rope_rows, unpermute_rope_rows  # noqa: E402
-from pagedkv.engine.loader import open_checkpoint  # noqa: E402
+from pagedkv.engine.checkpoints.gguf import GGUFFile, permute_rope_rows, unpermute_rope_rows  # noqa: E402
+from pagedkv.engine.checkpoints.loader import open_checkpoint  # noqa: E402
 
 LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",

@@ -3,7 +3,10 @@ an edge A -> B for every `import` of a pagedkv module B in module A (`from X imp
 submodule X.name when there is one, else X; the compiled pagedkv._C is a leaf). Two graphs are checked: the imports that run when A is
 imported (module level, including under `if` and `try`), which decide whether importing works in every
 order; and those plus the imports inside functions, so that deferring an import cannot hide a cycle
-between two modules that need each other."""
+between two modules that need each other.
+
+The engine's rooms (pagedkv/engine/*/, each folder's docstring says what it owns) and the rules on what
+each may import are in RULES, checked over every import, module or function level."""
 import ast
 import pathlib
 
@@ -89,9 +92,9 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_is_read():
     edges = graph(function_level=False)
     assert len(edges) > 20
-    assert "pagedkv.engine.tp.runners" in edges["pagedkv.engine.llm_engine"]
+    assert "pagedkv.engine.tp.runners" in edges["pagedkv.engine.serving.llm_engine"]
     assert "pagedkv.engine.config" in edges["pagedkv.engine.tp.shard"]          # a relative `from ..x import`
-    assert "pagedkv" in edges["pagedkv.engine.scheduler"]                       # `from pagedkv import ...`
+    assert "pagedkv" in edges["pagedkv.engine.serving.scheduler"]                       # `from pagedkv import ...`
 
 
 @pytest.mark.parametrize("function_level", [False, True], ids=["module-level", "with-function-level"])
@@ -103,3 +106,65 @@ def test_no_import_cycle(function_level):
 def test_a_cycle_is_found_and_printed():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+E = "pagedkv.engine"
+APPS = ("pagedkv.engine", "pagedkv.demo", "pagedkv.integrations")
+# (rule, the modules it binds, the modules they must not import, the exceptions): a name stands for the module
+# and everything under it.
+RULES = [
+    ("the library never imports the engine, the demo or the integrations",
+     lambda m: not m.startswith(APPS), APPS, ()),
+    ("the engine never imports the demo or the integrations",
+     lambda m: m.startswith(E), ("pagedkv.demo", "pagedkv.integrations"), ()),
+    ("models never import checkpoints, serving, execution, kv or tp (models know layers and config only)",
+     lambda m: m.startswith(f"{E}.models"),
+     (f"{E}.checkpoints", f"{E}.serving", f"{E}.execution", f"{E}.kv", f"{E}.tp"), ()),
+    ("checkpoints never import a model's internals (only the registry), serving or execution",
+     lambda m: m.startswith(f"{E}.checkpoints"),
+     (f"{E}.models", f"{E}.serving", f"{E}.execution"), (f"{E}.models.registry",)),
+    ("serving never imports a model (models are reached through execution)",
+     lambda m: m.startswith(f"{E}.serving"), (f"{E}.models",), ()),
+    ("the scheduler, sequences, sampling, speculation and metrics never import execution, tp or checkpoints",
+     lambda m: m.startswith(f"{E}.serving") and m != f"{E}.serving.llm_engine",
+     (f"{E}.execution", f"{E}.tp", f"{E}.checkpoints"), ()),
+    ("kv never imports models, checkpoints, execution or tp",
+     lambda m: m.startswith(f"{E}.kv"), (f"{E}.models", f"{E}.checkpoints", f"{E}.execution", f"{E}.tp"), ()),
+    ("execution and tp never import the LLM API",
+     lambda m: m.startswith((f"{E}.execution", f"{E}.tp")), (f"{E}.serving.llm_engine",), ()),
+]
+
+
+def under(module: str, names) -> bool:
+    return any(module == n or module.startswith(n + ".") for n in names)
+
+
+def violations(edges: dict[str, set[str]]) -> list[str]:
+    found = []
+    for rule, binds, forbidden, allowed in RULES:
+        for module in sorted(m for m in edges if binds(m)):
+            for target in sorted(edges[module]):
+                if under(target, forbidden) and not under(target, allowed) and not under(module, (target,)):
+                    found.append(f"{module} imports {target}: {rule}")
+    return found
+
+
+def test_the_rooms_exist_and_say_what_they_own():
+    for room in ("models", "checkpoints", "kv", "serving", "execution", "tp"):
+        init = ROOT / PACKAGE / "engine" / room / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and "import" in doc, f"{init} must say what the room owns and what it may import"
+
+
+def test_the_import_rules_hold():
+    assert violations(graph(function_level=True)) == []
+
+
+def test_a_broken_rule_is_reported():
+    edges = {f"{E}.models.llama": {f"{E}.serving.scheduler", f"{E}.config"},
+             f"{E}.checkpoints.loader": {f"{E}.models.registry", f"{E}.models.layers"},
+             "pagedkv.cache": {"pagedkv.validation"}}
+    assert violations(edges) == [
+        f"{E}.models.llama imports {E}.serving.scheduler: " + RULES[2][0],
+        f"{E}.checkpoints.loader imports {E}.models.layers: " + RULES[3][0],
+    ]

@@ -28,7 +28,7 @@ from engine_fixtures import (GREEDY_ATOL, assert_greedy, build_tiny_model, never
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 
 import pagedkv.ops  # noqa: E402
-from pagedkv.chat_workload import SMOLLM2_INSTALL, conversations, smollm2_path  # noqa: E402
+from pagedkv.demo.chat_workload import SMOLLM2_INSTALL, conversations, smollm2_path  # noqa: E402
 
 MAX_NEW_TOKENS = 12
 # Small steps and pages: prompts are prefilled in chunks, sequences span several pages, and a window of
@@ -233,8 +233,8 @@ def assert_teacher_forced(model, prompt, tokens):
 def test_smollm2_chats():
     """SmolLM2-135M-Instruct from its GGUF file, read by pagedkv's reader into transformers' Llama (a
     quarter of the time of transformers' own GGUF load, which tests/test_real_model.py compares with it)."""
-    from pagedkv.engine.chat import ChatTemplate
-    from pagedkv.engine.gguf import GGUFFile
+    from pagedkv.engine.checkpoints.chat import ChatTemplate
+    from pagedkv.engine.checkpoints.gguf import GGUFFile
 
     gguf = GGUFFile(SMOLLM2)
     config = {k: v for k, v in gguf.config.items() if k not in ("architectures", "model_type", "torch_dtype")}

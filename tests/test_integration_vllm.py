@@ -36,7 +36,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
 import ops_reference as reference  # noqa: E402
 from engine_fixtures import save_tiny_model  # noqa: E402
-from pagedkv.chat_workload import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
+from pagedkv.demo.chat_workload import SMOLLM2_INSTALL, smollm2_path  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 2, 64, 32
@@ -267,7 +267,7 @@ def e2e_cases(folder) -> list[dict]:
     if smollm2 is not None:  # its GGUF file as a safetensors folder, by pagedkv's own GGUF reader
         from safetensors.torch import save_file
 
-        from pagedkv.engine.gguf import GGUFFile
+        from pagedkv.engine.checkpoints.gguf import GGUFFile
         gguf = GGUFFile(smollm2)
         path = os.path.join(folder, "smollm2")
         os.makedirs(path, exist_ok=True)

@@ -20,7 +20,7 @@ from pagedkv.engine import LLM, SamplingParams
 zmq = pytest.importorskip("zmq", reason="KV events need pyzmq (pip install 'pagedkv[events]')")
 msgspec = pytest.importorskip("msgspec", reason="KV events need msgspec (pip install 'pagedkv[events]')")
 
-from pagedkv.engine.kv_events import END_OF_REPLAY, KVEventPublisher, binds  # noqa: E402
+from pagedkv.engine.kv.events import END_OF_REPLAY, KVEventPublisher, binds  # noqa: E402
 
 SUBSCRIBER = str(Path(__file__).with_name("kv_events_subscriber.py"))
 VLLM_PYTHON = os.environ.get("PAGEDKV_VLLM_PYTHON", "/work/vllm-venv/bin/python")

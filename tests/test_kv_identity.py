@@ -5,8 +5,8 @@ import pytest
 
 from engine_fixtures import save_tiny_llama
 from pagedkv.engine import LLM
-from pagedkv.engine.kv_identity import fingerprint_digest, kv_fingerprint
-from pagedkv.engine.kv_transfer import FingerprintMismatch, check_fingerprint, fingerprint
+from pagedkv.engine.kv.identity import fingerprint_digest, kv_fingerprint
+from pagedkv.engine.kv.transfer import FingerprintMismatch, check_fingerprint, fingerprint
 
 
 @pytest.fixture(scope="module")

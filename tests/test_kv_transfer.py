@@ -16,8 +16,7 @@ pytest.importorskip("zmq", reason="KV transfer needs pyzmq")
 from engine_fixtures import save_tiny_llama  # noqa: E402
 
 from pagedkv.engine import LLM, SamplingParams  # noqa: E402
-from pagedkv.engine.kv_transfer import (FingerprintMismatch, KVTransferClient, KVTransferError,  # noqa: E402
-                                        coalesce)
+from pagedkv.engine.kv.transfer import FingerprintMismatch, KVTransferClient, KVTransferError, coalesce
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, UCX_NET_DEVICES="lo", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -28,7 +27,7 @@ BS = 16
 
 def start_server(model, *args):
     """A prefill instance in a subprocess; returns (process, endpoint)."""
-    proc = subprocess.Popen([sys.executable, "-m", "pagedkv.engine.kv_transfer", str(model), "--cpu-threads", "1",
+    proc = subprocess.Popen([sys.executable, "-m", "pagedkv.engine.kv.transfer", str(model), "--cpu-threads", "1",
                              "--block-size", str(BS), *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             env=ENV, cwd=ROOT)
     for line in proc.stdout:
@@ -267,7 +266,7 @@ def test_coalesce_runs():
 
 def test_missing_nixl_is_an_import_error_saying_what_to_install():
     code = ("import sys; sys.modules['nixl'] = None; sys.modules['nixl._api'] = None\n"
-            "from pagedkv.engine.kv_transfer import KVTransferServer\n"
+            "from pagedkv.engine.kv.transfer import KVTransferServer\n"
             "try:\n    KVTransferServer(None)\nexcept ImportError as e:\n    print(e)\n")
     done = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
@@ -280,7 +279,7 @@ def test_bad_arguments_are_refused_before_anything_starts(model, server):
         KVTransferClient(llm, server, timeout_s=0)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         KVTransferClient(decode_engine(model, enable_prefix_caching=False), server)
-    from pagedkv.engine.kv_transfer import KVTransferServer
+    from pagedkv.engine.kv.transfer import KVTransferServer
     with pytest.raises(ValueError, match="lease_s"):
         KVTransferServer(llm, lease_s=float("nan"))
     with KVTransferClient(llm, server) as client:
@@ -299,7 +298,7 @@ def test_bad_arguments_are_refused_before_anything_starts(model, server):
 
 
 def test_a_late_read_needs_the_lease_confirmed(model, server, reference, monkeypatch):
-    from pagedkv.engine import kv_transfer
+    from pagedkv.engine.kv import transfer
 
     batch = prompts(7, [50])
     monkeypatch.setattr(kv_transfer, "LEASE_MARGIN", 0.0)      # every read counts as late: done must confirm

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from pagedkv.chat_workload import SMOLLM2_INSTALL, conversations, license_text, smollm2_path
+from pagedkv.demo.chat_workload import SMOLLM2_INSTALL, conversations, license_text, smollm2_path
 
 MODEL = smollm2_path()
 pytestmark = pytest.mark.skipif(MODEL is None, reason=f"the real model is not installed: {SMOLLM2_INSTALL}")

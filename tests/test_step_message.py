@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from pagedkv.engine.llama import AttentionMetadata, KVGroupInputs
-from pagedkv.engine.scheduler import ScheduledBatch
+from pagedkv.engine.models.layers import AttentionMetadata, KVGroupInputs
+from pagedkv.engine.serving.scheduler import ScheduledBatch
 from pagedkv.engine.tp.step_message import MOVES, StepMessage
 
 

@@ -6,15 +6,18 @@ caching, preemption by swap or recompute, n > 1 samples by fork + copy-on-write)
     out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
     print(out[0].text, llm.stats()["hit_rate"])
 
-Files: config (model and engine settings, the model registry), llama (the model, attention through
-torch.ops.pagedkv; Mistral is Llama with windows), gemma2 (Gemma 2 from llama's pieces), loader
-(safetensors and GGUF checkpoints into the registry's model class), sampling, sequence (sequences, requests, outputs),
-scheduler (queues and block-manager decisions), model_runner (block moves, attention inputs, forward,
-sampling), llm_engine (the LLM API), tp/ (tensor parallelism) and worker (a tensor-parallel worker's
-entry point).
+Rooms, one concept each (every folder's docstring says what it owns and what it may import;
+tests/test_import_graph.py checks it):
+  config.py     the model's and the engine's settings, shared by every room
+  models/       one module per architecture over shared decoder blocks, and the registry
+  checkpoints/  safetensors and GGUF checkpoints, tokenizers, chat templates
+  kv/           the KV beyond the pool: disk tier, transfer, fingerprint, events, fp8 scales
+  serving/      the LLM API, scheduler, sequences, sampling, speculation, metrics
+  execution/    the model runner and CPU weight packing
+  tp/           tensor parallelism and its workers' entry point
 """
-from .llm_engine import LLM
-from .sampling import SamplingParams
-from .sequence import CompletionOutput, RequestOutput
+from .serving.llm_engine import LLM
+from .serving.sampling import SamplingParams
+from .serving.sequence import CompletionOutput, RequestOutput
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

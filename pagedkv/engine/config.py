@@ -10,53 +10,13 @@ import torch
 from pagedkv.cache import kv_cache_groups
 from pagedkv.validation import check_bool, check_float, check_int
 
-from .kv_quant import check_kv_cache_dtype, check_kv_scale
-from .speculative import check_speculative
+from .kv.quant import check_kv_cache_dtype, check_kv_scale
+from .models.registry import ARCHITECTURES, Architecture
+from .serving.speculative import check_speculative
 
 INT32_MAX = 2**31 - 1        # the block manager counts blocks and tokens per block in int32
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-# config.json fields that change the maths of a Llama-family model, with the only value this engine runs
-# (absent counts as that value). Anything else is refused, naming the field.
-MATHS_FIELDS = {"hidden_act": "silu", "sliding_window": None, "use_sliding_window": False,
-                "attn_logit_softcapping": None, "final_logit_softcapping": None, "query_pre_attn_scalar": None,
-                "partial_rotary_factor": 1.0, "logits_scaling": None, "qk_norm": False, "use_qk_norm": False,
-                "quantization_config": None}
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """One Hugging Face architecture the engine runs: what it reads from config.json, and the model class
-    that runs it."""
-    model_type: str
-    model_class: str           # "module.Class" in pagedkv.engine (a name: the model modules import this one)
-    fixed: dict                # fields with the only value the engine runs (absent counts as that value)
-    defaults: dict             # transformers' class defaults of fields the engine reads, when absent
-    read: frozenset = frozenset()   # the architecture's own fields the engine runs (windows, softcaps, ...)
-    activation: str = "silu"        # the MLP gate's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
-
-
-# The model registry, keyed by config.json's `architectures`. Mistral is Llama with every layer windowed;
-# Gemma 2 alternates windowed and full layers.
-ARCHITECTURES = {
-    "LlamaForCausalLM": Architecture("llama", "llama.LlamaForCausalLM", MATHS_FIELDS, {}),
-    "MistralForCausalLM": Architecture(
-        "mistral", "llama.LlamaForCausalLM",
-        {**{k: v for k, v in MATHS_FIELDS.items() if k != "sliding_window"}, "attention_bias": False,
-         "mlp_bias": False},
-        {"sliding_window": 4096, "max_position_embeddings": 131072},
-        frozenset({"sliding_window"})),
-    "Gemma2ForCausalLM": Architecture(
-        "gemma2", "gemma2.Gemma2ForCausalLM",
-        {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False,
-                   "partial_rotary_factor": 1.0, "quantization_config": None, "mlp_bias": False,
-                   "qk_norm": False, "use_qk_norm": False, "logits_scaling": None},
-        {"sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
-         "final_logit_softcapping": 30.0, "head_dim": 256, "max_position_embeddings": 8192,
-         "tie_word_embeddings": True},
-        frozenset({"sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
-                   "final_logit_softcapping"}), activation="gelu_pytorch_tanh"),
-}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_KEYS = {"default": set(), "linear": {"factor"},
              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}

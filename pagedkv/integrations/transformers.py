@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .. import ops
+from pagedkv import ops
 
 __all__ = ["ATTN_IMPLEMENTATION", "enable", "disable", "enabled", "paged_attention_forward"]
 

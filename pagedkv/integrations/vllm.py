@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import ops
+from pagedkv import ops
 
 try:
     from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayer,

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import EngineConfig
-from ..loader import open_checkpoint
+from ..checkpoints.loader import open_checkpoint
 from .collectives import TensorParallel, timeout
 from .shard import Shard
 from .workers import Workers, WorkerSpec

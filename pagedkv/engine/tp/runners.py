@@ -6,9 +6,9 @@ import traceback
 import torch
 
 from ..config import EngineConfig
-from ..loader import open_checkpoint
-from ..model_runner import ModelRunner, host_tier_size, load_rank_model, pool_size
-from ..scheduler import ScheduledBatch
+from ..checkpoints.loader import open_checkpoint
+from ..execution.model_runner import ModelRunner, host_tier_size, load_rank_model, pool_size
+from ..serving.scheduler import ScheduledBatch
 from .step_message import StepMessage
 from .workers import report_failure
 

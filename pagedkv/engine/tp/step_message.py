@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from ..llama import AttentionMetadata, KVGroupInputs
+from ..models.layers import AttentionMetadata, KVGroupInputs
 
 # What a field is on the wire (its dataclass metadata).
 INT, TENSOR, TENSOR_LIST = "int", "tensor", "tensor list"

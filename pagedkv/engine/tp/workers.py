@@ -1,4 +1,4 @@
-"""Rank 0's worker processes. Each starts from its own entry point, `python -m pagedkv.engine.worker`
+"""Rank 0's worker processes. Each starts from its own entry point, `python -m pagedkv.engine.tp.worker`
 (never a re-import of the caller's main module, so scripts without a main guard, `python -c` and
 `python -` work), finds rank 0 through a TCPStore whose address it gets in its environment, reads what to
 build from the store, and leaves its error there if it fails. Rank 0 reaps them; they exit by themselves
@@ -18,7 +18,7 @@ from .collectives import TensorParallelError, timeout
 # when its parent is no longer that process).
 STORE_ENV, RANK_ENV, SIZE_ENV, PARENT_ENV = ("PAGEDKV_TP_STORE", "PAGEDKV_TP_RANK", "PAGEDKV_TP_WORLD_SIZE",
                                              "PAGEDKV_TP_PARENT_PID")
-ENTRY_POINT = "pagedkv.engine.worker"
+ENTRY_POINT = "pagedkv.engine.tp.worker"
 POLL_S = 0.02
 
 
@@ -160,7 +160,7 @@ class Workers:
 
 
 def _launch(rank: int, size: int, port: int) -> subprocess.Popen:
-    """`python -m pagedkv.engine.worker` with this interpreter, the pagedkv this process imported first on
+    """`python -m pagedkv.engine.tp.worker` with this interpreter, the pagedkv this process imported first on
     its path, and the worker's place in the group in its environment."""
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))

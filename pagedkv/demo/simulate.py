@@ -3,7 +3,7 @@ prompts arrive over time, are admitted with can_allocate, decode one token per s
 swap (or recompute) when blocks run out, and finish. Every step produces the tensors a model runner
 would need. Prints the prefix-cache hit rate, peak blocks used, preemptions and the bookkeeping cost.
 
-  python -m pagedkv.simulate [--requests 2000] [--num-blocks 2048] [--cpu-blocks 512]
+  python -m pagedkv.demo.simulate [--requests 2000] [--num-blocks 2048] [--cpu-blocks 512]
 """
 import argparse
 import random

@@ -17,20 +17,20 @@ from pagedkv import AllocStatus, BlockManager
 from pagedkv._threads import ThreadTuner, available_cpus
 from pagedkv.validation import check_bool, check_int, token_id_list
 
-from .chat import conversation_list
-from .config import EngineConfig
-from .kv_events import KVEventPublisher, require_packages as require_kv_events_packages
-from .kv_quant import cache_salt
-from .loader import open_checkpoint
+from ..checkpoints.chat import conversation_list
+from ..config import EngineConfig
+from ..kv.events import KVEventPublisher, require_packages as require_kv_events_packages
+from ..kv.quant import cache_salt
+from ..checkpoints.loader import open_checkpoint
 from .metrics import PrometheusExporter, require_prometheus
-from .disk_tier import DiskTier
-from .kv_identity import fingerprint_digest, host_record_layout, kv_fingerprint
-from .model_runner import ModelRunner, disk_tier_size, host_tier_size, load_rank_model, pool_size
+from ..kv.disk_tier import DiskTier
+from ..kv.identity import fingerprint_digest, host_record_layout, kv_fingerprint
+from ..execution.model_runner import ModelRunner, disk_tier_size, host_tier_size, load_rank_model, pool_size
 from .sampling import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import CompletionOutput, Request, RequestOutput
-from .tp import group
-from .tp.runners import DriverRunner, serve_rank
+from ..tp import group
+from ..tp.runners import DriverRunner, serve_rank
 
 
 class LLM:

@@ -1,6 +1,6 @@
-"""Llama-family decoder (RMSNorm, RoPE incl. Llama-3 scaling, GQA, SwiGLU) whose attention reads and
-writes the paged KV cache through torch.ops.pagedkv. Mistral is this model with a sliding window on every
-layer; gemma2.py builds Gemma 2 from these pieces."""
+"""The decoder blocks every model module builds from: attention inputs (AttentionMetadata), RMSNorm,
+RoPE (incl. Llama-3 scaling), attention through torch.ops.pagedkv (GQA, per-layer window, softcap), the
+gated MLP, the decoder layer and the vocabulary-parallel embedding."""
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from pagedkv import ops
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 @dataclass
@@ -179,73 +179,3 @@ class VocabParallelEmbedding(nn.Module):
         outside = (input_ids < self.start) | (input_ids >= self.stop)
         h = F.embedding((input_ids - self.start).masked_fill_(outside, 0), self.weight)
         return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0.0))
-
-
-class LlamaModel(nn.Module):
-    decoder_layer, norm_class = DecoderLayer, RMSNorm     # what a variant (gemma2.py) replaces
-
-    def __init__(self, cfg: ModelConfig, tp=None):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None else \
-            VocabParallelEmbedding(cfg, tp)
-        self.layers = nn.ModuleList(self.decoder_layer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(self, input_ids, positions, kv_caches, meta):
-        """Final hidden states of the last token of every sequence: [B, hidden].
-
-        Submodules are called through `.forward`: the hot path skips nn.Module.__call__ (hooks,
-        about 7 us a call), a tenth of a CPU decode step of a small model."""
-        h, residual = self.embed(input_ids), None
-        loads = meta.layer_loads
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            if loads is not None:
-                loads.wait(i)
-            h, residual = layer.forward(positions, h, residual, self.rotary_emb, kv_cache, meta)
-        if meta.logits_indices is not None:            # speculative verification: several per sequence
-            h, residual = h[meta.logits_indices], residual[meta.logits_indices]
-        elif h.shape[0] != meta.seq_lens.shape[0]:     # some sequence has several tokens: keep the last
-            last = meta.query_start_loc[1:].long() - 1
-            h, residual = h[last], residual[last]
-        return self.norm.forward(h, residual)
-
-
-class LlamaForCausalLM(nn.Module):
-    model_class = LlamaModel
-    # Checkpoint names packed into one of our fused projections: name -> (fused name, shard index).
-    packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-    def __init__(self, cfg: ModelConfig, tp=None):
-        """tp: a pagedkv.engine.tp.collectives.TensorParallel to build this rank's shard (config then holds the
-        shard's head and MLP sizes; embedding and LM head hold its rows of the vocabulary)."""
-        super().__init__()
-        self.tp = tp
-        if tp is not None:
-            cfg = tp.shard.local_config(cfg)
-        self.config = cfg
-        self.model = self.model_class(cfg, tp)
-        vocab_rows = cfg.vocab_size if tp is None else tp.shard.vocab_rows(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states of the last token of every sequence: [B, hidden]."""
-        return self.model(input_ids, positions, kv_caches, meta)
-
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor | None:
-        """[B, vocab] float32 logits (under tensor parallelism: on rank 0; None on the others)."""
-        logits = self.lm_head(h)
-        if self.tp is not None:
-            logits = self.tp.gather_logits(logits, self.config.vocab_size)
-        if logits is None:
-            return None
-        cap = self.config.final_logit_softcapping
-        if cap is not None:                  # Gemma 2: in the model's dtype, as transformers
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()

@@ -7,14 +7,15 @@ from pagedkv.cache import allocate_host_tier, allocate_kv_cache, block_bytes
 from pagedkv.disk_store import DiskStore
 from pagedkv.ops import load_blocks, offload_blocks
 
-from .config import EngineConfig
+from ..config import EngineConfig
 from .cpu_linear import pack_wide_linears
-from .kv_quant import attach_kv_scales, kv_cache_dtype
-from .llama import AttentionMetadata, KVGroupInputs, LlamaForCausalLM
-from .loader import Checkpoint, load_model
-from .sampling import sample, sampling_probs
-from .scheduler import ScheduledBatch
-from .speculative import accept_greedy, accept_sampled
+from ..kv.quant import attach_kv_scales, kv_cache_dtype
+from ..models.layers import AttentionMetadata, KVGroupInputs
+from ..models.llama import LlamaForCausalLM
+from ..checkpoints.loader import Checkpoint, load_model
+from ..serving.sampling import sample, sampling_probs
+from ..serving.scheduler import ScheduledBatch
+from ..serving.speculative import accept_greedy, accept_sampled
 
 
 def num_cache_tensors(model: LlamaForCausalLM) -> int:

