@@ -103,11 +103,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.kv_scales = None   # float8 KV cache: this layer's kv_quant.LayerKvScales (set by the runner)
 
-    def forward(self, positions, x, rope, kv_cache, meta: AttentionMetadata):
-        group = meta.groups[self.kv_group]
+    def project(self, positions, x, rope):
+        """This step's queries and keys ([T, H + Hkv, D], rotated) and values ([T, Hkv, D]): what a model
+        changes (QK-norm, ...) to make them differently."""
         qkv = self.qkv_proj.forward(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         rope.forward(positions, qk)                  # in place: queries and keys in one call
+        return qk, v
+
+    def forward(self, positions, x, rope, kv_cache, meta: AttentionMetadata):
+        group = meta.groups[self.kv_group]
+        qk, v = self.project(positions, x, rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         key_cache, value_cache = kv_cache
         k_scale = v_scale = None
@@ -146,10 +152,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_class = Attention      # what a variant (qwen3.py) replaces
+
     def __init__(self, cfg: ModelConfig, layer: int, tp=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, tp)
+        self.self_attn = self.attention_class(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
