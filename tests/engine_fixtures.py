@@ -1,4 +1,4 @@
-"""Helpers for the engine tests: tiny random Hugging Face Llamas (and Mistrals, Gemma 2s) saved to disk,
+"""Helpers for the engine tests: tiny random Hugging Face Llamas (and Mistrals, Gemma 2s, Qwen3s) saved to disk,
 and their greedy output."""
 import random
 
@@ -22,11 +22,13 @@ def save_tiny_llama(path, seed=0, max_shard_size=None, **overrides):
 TINY_MISTRAL = dict(TINY, sliding_window=8)
 TINY_GEMMA2 = dict(TINY, head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
                    final_logit_softcapping=4.0, num_hidden_layers=4, tie_word_embeddings=False)
+# Qwen3: head_dim apart from hidden_size / num_attention_heads, and random QK-norm weights.
+TINY_QWEN3 = dict(TINY, head_dim=24)
 
 
 def build_tiny_model(model_type="llama", seed=0, **overrides):
-    """A random float32 LlamaForCausalLM / MistralForCausalLM / Gemma2ForCausalLM in eval mode on CPU.
-    Mistral and Gemma 2 use eager attention (transformers' reference maths) and random norm weights too,
+    """A random float32 Llama / Mistral / Gemma 2 / Qwen3 ForCausalLM in eval mode on CPU. The others
+    than Llama use eager attention (transformers' reference maths) and random norm weights too,
     so Gemma 2's (1 + weight) is exercised."""
     import transformers
 
@@ -34,7 +36,8 @@ def build_tiny_model(model_type="llama", seed=0, **overrides):
     if model_type == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, **overrides})).eval()
     else:
-        base, name = {"mistral": (TINY_MISTRAL, "Mistral"), "gemma2": (TINY_GEMMA2, "Gemma2")}[model_type]
+        base, name = {"mistral": (TINY_MISTRAL, "Mistral"), "gemma2": (TINY_GEMMA2, "Gemma2"),
+                      "qwen3": (TINY_QWEN3, "Qwen3")}[model_type]
         config = getattr(transformers, f"{name}Config")(**{**base, **overrides})
         config._attn_implementation = "eager"
         model = getattr(transformers, f"{name}ForCausalLM")(config).eval()

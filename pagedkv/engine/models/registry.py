@@ -34,6 +34,8 @@ ARCHITECTURES = {
          "mlp_bias": False},
         {"sliding_window": 4096, "max_position_embeddings": 131072},
         frozenset({"sliding_window"})),
+    "Qwen3ForCausalLM": Architecture("qwen3", "qwen3.Qwen3ForCausalLM", MATHS_FIELDS,
+                                     {"head_dim": 128, "max_position_embeddings": 32768}),
     "Gemma2ForCausalLM": Architecture(
         "gemma2", "gemma2.Gemma2ForCausalLM",
         {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False,
