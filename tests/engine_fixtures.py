@@ -24,6 +24,10 @@ TINY_GEMMA2 = dict(TINY, head_dim=16, sliding_window=8, query_pre_attn_scalar=24
                    final_logit_softcapping=4.0, num_hidden_layers=4, tie_word_embeddings=False)
 # Qwen3: head_dim apart from hidden_size / num_attention_heads, and random QK-norm weights.
 TINY_QWEN3 = dict(TINY, head_dim=24)
+# Gemma 3: five sliding layers per full one (transformers' default layer_types), the local and global ropes
+# of transformers' defaults (10k and 1M), no softcaps.
+TINY_GEMMA3 = dict(TINY, head_dim=16, sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=6,
+                   tie_word_embeddings=False)
 
 
 def build_tiny_model(model_type="llama", seed=0, **overrides):
@@ -36,9 +40,11 @@ def build_tiny_model(model_type="llama", seed=0, **overrides):
     if model_type == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, **overrides})).eval()
     else:
-        base, name = {"mistral": (TINY_MISTRAL, "Mistral"), "gemma2": (TINY_GEMMA2, "Gemma2"),
-                      "qwen3": (TINY_QWEN3, "Qwen3")}[model_type]
-        config = getattr(transformers, f"{name}Config")(**{**base, **overrides})
+        base, config_name, name = {"mistral": (TINY_MISTRAL, "Mistral", "Mistral"),
+                                   "gemma2": (TINY_GEMMA2, "Gemma2", "Gemma2"),
+                                   "qwen3": (TINY_QWEN3, "Qwen3", "Qwen3"),
+                                   "gemma3": (TINY_GEMMA3, "Gemma3Text", "Gemma3")}[model_type]
+        config = getattr(transformers, f"{config_name}Config")(**{**base, **overrides})
         config._attn_implementation = "eager"
         model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
         with torch.no_grad():

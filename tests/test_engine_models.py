@@ -1,4 +1,4 @@
-"""Mistral, Gemma 2 and Qwen3 through the same engine as Llama (the registry keyed by config.json's
+"""Mistral, Gemma 2, Qwen3 and Gemma 3 through the same engine as Llama (the registry keyed by config.json's
 `architectures`): greedy fp32 output equals transformers' eager attention token for token, with prompts
 plus generations several times the sliding window, prefix caching on and off, n > 1; each Gemma 2
 feature (window per layer type, attention and final softcaps, query_pre_attn_scalar, tied embeddings)
@@ -16,7 +16,7 @@ from pagedkv.engine.config import ARCHITECTURES, ModelConfig
 from pagedkv.engine.models.registry import model_class
 
 MAX_TOKENS = 24          # prompts of 38-56 tokens + 24: up to 10 windows of 8
-MODEL_TYPES = ["mistral", "gemma2", "qwen3"]
+MODEL_TYPES = ["mistral", "gemma2", "qwen3", "gemma3"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -68,11 +68,15 @@ def test_the_registry_builds_each_architecture(tiny):
     model_type, path, _, _ = tiny
     llm = LLM(path, block_size=4)
     cfg = llm.model_config
-    assert ARCHITECTURES[cfg.architecture].model_type == model_type
+    assert ARCHITECTURES[cfg.architecture].model_type.removesuffix("_text") == model_type
     assert type(llm.model) is model_class(cfg.architecture)
     windows = [layer.self_attn.sliding_window for layer in llm.model.model.layers]
     if model_type == "mistral":
         assert windows == [8] * cfg.num_layers
+    elif model_type == "gemma3":    # transformers' default layer_types: five sliding, then one full
+        assert windows == [8, 8, 8, 8, 8, -1]
+        model = llm.model.model
+        assert [model.layer_ropes[i] is model.local_rotary_emb for i in range(6)] == [True] * 5 + [False]
     elif model_type == "qwen3":
         assert windows == [-1] * cfg.num_layers and cfg.head_dim == 24
         assert all(hasattr(layer.self_attn, "q_norm") for layer in llm.model.model.layers)
@@ -93,6 +97,12 @@ EDITS = {
                "no attention softcap": dict(attn_logit_softcapping=None),
                "scale by head_dim": dict(query_pre_attn_scalar=16)},
     "qwen3": {"rope theta 100": dict(rope_parameters={"rope_type": "default", "rope_theta": 100.0})},
+    "gemma3": {"local rope theta 100": dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                             "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+               "global rope theta 100": dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                              "full_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+               "window 5": dict(sliding_window=5),
+               "own layer types": dict(layer_types=["full_attention", "sliding_attention"] * 3)},
 }
 
 
@@ -109,7 +119,7 @@ def test_each_field_changes_the_output_and_the_engine_follows(tiny, tmp_path, ed
 
 
 @pytest.mark.parametrize("tiny, final_softcap", [("mistral", None), ("gemma2", 4.0), ("gemma2", None),
-                                                   ("qwen3", None)],
+                                                   ("qwen3", None), ("gemma3", None)],
                          indirect=["tiny"])
 def test_logits_equal_transformers(tiny, tmp_path, final_softcap):
     """The last token's logits (which sampling uses) equal transformers': a greedy check cannot see the
@@ -281,15 +291,18 @@ def test_gemma2_float8_kv_on_shared_cache_tensors(tiny):
     llm.bm.check_invariants()
 
 
-@pytest.mark.parametrize("tiny", ["qwen3"], indirect=True)
+@pytest.mark.parametrize("tiny", ["qwen3", "gemma3"], indirect=True)
 @pytest.mark.parametrize("norm", ["q_norm", "k_norm"])
 def test_qk_norm_is_on_the_way(tiny, norm):
-    """Qwen3's per-head query and key norms are applied: resetting either one's weights changes the
+    """Qwen3's and Gemma 3's per-head query and key norms are applied: resetting either one's weights changes the
     tokens (so the equality with transformers above could not hold without them)."""
     _, path, prompts, expected = tiny
     llm = LLM(path, block_size=4)
     with torch.no_grad():
         for layer in llm.model.model.layers:
-            getattr(layer.self_attn, norm).weight.fill_(1.0)
+            module = getattr(layer.self_attn, norm)
+            module.weight.fill_(1.0)
+            if hasattr(module, "after_loading"):      # Gemma's (1 + weight) gain
+                module.after_loading()
     got = llm.generate(prompts[:3], GREEDY)
     assert [o.token_ids for o in got] != expected[:3]

@@ -298,10 +298,10 @@ def test_bad_arguments_are_refused_before_anything_starts(model, server):
 
 
 def test_a_late_read_needs_the_lease_confirmed(model, server, reference, monkeypatch):
-    from pagedkv.engine.kv import transfer
+    from pagedkv.engine.kv.transfer import receive
 
     batch = prompts(7, [50])
-    monkeypatch.setattr(kv_transfer, "LEASE_MARGIN", 0.0)      # every read counts as late: done must confirm
+    monkeypatch.setattr(receive, "LEASE_MARGIN", 0.0)      # every read counts as late: done must confirm
     llm = decode_engine(model)
     with KVTransferClient(llm, server) as client:
         out = client.generate(batch, GREEDY)

@@ -81,6 +81,8 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None   # attention scale query_pre_attn_scalar ** -0.5 (else head_dim)
+    sliding_rope: tuple | None = None      # (rope_theta, rope_scaling) of the windowed layers where they have
+                                           # their own (Gemma 3); None: every layer's rope is the one above
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window in tokens (a query sees itself and the window - 1 tokens before
@@ -147,7 +149,7 @@ class ModelConfig:
         max_pos = positive("max_position_embeddings", hf.get("max_position_embeddings", 2048))
         if max_pos < 2:
             raise ValueError(f"config.json: max_position_embeddings must be >= 2, got {max_pos}")
-        theta, rope_scaling = _rope(hf)
+        theta, rope_scaling, sliding_rope = _rope(hf, arch)
         eps = hf.get("rms_norm_eps", 1e-6)
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and eps > 0):
             raise ValueError(f"config.json: rms_norm_eps must be a positive number, got {eps!r}")
@@ -183,6 +185,7 @@ class ModelConfig:
             architecture=architecture,
             hidden_act=arch.activation,
             layer_windows=_layer_windows(hf, arch, num_layers),
+            sliding_rope=sliding_rope,
             **_architecture_numbers(hf, arch),
             **flags,
         )
@@ -248,8 +251,8 @@ def _layer_windows(hf: dict, arch: Architecture, num_layers: int) -> tuple | Non
     if "layer_types" not in arch.read:
         return (window,) * num_layers
     types = hf.get("layer_types")
-    if types is None:
-        types = [LAYER_TYPES[(i + 1) % 2] for i in range(num_layers)]
+    if types is None:    # transformers' default: every `global_every`-th layer full, the others sliding
+        types = [LAYER_TYPES[0 if (i + 1) % arch.global_every == 0 else 1] for i in range(num_layers)]
     if not isinstance(types, list) or len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
         raise ValueError(f"config.json: layer_types must list {num_layers} of {LAYER_TYPES} (one per layer), "
                          f"got {types!r}")
@@ -270,9 +273,23 @@ def _architecture_numbers(hf: dict, arch: Architecture) -> dict:
     return out
 
 
-def _rope(hf: dict) -> tuple[float, dict | None]:
+def _rope(hf: dict, arch: Architecture) -> tuple[float, dict | None, tuple | None]:
+    """(rope_theta, rope_scaling) of the full-attention layers, and those of the sliding ones where they
+    differ (Gemma 3: rope_parameters keyed by layer type, or rope_local_base_freq in older configs)."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and params and set(params) <= set(LAYER_TYPES):
+        if "layer_types" not in arch.read:
+            raise ValueError(f"config.json: rope_parameters per layer type are not supported for {hf['architectures']}")
+        full = _rope_of(params.get("full_attention") or {}, hf)
+        return (*full, _rope_of(params["sliding_attention"], hf) if "sliding_attention" in params else None)
+    full = _rope_of(dict(params or hf.get("rope_scaling") or {}), hf)
+    local = hf.get("rope_local_base_freq") if "rope_local_base_freq" in arch.read else None
+    return (*full, None if local is None else _rope_of({"rope_theta": local}, hf))
+
+
+def _rope_of(rope: dict, hf: dict) -> tuple[float, dict | None]:
     # transformers >= 5 writes rope_parameters (theta inside); older configs use rope_theta + rope_scaling.
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope = dict(rope)
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not (math.isfinite(theta) and theta > 0):
         raise ValueError(f"config.json: rope_theta must be a positive number, got {theta!r}")

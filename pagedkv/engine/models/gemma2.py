@@ -33,11 +33,13 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class Gemma2DecoderLayer(torch.nn.Module):
+    attention_class = Attention      # what a variant (gemma3.py) replaces
+
     def __init__(self, cfg: ModelConfig, layer: int, tp=None):
         super().__init__()
         norm = lambda: GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)   # noqa: E731
         self.input_layernorm = norm()
-        self.self_attn = Attention(cfg, layer, tp)
+        self.self_attn = self.attention_class(cfg, layer, tp)
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
         self.mlp = MLP(cfg, tp)

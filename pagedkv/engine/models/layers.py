@@ -129,6 +129,27 @@ class Attention(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
+class QKNormAttention(Attention):
+    """Attention with an RMSNorm over every query and key head (one head_dim-wide weight each for the
+    queries and the keys) before rope: Qwen3, Gemma 3."""
+    norm_class = None       # set below: RMSNorm, or a variant (gemma2.GemmaRMSNorm)
+
+    def __init__(self, cfg: ModelConfig, layer: int, tp=None):
+        super().__init__(cfg, layer, tp)
+        self.q_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps)
+
+    def project(self, positions, x, rope):
+        qkv = self.qkv_proj.forward(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        # Normalised heads written back into the step's buffer, so rope rotates Q and K in one call.
+        q.copy_(self.q_norm.forward(q.reshape(-1, self.head_dim)).view_as(q))
+        k.copy_(self.k_norm.forward(k.reshape(-1, self.head_dim)).view_as(k))
+        rope.forward(positions, qk)
+        return qk, v
+
+
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """GeGLU: ``gelu_tanh(x[..., :d]) * x[..., d:]`` (gate then up), as transformers' gelu_pytorch_tanh."""
     gate, up = x.chunk(2, dim=-1)
@@ -171,6 +192,9 @@ class DecoderLayer(nn.Module):
         h = self.self_attn.forward(positions, h, rope, kv_cache, meta)
         h = self.post_attention_layernorm.forward(h, residual)
         return self.mlp.forward(h), residual
+
+
+QKNormAttention.norm_class = RMSNorm
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -17,6 +17,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(self.decoder_layer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
+        self.layer_ropes = [self.rotary_emb] * cfg.num_layers     # each layer's rope (Gemma 3 has two)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -28,10 +29,10 @@ class LlamaModel(nn.Module):
         about 7 us a call), a tenth of a CPU decode step of a small model."""
         h, residual = self.embed(input_ids), None
         loads = meta.layer_loads
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        for i, (layer, kv_cache, rope) in enumerate(zip(self.layers, kv_caches, self.layer_ropes)):
             if loads is not None:
                 loads.wait(i)
-            h, residual = layer.forward(positions, h, residual, self.rotary_emb, kv_cache, meta)
+            h, residual = layer.forward(positions, h, residual, rope, kv_cache, meta)
         if meta.logits_indices is not None:            # speculative verification: several per sequence
             h, residual = h[meta.logits_indices], residual[meta.logits_indices]
         elif h.shape[0] != meta.seq_lens.shape[0]:     # some sequence has several tokens: keep the last

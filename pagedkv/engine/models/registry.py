@@ -22,10 +22,19 @@ class Architecture:
     defaults: dict             # transformers' class defaults of fields the engine reads, when absent
     read: frozenset = frozenset()   # the architecture's own fields the engine runs (windows, softcaps, ...)
     activation: str = "silu"        # the MLP gate's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    global_every: int = 2           # without layer_types: every global_every-th layer is full attention
 
+
+# Gemma 2 and 3: the fields with the only value the engine runs, and the fields it reads.
+GEMMA_FIXED = {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False,
+               "partial_rotary_factor": 1.0, "quantization_config": None, "mlp_bias": False,
+               "qk_norm": False, "use_qk_norm": False, "logits_scaling": None}
+GEMMA_READ = frozenset({"sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+                        "final_logit_softcapping"})
 
 # The model registry, keyed by config.json's `architectures`. Mistral is Llama with every layer windowed;
-# Gemma 2 alternates windowed and full layers.
+# Gemma 2 alternates windowed and full layers; Gemma 3 has five windowed layers per full one, with a rope
+# of their own.
 ARCHITECTURES = {
     "LlamaForCausalLM": Architecture("llama", "llama.LlamaForCausalLM", MATHS_FIELDS, {}),
     "MistralForCausalLM": Architecture(
@@ -38,14 +47,16 @@ ARCHITECTURES = {
                                      {"head_dim": 128, "max_position_embeddings": 32768}),
     "Gemma2ForCausalLM": Architecture(
         "gemma2", "gemma2.Gemma2ForCausalLM",
-        {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False,
-                   "partial_rotary_factor": 1.0, "quantization_config": None, "mlp_bias": False,
-                   "qk_norm": False, "use_qk_norm": False, "logits_scaling": None},
+        GEMMA_FIXED,
         {"sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
          "final_logit_softcapping": 30.0, "head_dim": 256, "max_position_embeddings": 8192,
          "tie_word_embeddings": True},
-        frozenset({"sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
-                   "final_logit_softcapping"}), activation="gelu_pytorch_tanh"),
+        GEMMA_READ, activation="gelu_pytorch_tanh"),
+    "Gemma3ForCausalLM": Architecture(
+        "gemma3_text", "gemma3.Gemma3ForCausalLM", GEMMA_FIXED,
+        {"sliding_window": 4096, "query_pre_attn_scalar": 256, "head_dim": 256, "max_position_embeddings": 131072,
+         "tie_word_embeddings": True, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
+        GEMMA_READ | {"rope_local_base_freq"}, activation="gelu_pytorch_tanh", global_every=6),
 }
 
 
