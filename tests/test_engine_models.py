@@ -254,13 +254,17 @@ def test_reduced_precision_follows_transformers(tiny):
 @pytest.mark.parametrize("setting", [dict(num_blocks=64), dict(num_blocks=46, num_cpu_blocks=32,
                                                                   max_num_batched_tokens=13)],
                          ids=["roomy", "swap-chunked"])
-def test_tensor_parallel_gemma2(tmp_path, setting):
-    """TP=2 (gloo): each rank holds one of the two KV heads of every layer; the step message carries the
-    windowed group's slots and block tables beside the full group's, and swaps move both."""
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3", "qwen3"])
+def test_tensor_parallel(tmp_path, setting, model_type):
+    """TP=2 (gloo): each rank holds one of the two KV heads of every layer (the QK norms' weights, one per
+    head_dim, are replicated); the step message carries the windowed group's slots and block tables beside
+    the full group's, and swaps move both."""
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = save_tiny_model(tmp_path, "gemma2")
+        model = save_tiny_model(tmp_path, model_type)
+        if model_type == "qwen3" and "num_cpu_blocks" in setting:     # one KV group: half the pool must swap
+            setting = dict(setting, num_blocks=20)
         prompts = shared_prefix_prompts(model.config.vocab_size, per_system=2)
         expected = [hf_greedy(model, p, 12) for p in prompts]
         with LLM(tmp_path, block_size=4, tensor_parallel_size=2, **setting) as llm:
