@@ -194,7 +194,9 @@ BAD = [
     ("mistral softcap", dict(MISTRAL, attn_logit_softcapping=30.0), "attn_logit_softcapping"),
     ("type mismatch", dict(GEMMA2, model_type="mistral"), "model_type"),
     ("two architectures", dict(GEMMA2, architectures=["Gemma2ForCausalLM", "LlamaForCausalLM"]), "architectures"),
-    ("gemma 3", dict(GEMMA2, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text"), "Gemma3ForCausalLM"),
+    ("gpt-oss", dict(GEMMA2, architectures=["GptOssForCausalLM"], model_type="gpt_oss"), "GptOssForCausalLM"),
+    ("qwen3 sliding", dict(MISTRAL, architectures=["Qwen3ForCausalLM"], model_type="qwen3", sliding_window=None,
+                           use_sliding_window=True), "use_sliding_window"),
 ]
 
 
