@@ -1,0 +1,142 @@
+// Shape, dtype, device and memory-overlap checks of tensors (tensor_checks.h).
+#include "ops/tensor_checks.h"
+
+#include "ops/ops.h"
+
+#include <string>
+#include <utility>
+
+namespace pagedkv {
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_float_dtype(const at::Tensor& t, const std::string& name) {
+  TORCH_CHECK(is_supported_float(t.scalar_type()), name, " must be float32, float16 or bfloat16, got ",
+              t.scalar_type());
+}
+
+void check_same_device(const at::Tensor& t, const std::string& name, const at::Tensor& ref, const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name, " is on ", ref.device(),
+              "; all tensors must be on the same device");
+}
+
+void check_cache_shape_and_dtype(const at::Tensor& cache, const std::string& name) {
+  TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
+              cache.sizes());
+  TORCH_CHECK(is_supported_float(cache.scalar_type()) || is_fp8(cache.scalar_type()), name,
+              " must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", cache.scalar_type());
+  // A dimension of size 0 would leave a block with no bytes but a nonzero stride: copies from null.
+  TORCH_CHECK(cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, name,
+              " must have positive block_size, num_kv_heads and head_dim, got shape ", cache.sizes());
+}
+
+void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimension(s), got shape ", t.sizes());
+}
+
+// Byte range [begin, end) that a tensor's elements span (strides are never negative in torch).
+std::pair<uintptr_t, uintptr_t> memory_span(const at::Tensor& t) {
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
+ByteView byte_view(const at::Tensor& t) {
+  ByteView v{static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr())), t.element_size(), t.sizes().vec(),
+             t.strides().vec()};
+  for (int64_t& stride : v.strides) stride *= v.elem_size;
+  return v;
+}
+
+// Whether a and b (views of one storage) share a byte, exactly (view_overlap.h); views too irregular
+// to decide within the search budget count as sharing one.
+Overlap overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.is_alias_of(b)) return Overlap::kDisjoint;
+  const auto sa = memory_span(a), sb = memory_span(b);
+  if (sa.second <= sb.first || sb.second <= sa.first) return Overlap::kDisjoint;
+  return views_overlap(byte_view(a), byte_view(b));
+}
+
+bool may_overlap(const at::Tensor& a, const at::Tensor& b) { return overlap(a, b) != Overlap::kDisjoint; }
+
+// The same elements in the same order: one tensor passed twice, or a view that equals it.
+bool same_tensor(const at::Tensor& a, const at::Tensor& b) {
+  return a.is_same(b) || (a.numel() > 0 && a.is_alias_of(b) && a.data_ptr() == b.data_ptr() &&
+                          a.sizes() == b.sizes() && a.strides() == b.strides());
+}
+
+void check_no_overlap(const at::Tensor& written, const std::string& written_name, const at::Tensor& other,
+                      const std::string& other_name) {
+  TORCH_CHECK(!same_tensor(written, other), written_name, " and ", other_name, " are the same tensor (they share "
+              "memory); ", written_name, " is written in place while ", other_name, " is read, so pass two distinct "
+              "tensors (clone one)");
+  const Overlap o = overlap(written, other);
+  TORCH_CHECK(o != Overlap::kShared, written_name, " and ", other_name, " share memory (an element of one is in "
+              "the other); ", written_name, " is written in place, so they must not overlap (clone one)");
+  TORCH_CHECK(o != Overlap::kUnknown, written_name, " and ", other_name, " may share memory: views of one buffer "
+              "whose strides are too irregular to prove them disjoint (strides ", written.strides(), " and ",
+              other.strides(), "); ", written_name, " is written in place, so pass views with the same strides, or "
+              "separate tensors");
+}
+
+// An output whose elements alias each other (an expand()ed or as_strided view) would be updated twice;
+// `why` says why the tensor needs elements of its own.
+void check_no_internal_overlap(const at::Tensor& t, const std::string& name,
+                               const char* why) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions with size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 1;  // elements spanned by the dimensions so far
+  for (const auto& [stride, size] : dims) {
+    TORCH_CHECK(stride >= extent, name, " has elements that share memory (strides ", t.strides(), ", shape ",
+                t.sizes(), "), e.g. an expand()ed view; ", why, ", so pass a tensor without overlapping elements");
+    extent = stride * (size - 1) + extent;
+  }
+}
+
+// The cache of copy_blocks: one contiguous tensor.
+void check_cache(const at::Tensor& cache, const std::string& name) {
+  check_cache_shape_and_dtype(cache, name);
+  TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous, got strides ", cache.strides(), " for shape ",
+              cache.sizes(), " (reshape_and_cache and paged_attention take strided cache views, copy_blocks "
+              "does not)");
+}
+
+// The cache of reshape_and_cache and paged_attention: any strides on the block, token and head
+// dimensions (a view of a larger buffer), a contiguous head_dim, no two elements at one address.
+void check_cache_view(const at::Tensor& cache, const std::string& name, const char* why) {
+  check_cache_shape_and_dtype(cache, name);
+  TORCH_CHECK(cache.size(3) == 1 || cache.stride(3) == 1, name,
+              " must have a contiguous head_dim (stride 1), got strides ", cache.strides(), " for shape ",
+              cache.sizes());
+  check_no_internal_overlap(cache, name, why);
+}
+
+// paged_attention reads K and V through one set of row offsets: their views must have the same strides
+// (those of a dimension of size 1 never matter). Both are only read, so they may overlap: transformers'
+// page views of one buffer do (V's view starts one page into K's; the block tables address K pages).
+void check_kv_cache_views(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  bool same_strides = true;
+  for (int64_t d = 0; d < 3; ++d) {
+    same_strides = same_strides && (key_cache.size(d) <= 1 || key_cache.stride(d) == value_cache.stride(d));
+  }
+  TORCH_CHECK(same_strides, "key_cache strides ", key_cache.strides(), " and value_cache strides ",
+              value_cache.strides(), " must be equal: paged_attention reads K and V at the same offsets (the K "
+              "and V views of vLLM's interleaved cells, FlashInfer's [pages, 2, ...] and the HND layout have "
+              "equal strides); pass views of one layout, or contiguous caches");
+}
+
+void check_block_mapping_shape(const at::Tensor& block_mapping) {
+  check_index_tensor(block_mapping, "block_mapping", at::kLong, 2);
+  TORCH_CHECK(block_mapping.size(1) == 2, "block_mapping must be [n, 2] (src, dst) pairs, got shape ",
+              block_mapping.sizes());
+}
+
+
+}  // namespace pagedkv

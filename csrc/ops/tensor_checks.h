@@ -1,0 +1,34 @@
+// Shape, dtype, device and memory-overlap checks of tensors, shared by the ops' argument checks
+// (checks.cpp) and kernels. Every failed check raises a c10::Error naming the argument.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "ops/view_overlap.h"
+
+namespace pagedkv {
+
+bool is_supported_float(at::ScalarType t);
+void check_float_dtype(const at::Tensor& t, const std::string& name);
+void check_same_device(const at::Tensor& t, const std::string& name, const at::Tensor& ref, const char* ref_name);
+void check_cache_shape_and_dtype(const at::Tensor& cache, const std::string& name);
+void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim);
+std::pair<uintptr_t, uintptr_t> memory_span(const at::Tensor& t);
+ByteView byte_view(const at::Tensor& t);
+Overlap overlap(const at::Tensor& a, const at::Tensor& b);
+bool may_overlap(const at::Tensor& a, const at::Tensor& b);
+bool same_tensor(const at::Tensor& a, const at::Tensor& b);
+void check_no_overlap(const at::Tensor& written, const std::string& written_name, const at::Tensor& other,
+                      const std::string& other_name);
+void check_no_internal_overlap(const at::Tensor& t, const std::string& name,
+                               const char* why = "it is written in place");
+void check_cache(const at::Tensor& cache, const std::string& name);
+void check_cache_view(const at::Tensor& cache, const std::string& name, const char* why = "it is written in place");
+void check_kv_cache_views(const at::Tensor& key_cache, const at::Tensor& value_cache);
+void check_block_mapping_shape(const at::Tensor& block_mapping);
+
+}  // namespace pagedkv
