@@ -65,7 +65,7 @@ def _extension():
     # csrc/ops/cpu/attention_<isa>.cpp: one copy of the CPU attention kernels per instruction set, chosen at
     # run time; each sets its ISA with `#pragma GCC target` (x86 only), so no -m flag is passed here.
     sources = (_core_unity() + _rel("csrc/ops/*.cpp") + _rel("csrc/ops/cpu/*.cpp")
-               + ["csrc/bindings.cpp", "csrc/bindings_block_manager.cpp"])
+               + _rel("csrc/bindings*.cpp"))
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into our code;
     # without it every CPU kernel silently runs on one thread (torch's own libgomp is reused at run time).
     cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]  # torch picks the C++ standard it needs
