@@ -49,6 +49,18 @@ class _Stats(TypedDict):
     cow_copies: int            # copy-on-write copies queued
     swapped_out_blocks: int
     swapped_in_blocks: int
+    host_hit_blocks: int       # hit blocks loaded from the host tier
+    offloaded_blocks: int      # device blocks copied to the host tier (confirmed)
+    offload_failures: int
+    loaded_blocks: int         # host slots copied back to the device (confirmed)
+    load_failures: int
+    host_evictions: int        # host slots reused for other content
+    disk_hit_blocks: int       # blocks prefetch() queued to read from the disk tier
+    disk_writes: int           # host slots written to the disk tier (confirmed)
+    disk_write_failures: int
+    disk_reads: int            # disk records read into host slots (confirmed)
+    disk_read_failures: int    # failed reads (their disk entries dropped)
+    disk_evictions: int        # disk records reused for other content
     num_blocks: int
     used_blocks: int
     free_blocks: int
@@ -59,21 +71,9 @@ class _Stats(TypedDict):
     num_cpu_blocks: int
     free_cpu_blocks: int
     pinned_blocks: int
-    host_hit_blocks: int       # hit blocks loaded from the host tier
-    offloaded_blocks: int      # device blocks copied to the host tier (confirmed)
-    offload_failures: int
-    loaded_blocks: int         # host slots copied back to the device (confirmed)
-    load_failures: int
-    host_evictions: int        # host slots reused for other content
     num_host_blocks: int
     free_host_blocks: int
     cached_host_blocks: int    # host slots whose KV the prefix cache holds
-    disk_hit_blocks: int       # blocks prefetch() queued to read from the disk tier
-    disk_writes: int           # host slots written to the disk tier (confirmed)
-    disk_write_failures: int
-    disk_reads: int            # disk records read into host slots (confirmed)
-    disk_read_failures: int    # failed reads (their disk entries dropped)
-    disk_evictions: int        # disk records reused for other content
     num_disk_blocks: int
     free_disk_blocks: int
     used_disk_blocks: int      # disk records held by pending writes and reads

@@ -4,6 +4,7 @@ the bindings'. mypy's stubtest (`make test-stubs`) checks what the stub declares
 cannot read the signatures of pybind11 functions; these tests read them from the functions' docstrings."""
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -124,3 +125,31 @@ def test_the_stats_typed_dict_names_every_key_stats_returns(kwargs):
     bm = _C.BlockManager(16, 4, **kwargs)
     assert set(bm.stats()) == typed_dict_keys("_Stats")
     assert set(bm.take_step_stats()) == typed_dict_keys("_Stats")
+
+
+STATS_HEADER = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "core" / "block_manager_stats.h"
+
+
+def stats_macro_keys():
+    """[(name, python type)] of PAGEDKV_BLOCK_MANAGER_STATS, in its order: counters and gauges are ints,
+    ratios floats."""
+    text = STATS_HEADER.read_text()
+    out = []
+    for counter, gauge, ratio in re.findall(r"^\s*(?:COUNTER\((\w+)\)|GAUGE\(\w+,\s*(\w+)\)|RATIO\((\w+),)", text,
+                                             re.M):
+        out.append((counter or gauge or ratio, "float" if ratio else "int"))
+    return out
+
+
+@pytest.mark.skipif(not STATS_HEADER.exists(), reason="needs the source tree (csrc/core/block_manager_stats.h)")
+def test_stats_typeddict_is_the_x_macro_list():
+    """The statistics are listed once, in the X-macro; the stub's _Stats TypedDict must name the same keys
+    with the same types in the same order, and stats() must return exactly them."""
+    keys = stats_macro_keys()
+    assert len(keys) > 30
+    stats_class = next(n for n in stub_tree().body if isinstance(n, ast.ClassDef) and n.name == "_Stats")
+    stub = [(item.target.id, ast.unparse(item.annotation)) for item in stats_class.body
+            if isinstance(item, ast.AnnAssign)]
+    assert stub == keys
+    stats = pagedkv.BlockManager(8, 4).stats()
+    assert [(k, type(v).__name__) for k, v in stats.items()] == keys

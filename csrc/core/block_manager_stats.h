@@ -1,6 +1,7 @@
 // The block manager's statistics, listed once. The stats struct, take_step_stats() and the Python dict of
 // stats() are all generated from PAGEDKV_BLOCK_MANAGER_STATS, in its order, so a new statistic is one
-// line here (and one in the Python stub's TypedDict).
+// line here. The Python stub's _Stats TypedDict (pagedkv/_C.pyi) is checked against this list, keys, types
+// and order, by tests/test_stubs.py.
 #pragma once
 #include <cstdint>
 
