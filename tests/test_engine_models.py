@@ -312,3 +312,29 @@ def test_qk_norm_is_on_the_way(tiny, norm):
                 module.after_loading()
     got = llm.generate(prompts[:3], GREEDY)
     assert [o.token_ids for o in got] != expected[:3]
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+         original_max_position_embeddings=4096, rope_theta=150000.0),                        # gpt-oss
+    dict(rope_type="yarn", factor=40.0, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+         original_max_position_embeddings=4096, rope_theta=10000.0),                          # DeepSeek V3
+    dict(rope_type="yarn", factor=4.0, mscale=0.707, mscale_all_dim=1.0, original_max_position_embeddings=256,
+         rope_theta=10000.0),
+    dict(rope_type="yarn", factor=8.0, attention_factor=0.5, original_max_position_embeddings=64, rope_theta=500.0),
+])
+def test_yarn_rope_is_transformers(rope):
+    """YaRN's frequencies and its cos/sin factor equal transformers' rope initialiser's."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pagedkv.engine.models.layers import rope_attention_factor, rope_inv_freq
+
+    hf = dict(vocab_size=100, hidden_size=128, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+              max_position_embeddings=16384, rope_parameters=rope)
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](LlamaConfig(**hf), "cpu")
+    cfg = ModelConfig.from_dict(dict(hf, architectures=["LlamaForCausalLM"]))
+    torch.testing.assert_close(rope_inv_freq(cfg), want_freq, rtol=1e-6, atol=0)
+    assert rope_attention_factor(cfg) == pytest.approx(want_factor, rel=1e-12)
+    assert not torch.equal(rope_inv_freq(cfg), rope_inv_freq(ModelConfig.from_dict(
+        dict(hf, architectures=["LlamaForCausalLM"], rope_parameters={"rope_theta": rope["rope_theta"]}))))

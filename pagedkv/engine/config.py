@@ -19,7 +19,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_KEYS = {"default": set(), "linear": {"factor"},
-             "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
+             "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+             "yarn": {"factor", "original_max_position_embeddings"}}
 
 
 def parse_dtype(dtype, name: str = "dtype") -> torch.dtype | None:
@@ -83,6 +84,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None   # attention scale query_pre_attn_scalar ** -0.5 (else head_dim)
     sliding_rope: tuple | None = None      # (rope_theta, rope_scaling) of the windowed layers where they have
                                            # their own (Gemma 3); None: every layer's rope is the one above
+    extra: dict = field(default_factory=dict)   # the architecture's own config.json fields its model module
+                                                # reads (Architecture.extra: experts, routing, ...)
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window in tokens (a query sees itself and the window - 1 tokens before
@@ -186,6 +189,7 @@ class ModelConfig:
             hidden_act=arch.activation,
             layer_windows=_layer_windows(hf, arch, num_layers),
             sliding_rope=sliding_rope,
+            extra={name: hf[name] for name in arch.extra if name in hf},
             **_architecture_numbers(hf, arch),
             **flags,
         )

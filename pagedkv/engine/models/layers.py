@@ -57,8 +57,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     kind = scaling["rope_type"]
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "yarn":
+        return yarn_inv_freq(inv_freq, d, cfg.rope_theta, scaling)
     if kind != "llama3":
-        raise NotImplementedError(f"rope_type {kind!r} is not supported (default, linear, llama3 are)")
+        raise NotImplementedError(f"rope_type {kind!r} is not supported (default, linear, llama3, yarn are)")
     # Llama 3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -67,6 +69,41 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, scaled)
     return torch.where(wavelen < old_len / high, inv_freq, scaled)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated
+    (divided by factor), those turning more than beta_fast times kept, with a linear ramp between."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations):   # the dimension whose frequency turns `rotations` times over old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What YaRN multiplies cos and sin by (attention_factor, or its mscale rule); 1 otherwise."""
+    scaling = cfg.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(scaling["factor"], mscale) / yarn_mscale(scaling["factor"], mscale_all_dim)
+    return yarn_mscale(scaling["factor"])
 
 
 class RotaryEmbedding(nn.Module):
@@ -80,7 +117,8 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):   # the same tables on every device
             inv_freq = rope_inv_freq(cfg)
             freqs = torch.arange(cfg.max_position_embeddings).float()[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device),
+            cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope_attention_factor(cfg)
+        self.register_buffer("cos_sin_cache", cos_sin.to(device),
                              persistent=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> None:
@@ -173,14 +211,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    attention_class = Attention      # what a variant (qwen3.py) replaces
+    attention_class, mlp_class = Attention, MLP     # what a variant (qwen3.py, gpt_oss.py) replaces
 
     def __init__(self, cfg: ModelConfig, layer: int, tp=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = self.attention_class(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = self.mlp_class(cfg, tp)
 
     def forward(self, positions, h, residual, rope, kv_cache, meta):
         """h: the previous layer's output (the embeddings for the first layer); residual: the stream
