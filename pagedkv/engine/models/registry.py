@@ -23,6 +23,7 @@ class Architecture:
     read: frozenset = frozenset()   # the architecture's own fields the engine runs (windows, softcaps, ...)
     activation: str = "silu"        # the MLP gate's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
     global_every: int = 2           # without layer_types: every global_every-th layer is full attention
+    extra: frozenset = frozenset()  # fields passed on as ModelConfig.extra, checked by the model module
 
 
 # Gemma 2 and 3: the fields with the only value the engine runs, and the fields it reads.
