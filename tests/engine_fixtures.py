@@ -1,5 +1,5 @@
-"""Helpers for the engine tests: tiny random Hugging Face Llamas (and Mistrals, Gemma 2s, Qwen3s) saved to disk,
-and their greedy output."""
+"""Helpers for the engine tests: tiny random Hugging Face Llamas (and Mistrals, Gemma 2s, Qwen3s, Gemma 3s,
+gpt-oss) saved to disk, and their greedy output."""
 import random
 
 import torch
@@ -28,6 +28,12 @@ TINY_QWEN3 = dict(TINY, head_dim=24)
 # of transformers' defaults (10k and 1M), no softcaps.
 TINY_GEMMA3 = dict(TINY, head_dim=16, sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=6,
                    tie_word_embeddings=False)
+# gpt-oss: four experts, two per token, windowed and full layers alternating, YaRN rope over an original
+# context of 64 (so the prompts reach its interpolated frequencies); the sinks drawn wide (transformers' init gives them the weights' small spread) so each one matters.
+TINY_GPT_OSS = dict(TINY, head_dim=16, sliding_window=8, num_hidden_layers=4, num_local_experts=4,
+                    num_experts_per_tok=2,
+                    rope_parameters=dict(rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=64, rope_theta=150000.0))
 
 
 def build_tiny_model(model_type="llama", seed=0, **overrides):
@@ -43,14 +49,18 @@ def build_tiny_model(model_type="llama", seed=0, **overrides):
         base, config_name, name = {"mistral": (TINY_MISTRAL, "Mistral", "Mistral"),
                                    "gemma2": (TINY_GEMMA2, "Gemma2", "Gemma2"),
                                    "qwen3": (TINY_QWEN3, "Qwen3", "Qwen3"),
-                                   "gemma3": (TINY_GEMMA3, "Gemma3Text", "Gemma3")}[model_type]
+                                   "gemma3": (TINY_GEMMA3, "Gemma3Text", "Gemma3"),
+                                   "gpt_oss": (TINY_GPT_OSS, "GptOss", "GptOss")}[model_type]
         config = getattr(transformers, f"{config_name}Config")(**{**base, **overrides})
         config._attn_implementation = "eager"
+        config._experts_implementation = "eager"    # the experts' reference loop (MoE models)
         model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
         with torch.no_grad():
             for param_name, param in model.named_parameters():
                 if param_name.endswith("norm.weight"):
                     param.normal_(0.0, 0.3)
+                elif param_name.endswith("sinks"):
+                    param.normal_(0.0, 2.0)
     return model
 
 

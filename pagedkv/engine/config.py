@@ -129,6 +129,7 @@ class ModelConfig:
             if hf.get(name) is not None and hf[name] != default:
                 raise ValueError(f"config.json: {name}={hf[name]!r} is not supported (the engine runs "
                                  f"{name}={default!r} only for {architecture})")
+        _check_quantization(hf, arch)
         hf = {**arch.defaults, **hf}
 
         def need(name):
@@ -236,6 +237,17 @@ def _check_architecture(hf: dict) -> str:
         raise ValueError(f"config.json: model_type={model_type!r} does not match architectures={archs!r} "
                          f"(model_type {expected!r} expected)")
     return architecture
+
+
+def _check_quantization(hf: dict, arch: Architecture) -> None:
+    """An architecture whose fixed fields leave quantization_config free (gpt-oss) may carry MXFP4 weights,
+    dequantised at load; no other scheme."""
+    quant = hf.get("quantization_config")
+    if quant is None or "quantization_config" in arch.fixed:
+        return
+    if not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4":
+        raise ValueError(f"config.json: quantization_config={quant!r} is not supported (MXFP4 weights are: "
+                         f"quant_method 'mxfp4', dequantised at load)")
 
 
 def _positive_number(name: str, value, integer: bool = False):

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from .chat import ChatTemplate
 from ..config import ModelConfig
+from . import mxfp4
 from .gguf import GGUFFile, is_gguf
 from ..models.registry import model_class
 from ..tp.shard import ZERO
@@ -44,17 +45,36 @@ class SafetensorsCheckpoint(Checkpoint):
         self.config = ModelConfig.from_pretrained(path)
 
     def tensors(self):
-        for file in _safetensors_files(self.path):
+        files = _safetensors_files(self.path)
+        where = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                where.update(dict.fromkeys(f.keys(), file))
+        pairs = mxfp4.pair_tensors(where)         # MXFP4 experts (gpt-oss): dequantised below
+        paired = {name for pair in pairs.values() for name in pair}
+        for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
+                    if name in paired:
+                        continue
                     stored = f.get_slice(name)
                     if stored.get_dtype() not in FLOAT_DTYPES:     # quantized or integer: unusable weights
                         raise ValueError(f"checkpoint tensor {name!r} is {stored.get_dtype()}; the engine loads "
-                                         f"floating-point weights only ({', '.join(sorted(FLOAT_DTYPES))})")
+                                         f"floating-point weights only ({', '.join(sorted(FLOAT_DTYPES))}), "
+                                         f"and MXFP4 pairs (*_blocks + *_scales)")
 
                     def read(index=None, f=f, name=name, stored=stored):
                         return f.get_tensor(name) if index is None else stored[index]
                     yield name, tuple(stored.get_shape()), read
+        for name, (blocks, scales) in sorted(pairs.items()):
+            with safe_open(where[blocks], framework="pt") as f:
+                shape = f.get_slice(blocks).get_shape()        # [..., rows, groups, 16]
+
+            def read(index=None, blocks=blocks, scales=scales):
+                with safe_open(where[blocks], framework="pt") as fb, safe_open(where[scales], framework="pt") as fs:
+                    weight = mxfp4.dequantize(fb.get_tensor(blocks), fs.get_tensor(scales))
+                return weight if index is None else weight[index]
+            yield name, (*shape[:-3], shape[-2] * 32, shape[-3]), read
 
     def tokenizer(self):
         path = os.path.join(self.path, "tokenizer.json")
