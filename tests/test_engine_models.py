@@ -86,6 +86,23 @@ def test_the_registry_builds_each_architecture(tiny):
         assert llm.model.model.layers[0].self_attn.scale == 24 ** -0.5
 
 
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_preemption_and_chunked_prefill(tiny, preemption):
+    """A pool too small for the batch: sequences are preempted (by swap to host blocks, or by dropping
+    their KV and recomputing it) while prompts prefill in chunks of 13 tokens; the tokens stay
+    transformers'."""
+    model_type, path, prompts, expected = tiny
+    swap = dict(num_cpu_blocks=64) if preemption == "swap" else {}
+    num_blocks = 14 if model_type == "mistral" else 40       # Mistral's every layer holds only its window
+    llm = LLM(path, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=13, **swap)
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    stats = llm.stats()
+    assert stats[f"preempted_{preemption}"] > 0, stats
+    assert stats["used_blocks"] == 0
+    llm.bm.check_invariants()
+
+
 # Config edits, each of which changes a tiny model's greedy output: the engine must follow transformers
 # through the edit (so each field is read, and read as transformers reads it).
 EDITS = {
