@@ -279,3 +279,25 @@ def test_paged_attention_mla_refuses_foreign_and_float8_scale_errors():
         ops.paged_attention_mla(**{**args, "kv_cache": fp8}, kv_scale=torch.ones(3))
     with pytest.raises(RuntimeError, match="finite numbers > 0"):
         ops.paged_attention_mla(**{**args, "kv_cache": fp8}, kv_scale=torch.tensor(float("inf")))
+
+
+# --------------------------------------------------------------------------------------------------
+# Pool sizing: the block manager is unchanged, only the bytes per block differ
+
+def test_latent_cache_sizing_and_block_moves():
+    import pagedkv
+    args = dict(num_layers=61, block_size=64, kv_lora_rank=512, qk_rope_head_dim=64, dtype=BF16)
+    per_block = pagedkv.mla_block_bytes(**args)
+    assert per_block == 61 * 64 * 576 * 2
+    full_kv = pagedkv.block_bytes(num_layers=61, block_size=64, num_kv_heads=128, head_dim=160, dtype=BF16)
+    assert full_kv / per_block == pytest.approx(40960 / 576)  # 128 x (192 + 128) elements vs 576 per token
+    assert pagedkv.num_mla_blocks_for(10 * per_block + per_block - 1, **args) == 10
+    assert pagedkv.num_mla_blocks_for(0, **args) == 0
+    with pytest.raises(ValueError):
+        pagedkv.mla_block_bytes(**{**args, "kv_lora_rank": 0})
+    caches = pagedkv.allocate_mla_cache(2, 6, 4, 32, 16, dtype=F32)
+    assert len(caches) == 2 and caches[0].shape == (6, 4, 48) and caches[0].is_contiguous()
+    cache = caches[0].normal_()
+    before = cache.clone()
+    ops.swap_blocks(cache, cache, torch.tensor([[1, 4]]))  # copy-on-write within the pool
+    assert torch.equal(cache[4], before[1]) and torch.equal(cache[:4], before[:4])
