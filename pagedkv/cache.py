@@ -5,7 +5,8 @@ import torch
 
 from .validation import check_int
 
-__all__ = ["allocate_kv_cache", "allocate_host_tier", "num_blocks_for", "block_bytes", "kv_cache_groups"]
+__all__ = ["allocate_kv_cache", "allocate_host_tier", "num_blocks_for", "block_bytes", "kv_cache_groups",
+           "allocate_mla_cache", "mla_block_bytes", "num_mla_blocks_for"]
 
 # What the ops accept (float8 caches store quantised KV: reshape_and_cache's k_scale / v_scale).
 _CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -90,3 +91,41 @@ def kv_cache_groups(layer_windows) -> tuple[list, list[tuple[int, int]]]:
         placement.append((g, sizes[g]))
         sizes[g] += 1
     return group_windows, placement
+
+
+# ---------------------------------------------------------------------------------------------------
+# MLA (DeepSeek V2/V3, Kimi K2): one latent cache per layer, [num_blocks, block_size, kv_lora_rank +
+# qk_rope_head_dim], one row per token and no separate V. The block manager is the same: a block still
+# holds block_size tokens; only the bytes per block change, so a pool is sized by the same division.
+
+def mla_block_bytes(*, num_layers: int, block_size: int, kv_lora_rank: int, qk_rope_head_dim: int,
+                    dtype: torch.dtype) -> int:
+    """Bytes one physical block of an MLA model's latent caches costs across all layers:
+    ``num_layers * block_size * (kv_lora_rank + qk_rope_head_dim) * itemsize`` (one row per token and layer;
+    the heads share it, so ``num_heads`` does not appear)."""
+    _check_cache_geometry(dtype, num_layers=num_layers, block_size=block_size, kv_lora_rank=kv_lora_rank)
+    check_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return num_layers * block_size * (kv_lora_rank + qk_rope_head_dim) * itemsize
+
+
+def num_mla_blocks_for(memory_bytes: int, *, num_layers: int, block_size: int, kv_lora_rank: int,
+                       qk_rope_head_dim: int, dtype: torch.dtype) -> int:
+    """How many blocks of latent caches (every layer) fit in ``memory_bytes``; 0 when not even one."""
+    check_int("memory_bytes", memory_bytes, minimum=0)
+    return int(memory_bytes) // mla_block_bytes(num_layers=num_layers, block_size=block_size,
+                                                kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+                                                dtype=dtype)
+
+
+def allocate_mla_cache(num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, qk_rope_head_dim: int,
+                       *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """One latent cache per layer, ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``, contiguous
+    and uninitialised (``ops.concat_and_cache_mla`` writes it, ``ops.paged_attention_mla`` reads it).
+    ``swap_blocks`` moves its blocks as they are: ``swap_blocks(cache, cpu_cache, mapping)`` swaps, and
+    ``swap_blocks(cache, cache, bm.take_copies())`` makes the block manager's copy-on-write copies."""
+    _check_cache_geometry(dtype, num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                          kv_lora_rank=kv_lora_rank)
+    check_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
+    shape = (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)
+    return [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -15,7 +15,8 @@ import torch
 from . import _C  # noqa: F401  (registers torch.ops.pagedkv.*)
 
 __all__ = ["reshape_and_cache", "paged_attention", "paged_attention_with_lse", "copy_blocks", "swap_blocks",
-           "offload_blocks", "load_blocks", "cpu_attention_isa", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]
+           "offload_blocks", "load_blocks", "cpu_attention_isa", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
+           "concat_and_cache_mla", "paged_attention_mla", "paged_attention_mla_with_lse"]
 
 _ops = torch.ops.pagedkv
 
@@ -256,6 +257,98 @@ def rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: to
 
 
 # ---------------------------------------------------------------------------------------------------
+# MLA (multi-head latent attention: DeepSeek V2/V3, Kimi K2). One latent cache per layer,
+# ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (e.g. 512 + 64 = 576): row ``slot`` holds the
+# token's normalised latent ``kv_c`` then its rope key ``k_pe``, one "head", no separate V. Same slots,
+# block tables and block manager as the K/V caches. Layout and mapping to vLLM / FlashInfer: docs/reference.md.
+
+def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         kv_cache_dtype: str = "auto", scale: torch.Tensor | None = None) -> None:
+    """Writes each token's latent and rope key into its latent cache row, in place (vLLM's op of that name).
+
+    The signature is vLLM's ``concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
+    scale)`` (``torch.ops._C_cache_ops``), so a vLLM call site works unchanged, with its last two arguments
+    optional: ``kv_cache_dtype`` defaults to ``"auto"`` and ``scale`` to None (1).
+
+    Args:
+        kv_c: ``[T, kv_lora_rank]``, any strides (e.g. a slice of the fused down-projection's output).
+        k_pe: ``[T, rope_dim]``, any strides (e.g. ``k_pe.squeeze(1)`` of a ``[T, 1, rope_dim]`` tensor);
+            kv_c's dtype.
+        kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope_dim]``, any strides on the first two
+            dimensions and contiguous rows; kv_c's dtype, or ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``
+            (then each element is stored as ``fp8(x / scale)``, saturated and rounded to nearest even, as
+            :func:`reshape_and_cache` stores them). vLLM allocates its float8 caches as uint8: pass
+            ``kv_cache.view(torch.float8_e4m3fn)``; a uint8 cache raises.
+        slot_mapping: ``[T]`` int32 or int64; token ``t`` goes to slot ``slot_mapping[t]`` (row
+            ``slot % block_size`` of block ``slot // block_size``); a negative slot is padding, skipped. On
+            CPU an out-of-range slot or a slot given twice raises before anything is written; CUDA kernels
+            cannot raise and skip out-of-range slots (reported under ``PAGEDKV_CHECK_INDICES=1``).
+        kv_cache_dtype: ``"auto"`` (the format is kv_cache's dtype), or vLLM's names ``"fp8"`` /
+            ``"fp8_e4m3"`` (kv_cache must be float8_e4m3fn) and ``"fp8_e5m2"`` (float8_e5m2).
+        scale: float8 caches: a float32 tensor of shape ``[]`` or ``[1]`` on the inputs' device (None means
+            1; on CPU finite and > 0). Ignored by 16/32-bit caches, as in vLLM (which passes its layer's
+            ``_k_scale`` whatever the cache dtype).
+
+    Example::
+
+        kv_cache = torch.empty(num_blocks, 16, 512 + 64, dtype=torch.bfloat16)
+        concat_and_cache_mla(kv_c, k_pe.squeeze(1), kv_cache, slots)          # kv_c [T, 512], k_pe [T, 1, 64]
+    """
+    _ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)
+
+
+def paged_attention_mla(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, kv_lora_rank: int, *,
+                        kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal MLA attention in absorbed form over a paged latent cache (decode and prefill in one batch).
+
+    Each query head attends with its absorbed query (``q_nope @ W_UK`` then ``q_pe``) to the latent rows:
+    the logit is ``scale * query . row`` over the whole row (latent and rope parts: K), the output the
+    softmax-weighted sum of the rows' first ``kv_lora_rank`` elements (the latent: V, read from the same
+    bytes). Multiply the output by ``W_UV`` per head for the attention's value.
+
+    Args:
+        query: ``[T, num_heads, kv_lora_rank + rope_dim]`` packed over ``B`` sequences, fp32 / fp16 / bf16.
+        kv_cache: the latent cache of :func:`concat_and_cache_mla` (query's dtype or float8), read in place.
+        block_tables, seq_lens, query_start_loc: as :func:`paged_attention` (int32; entries past a
+            sequence's length are never read; ``seq_lens`` counts this step's tokens, already written).
+        scale: multiplies ``q . k``; finite and > 0. For DeepSeek V3: ``(qk_nope_head_dim +
+            qk_rope_head_dim) ** -0.5`` = ``192 ** -0.5`` (times the YaRN mscale factor squared, if used).
+        kv_lora_rank: the latent's width (512 for DeepSeek V2/V3 and Kimi K2): the V part of each row.
+        kv_scale: float8 caches only, the scale they were written with: float32 ``[]`` or ``[1]`` on
+            query's device; None means 1 (K and V are the same bytes, so one scale).
+
+    Masking is causal and bottom-right aligned as in :func:`paged_attention`: query ``j`` of a sequence with
+    ``q_len`` queries sits at position ``seq_lens[b] - q_len + j`` and reads rows ``0..`` that position
+    only; no other cache row is read.
+
+    Returns:
+        ``[T, num_heads, kv_lora_rank]``, query's dtype, contiguous.
+
+    Example::
+
+        out = paged_attention_mla(q, kv_cache, block_tables, seq_lens, qsl, 192 ** -0.5, 512)
+    """
+    return _ops.paged_attention_mla(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank,
+                                    kv_scale=kv_scale)
+
+
+def paged_attention_mla_with_lse(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                                 kv_lora_rank: int, *,
+                                 kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like :func:`paged_attention_mla`, and also returns the log-sum-exp of each query row's logits.
+
+    Returns:
+        ``(out, lse)``: ``out`` as in :func:`paged_attention_mla`; ``lse`` ``[T, num_heads]`` float32, as
+        in :func:`paged_attention_with_lse` (natural log; ``-inf`` when no row is visible), so partial
+        results over disjoint key sets merge the same way.
+    """
+    return _ops.paged_attention_mla_with_lse(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                                             kv_lora_rank, kv_scale=kv_scale)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Fake (meta) kernels: shapes only, for torch.compile and FakeTensor tracing.
 
 def _check_not_mixed_with_meta(op: str, **tensors) -> None:
@@ -357,3 +450,38 @@ def _silu_and_mul_fake(input):
 def _rotary_embedding_fake(positions, x, cos_sin_cache):
     _check_not_mixed_with_meta("rotary_embedding", positions=positions, x=x, cos_sin_cache=cos_sin_cache)
     return None
+
+
+@torch.library.register_fake("pagedkv::concat_and_cache_mla")
+def _concat_and_cache_mla_fake(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="auto", scale=None):
+    _check_not_mixed_with_meta("concat_and_cache_mla", kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache,
+                               slot_mapping=slot_mapping)
+    _check_not_the_same_tensor("concat_and_cache_mla", "kv_cache", kv_cache, "kv_c", kv_c)
+    return None
+
+
+def _paged_attention_mla_shape(op, query, kv_cache, block_tables, seq_lens, query_start_loc, kv_lora_rank):
+    _check_not_mixed_with_meta(op, query=query, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
+                               query_start_loc=query_start_loc)
+    if query.dim() != 3 or kv_cache.dim() != 3 or not 0 < kv_lora_rank <= kv_cache.shape[2]:
+        raise RuntimeError(f"pagedkv.{op}: query must be [num_tokens, num_heads, kv_lora_rank + rope_dim] and "
+                           f"kv_cache [num_blocks, block_size, kv_lora_rank + rope_dim] with 0 < kv_lora_rank <= "
+                           f"the row width, got shapes {tuple(query.shape)}, {tuple(kv_cache.shape)} and "
+                           f"kv_lora_rank {kv_lora_rank}")
+    return (query.shape[0], query.shape[1], kv_lora_rank)
+
+
+@torch.library.register_fake("pagedkv::paged_attention_mla")
+def _paged_attention_mla_fake(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank, *,
+                              kv_scale=None):
+    shape = _paged_attention_mla_shape("paged_attention_mla", query, kv_cache, block_tables, seq_lens,
+                                       query_start_loc, kv_lora_rank)
+    return query.new_empty(shape)
+
+
+@torch.library.register_fake("pagedkv::paged_attention_mla_with_lse")
+def _paged_attention_mla_with_lse_fake(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                                       kv_lora_rank, *, kv_scale=None):
+    shape = _paged_attention_mla_shape("paged_attention_mla_with_lse", query, kv_cache, block_tables, seq_lens,
+                                       query_start_loc, kv_lora_rank)
+    return query.new_empty(shape), query.new_empty(shape[:2], dtype=torch.float32)

@@ -8,6 +8,7 @@ import torch
 import pagedkv
 
 OPS = ["reshape_and_cache", "paged_attention", "paged_attention_with_lse", "copy_blocks", "swap_blocks",
+       "concat_and_cache_mla", "paged_attention_mla", "paged_attention_mla_with_lse",
        "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"]
 
 

@@ -83,3 +83,46 @@ def test_cuda_decode_step_graph_capture(seq_len):
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, batch.reference()[0], BF16, "graph replay")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_mla_ops(device):
+    from mla_reference import LatentBatch
+    batch = LatentBatch([9, 0], [1, 3], block_size=4, num_heads=3, kv_lora_rank=32, rope_dim=16, dtype=F32,
+                        device=device)
+    torch.library.opcheck(torch.ops.pagedkv.paged_attention_mla.default, batch.args())
+    torch.library.opcheck(torch.ops.pagedkv.paged_attention_mla_with_lse.default, batch.args())
+    # float8: every check but test_schema, which multiplies the float8 cache (torch does not implement it)
+    fp8 = batch.kv_cache.to(torch.float8_e4m3fn)
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.pagedkv.paged_attention_mla.default, (batch.query, fp8, *batch.args()[2:]),
+                          {"kv_scale": torch.tensor(0.5, device=device)}, test_utils=utils)
+    kv_c, k_pe = torch.randn(3, 32, device=device), torch.randn(3, 1, 16, device=device).squeeze(1)
+    slots = torch.tensor([3, -1, 17], device=device)
+    torch.library.opcheck(torch.ops.pagedkv.concat_and_cache_mla.default, (kv_c, k_pe, batch.kv_cache, slots))
+    torch.library.opcheck(torch.ops.pagedkv.concat_and_cache_mla.default,
+                          (kv_c, k_pe, fp8, slots.int(), "fp8", torch.tensor([2.0], device=device)), test_utils=utils)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mla_decode_step_under_torch_compile(device):
+    from mla_reference import LatentBatch
+    torch._dynamo.reset()
+    batch = LatentBatch([9, 30], [1, 1], block_size=8, num_heads=4, kv_lora_rank=64, rope_dim=32, dtype=F32,
+                        device=device)
+    kv_c, k_pe = torch.randn(2, 64, device=device), torch.randn(2, 32, device=device)
+    tables = batch.block_tables.long().cpu()
+    slots = torch.tensor([int(tables[0, 1]) * 8 + 1, int(tables[1, 3]) * 8 + 6], device=device)
+
+    def decode_step(query, kv_c, k_pe, kv_cache, slots, block_tables, seq_lens, qsl):
+        ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slots)
+        out, lse = ops.paged_attention_mla_with_lse(query, kv_cache, block_tables, seq_lens, qsl, 0.1, 64)
+        return out * 2.0, lse
+
+    compiled = torch.compile(decode_step, fullgraph=True, backend="inductor")
+    eager_cache = batch.kv_cache.clone()
+    rest = (slots, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    eager = decode_step(batch.query, kv_c, k_pe, eager_cache, *rest)
+    got = compiled(batch.query, kv_c, k_pe, batch.kv_cache, *rest)
+    torch.testing.assert_close(got, eager, atol=0, rtol=0)
+    assert torch.equal(batch.kv_cache.view(torch.uint8), eager_cache.view(torch.uint8))

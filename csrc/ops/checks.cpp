@@ -78,11 +78,7 @@ void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, con
   }
   check_kv_scale(k_scale, "k_scale", key_cache, key);
   check_kv_scale(v_scale, "v_scale", value_cache, key);
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
-              "slot_mapping must be int32 or int64, got ", slot_mapping.scalar_type());
-  TORCH_CHECK(slot_mapping.dim() == 1, "slot_mapping must have 1 dimension(s), got shape ", slot_mapping.sizes());
-  TORCH_CHECK(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
-              " entries but key has ", key.size(0), " tokens");
+  check_slot_mapping(slot_mapping, key.size(0), "key");
   check_same_device(value, "value", key, "key");
   check_same_device(key_cache, "key_cache", key, "key");
   check_same_device(value_cache, "value_cache", key, "key");

@@ -132,6 +132,15 @@ void check_kv_cache_views(const at::Tensor& key_cache, const at::Tensor& value_c
               "equal strides); pass views of one layout, or contiguous caches");
 }
 
+// slot_mapping: int32 or int64, one entry per token of the input named tokens_of.
+void check_slot_mapping(const at::Tensor& slot_mapping, int64_t num_tokens, const char* tokens_of) {
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
+              "slot_mapping must be int32 or int64, got ", slot_mapping.scalar_type());
+  TORCH_CHECK(slot_mapping.dim() == 1, "slot_mapping must have 1 dimension(s), got shape ", slot_mapping.sizes());
+  TORCH_CHECK(slot_mapping.size(0) == num_tokens, "slot_mapping has ", slot_mapping.size(0), " entries but ",
+              tokens_of, " has ", num_tokens, " tokens");
+}
+
 void check_block_mapping_shape(const at::Tensor& block_mapping) {
   check_index_tensor(block_mapping, "block_mapping", at::kLong, 2);
   TORCH_CHECK(block_mapping.size(1) == 2, "block_mapping must be [n, 2] (src, dst) pairs, got shape ",

@@ -30,5 +30,6 @@ void check_cache(const at::Tensor& cache, const std::string& name);
 void check_cache_view(const at::Tensor& cache, const std::string& name, const char* why = "it is written in place");
 void check_kv_cache_views(const at::Tensor& key_cache, const at::Tensor& value_cache);
 void check_block_mapping_shape(const at::Tensor& block_mapping);
+void check_slot_mapping(const at::Tensor& slot_mapping, int64_t num_tokens, const char* tokens_of);
 
 }  // namespace pagedkv

@@ -128,7 +128,7 @@ __device__ inline void find_query_tile(const KernelParams& p, int tile, int* seq
 // Element offset of the row (KV head 0) of key position pos of sequence seq in the cache views, or -1
 // when the metadata points outside the cache (recorded in p.index_error when checking is on): the key
 // then takes part in nothing.
-__device__ __forceinline__ int64_t checked_row_offset(const KernelParams& p, int seq, int64_t pos) {
+__device__ __forceinline__ int64_t checked_row_offset(const AttentionParams& p, int seq, int64_t pos) {
   const int64_t column = pos / p.block_size;
   if (column >= p.max_blocks) {
     report_bad_index(p.index_error, kBadSeqLen, p.seq_lens[seq], seq);

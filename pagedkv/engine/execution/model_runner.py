@@ -76,6 +76,9 @@ def disk_tier_size(model: LlamaForCausalLM, config: EngineConfig) -> int:
 
 
 def _num_blocks_for_budget(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    # Pool = budget // bytes per block. An MLA model's block costs pagedkv.mla_block_bytes(...) instead
+    # (num_layers * block_size * (kv_lora_rank + qk_rope_head_dim) * itemsize): the same division, and the
+    # same block manager (block_size tokens per block, one KV group).
     block_bytes = kv_cache_block_bytes(model, config.block_size,
                                        kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype))
     if config.device.type == "cuda":
