@@ -62,7 +62,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, *, max_seq_len: int = -1, sliding_window: int = -1,
                     softcap: float = 0.0, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed queries over a paged KV cache (decode and prefill in one batch).
 
     Args:
@@ -92,6 +92,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         k_scale, v_scale: float8 caches only, the scales they were written with (see
             :func:`reshape_and_cache`): float32 ``[]`` or ``[num_kv_heads]`` on the query's device; None
             means 1. On CPU they must be finite and > 0.
+        sinks: attention sinks (gpt-oss): float32 ``[num_q_heads]`` on the query's device, or None. Each
+            head's softmax runs over its visible logits and one extra logit ``sinks[h]`` that carries no
+            value: ``out = sum_k e^(s_k) v_k / (e^(sinks[h]) + sum_k e^(s_k))``. The sink is neither scaled
+            nor softcapped (transformers' gpt-oss concatenates it to the scaled, masked logits). A row
+            that sees no key gives 0. On CPU the values must be finite (CUDA cannot check them).
 
     Masking is causal and bottom-right aligned: query ``j`` of sequence ``b`` with ``q_len`` queries
     sits at position ``seq_lens[b] - q_len + j``. Decode is ``q_len == 1``. A masked key contributes
@@ -110,14 +115,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """
     return _ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                                 max_seq_len=max_seq_len, sliding_window=sliding_window, softcap=softcap,
-                                k_scale=k_scale, v_scale=v_scale)
+                                k_scale=k_scale, v_scale=v_scale, sinks=sinks)
 
 
 def paged_attention_with_lse(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                              scale: float, *, max_seq_len: int = -1, sliding_window: int = -1,
                              softcap: float = 0.0, k_scale: torch.Tensor | None = None,
-                             v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             v_scale: torch.Tensor | None = None,
+                             sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`paged_attention`, and also returns the log-sum-exp of each query row's logits.
 
     Returns:
@@ -125,10 +131,13 @@ def paged_attention_with_lse(query: torch.Tensor, key_cache: torch.Tensor, value
         natural log of ``sum_k exp(logit_k)`` over the visible keys (``-inf`` when there are none).
         Two results over disjoint key sets merge as ``o = (w1 o1 + w2 o2) / (w1 + w2)`` with
         ``w_i = exp(lse_i - max(lse_1, lse_2))`` (e.g. cascade / shared-prefix attention).
+        With ``sinks``, the sink is part of the normaliser: ``lse = log(e^(sinks[h]) + sum_k e^(s_k))``
+        (``sinks[h]`` for a row that sees no key). A merge stays exact when exactly one of the merged
+        parts carries the sink: pass ``sinks`` to one call only (e.g. the shared prefix's), never to both.
     """
     return _ops.paged_attention_with_lse(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                          scale, max_seq_len=max_seq_len, sliding_window=sliding_window,
-                                         softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+                                         softcap=softcap, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
 
 
 def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
@@ -356,6 +365,8 @@ def _check_not_mixed_with_meta(op: str, **tensors) -> None:
     writes nothing: refuse instead. (FakeTensors report the device they stand for, never meta.)"""
     flat: list[tuple[str, torch.Tensor]] = []
     for name, t in tensors.items():
+        if t is None:              # an optional tensor not given
+            continue
         if isinstance(t, (list, tuple)):
             flat.extend((f"{name}[{i}]", x) for i, x in enumerate(t))
         else:
@@ -385,19 +396,20 @@ def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, k_
 
 @torch.library.register_fake("pagedkv::paged_attention")
 def _paged_attention_fake(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
-                          max_seq_len=-1, sliding_window=-1, softcap=0.0, k_scale=None, v_scale=None):
+                          max_seq_len=-1, sliding_window=-1, softcap=0.0, k_scale=None, v_scale=None, sinks=None):
     _check_not_mixed_with_meta("paged_attention", query=query, key_cache=key_cache, value_cache=value_cache,
-                               block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
+                               block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
+                               sinks=sinks)
     return query.new_empty(query.shape)
 
 
 @torch.library.register_fake("pagedkv::paged_attention_with_lse")
 def _paged_attention_with_lse_fake(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                                    *, max_seq_len=-1, sliding_window=-1, softcap=0.0, k_scale=None,
-                                   v_scale=None):
+                                   v_scale=None, sinks=None):
     _check_not_mixed_with_meta("paged_attention_with_lse", query=query, key_cache=key_cache,
                                value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens,
-                               query_start_loc=query_start_loc)
+                               query_start_loc=query_start_loc, sinks=sinks)
     return query.new_empty(query.shape), query.new_empty(query.shape[:2], dtype=torch.float32)
 
 

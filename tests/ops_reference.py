@@ -31,8 +31,9 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, *,
-                    sliding_window=-1, softcap=0.0):
-    """Returns (out [T, Hq, D] float64, lse [T, Hq] float64)."""
+                    sliding_window=-1, softcap=0.0, sinks=None):
+    """Returns (out [T, Hq, D] float64, lse [T, Hq] float64). sinks [Hq]: one more logit per head in the
+    normaliser, carrying no value (gpt-oss; transformers concatenates it to the masked logits)."""
     num_tokens, num_q_heads, head_dim = query.shape
     group = num_q_heads // key_cache.shape[2]
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float64)
@@ -56,8 +57,14 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
         if sliding_window > 0:
             visible &= k_pos > q_pos - sliding_window
         logits = logits.masked_fill(~visible, -math.inf)
-        lse[q0:q1] = torch.logsumexp(logits, dim=-1).transpose(0, 1)
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v)
+        if sinks is None:
+            lse[q0:q1] = torch.logsumexp(logits, dim=-1).transpose(0, 1)
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v)
+        else:
+            sink = sinks.cpu().double().view(-1, 1, 1).expand(-1, q_len, 1)
+            row_lse = torch.logsumexp(torch.cat((logits, sink), dim=-1), dim=-1, keepdim=True)
+            lse[q0:q1] = row_lse[..., 0].transpose(0, 1)
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.exp(logits - row_lse), v)
     return out, lse
 
 

@@ -3,6 +3,7 @@
 every CPU ISA copy; CUDA variants are skipped without a GPU."""
 from __future__ import annotations
 
+import math
 import os
 
 import hypothesis
@@ -418,3 +419,96 @@ def test_paged_attention_cpu_prefill_runs_across_short_blocks(isa, sliding_windo
     expected, expected_lse = batch.reference(sliding_window=sliding_window)
     assert_close(out, expected, BF16, f"{isa} window={sliding_window}")
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
+def poison_unused_blocks(batch):
+    """NaN in every cache block no sequence's table reaches (the kernels must not read them)."""
+    used = set()
+    for b, n in enumerate(batch.seq_lens_list):
+        used |= set(batch.block_tables[b, :-(-n // batch.key_cache.shape[1])].tolist())
+    unused = [i for i in range(batch.num_blocks) if i not in used]
+    batch.key_cache[unused] = float("nan")
+    batch.value_cache[unused] = float("nan")
+    return unused
+
+
+SINK_CASES = [  # (prefixes, q_lens, block_size, kv heads, group, head_dim, window, softcap)
+    ([36, 0, 50, 300, 0], [1, 9, 13, 1, 1], 16, 2, 2, 64, -1, 0.0),   # decode, fresh and cached prefills
+    ([40, 0, 100, 7], [1, 12, 30, 1], 8, 2, 4, 32, 7, 0.0),           # window
+    ([40, 0, 100], [1, 20, 3], 8, 1, 8, 64, 20, 5.0),                 # window + softcap, the GEMM path
+    ([3000], [1], 16, 1, 4, 128, -1, 0.0),                            # split-K: partials merged, then the sink
+    ([2500], [3], 16, 2, 2, 64, -1, 3.0),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("case", SINK_CASES, ids=[f"case{i}" for i in range(len(SINK_CASES))])
+def test_paged_attention_sinks(device, dtype, case):
+    """Attention sinks (gpt-oss) against the float64 reference: out and lse, every dtype, GQA, windows,
+    softcap, split-K, NaN in every unread block; sinks=None is the old result bit for bit."""
+    prefixes, q_lens, block_size, kv_heads, group, head_dim, window, softcap = case
+    batch = PagedBatch(prefixes, q_lens, block_size=block_size, num_kv_heads=kv_heads, group=group,
+                       head_dim=head_dim, dtype=dtype, device=device)
+    poison_unused_blocks(batch)
+    # logits of scale ~1 over up to 3000 keys: a sink around log(keys) weighs about as much as they do
+    sinks = torch.randn(kv_heads * group, device=device) * 2 + math.log(max(batch.seq_lens_list))
+    kwargs = dict(sliding_window=window, softcap=softcap)
+    out, lse = ops.paged_attention_with_lse(*batch.args(), sinks=sinks, **kwargs)
+    expected, expected_lse = batch.reference(sinks=sinks, **kwargs)
+    assert_close(out, expected, dtype, "out with sinks")
+    torch.testing.assert_close(lse.double().cpu(), expected_lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ops.paged_attention(*batch.args(), sinks=sinks, **kwargs), out, atol=0, rtol=0)
+    plain, _ = batch.reference(**kwargs)
+    assert (expected - plain).abs().max() > 1e-3          # the sinks change the answer: the check is not void
+    torch.testing.assert_close(ops.paged_attention(*batch.args(), sinks=None, **kwargs),
+                               ops.paged_attention(*batch.args(), **kwargs), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("config", ATTENTION_CONFIGS[:8], ids=config_id)
+def test_paged_attention_sinks_each_isa(isa, config):
+    dtype = config[0]
+    batch = mixed_batch(config, "cpu")
+    poison_unused_blocks(batch)
+    sinks = torch.randn(batch.query.shape[1]) * 2
+    with cpu_attention_isa(isa):
+        out, lse = ops.paged_attention_with_lse(*batch.args(), softcap=5.0, sinks=sinks)
+    expected, expected_lse = batch.reference(softcap=5.0, sinks=sinks)
+    assert_close(out, expected, dtype, f"{isa} with sinks")
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_sinks_merge_with_lse_over_disjoint_key_sets():
+    """A cascade: the sink goes with one part only; merged by lse, the result is the whole call's."""
+    batch = PagedBatch([63], [1], block_size=16, num_kv_heads=2, group=2, head_dim=32, dtype=F32, device="cpu")
+    sinks = torch.randn(4)
+    whole, whole_lse = ops.paged_attention_with_lse(*batch.args(), sinks=sinks)
+    first = batch.block_tables.clone()
+    first_len = torch.tensor([32], dtype=torch.int32)
+    # part 1: the first 32 keys as their own sequence (a query at position 31 sees them all), with the sink;
+    # part 2: the last 32 keys (blocks 2 and 3 of the table) without it.
+    second = batch.block_tables[:, 2:].contiguous()
+    o1, l1 = ops.paged_attention_with_lse(batch.query, batch.key_cache, batch.value_cache, first, first_len,
+                                          batch.query_start_loc, batch.scale, sinks=sinks)
+    o2, l2 = ops.paged_attention_with_lse(batch.query, batch.key_cache, batch.value_cache, second, first_len,
+                                          batch.query_start_loc, batch.scale)
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp()[..., None], (l2 - m).exp()[..., None]
+    torch.testing.assert_close((w1 * o1 + w2 * o2) / (w1 + w2), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(m + torch.log(w1[..., 0] + w2[..., 0]), whole_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda h: torch.zeros(h, dtype=torch.float64), "float32"),
+    (lambda h: torch.zeros(h + 1), r"\[num_q_heads\]"),
+    (lambda h: torch.zeros(1, h), r"\[num_q_heads\]"),
+    (lambda h: torch.full((h,), float("nan")), "finite"),
+    (lambda h: torch.full((h,), float("inf")), "finite"),
+])
+def test_bad_sinks_are_refused(bad, match):
+    batch = PagedBatch([8], [1], block_size=4, num_kv_heads=1, group=2, head_dim=16, dtype=F32, device="cpu")
+    with pytest.raises(RuntimeError, match=match):
+        ops.paged_attention(*batch.args(), sinks=bad(2))
+    with pytest.raises((TypeError, RuntimeError)):
+        ops.paged_attention(*batch.args(), sinks=[0.0, 0.0])

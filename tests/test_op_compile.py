@@ -17,6 +17,10 @@ def test_opcheck_all_ops(device):
     torch.library.opcheck(torch.ops.pagedkv.paged_attention.default, batch.args(),
                           {"sliding_window": 5, "softcap": 2.0})
     torch.library.opcheck(torch.ops.pagedkv.paged_attention_with_lse.default, batch.args())
+    sinks = torch.randn(batch.query.shape[1], device=device)
+    torch.library.opcheck(torch.ops.pagedkv.paged_attention.default, batch.args(), {"sinks": sinks})
+    torch.library.opcheck(torch.ops.pagedkv.paged_attention_with_lse.default, batch.args(),
+                          {"sinks": sinks, "sliding_window": 3})
     key = torch.randn(3, 2, 64, device=device)
     slots = torch.tensor([3, -1, 17], device=device)
     torch.library.opcheck(torch.ops.pagedkv.reshape_and_cache.default,

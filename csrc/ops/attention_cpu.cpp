@@ -59,7 +59,7 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
                               const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
                               const at::Tensor& query_start_loc_in, double scale, int64_t sliding_window,
-                              double softcap, KvScale k_scale, KvScale v_scale) {
+                              double softcap, KvScale k_scale, KvScale v_scale, const float* sinks) {
   const AttentionShape shape = check_paged_attention(query_in, key_cache, value_cache, block_tables_in, seq_lens_in,
                                                      query_start_loc_in, scale, sliding_window, softcap);
   // The kernel reads private copies of the metadata, so the values checked are the values used even
@@ -80,6 +80,7 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
   args.partial_lse = partial_lse.data();
   args.k_scale = k_scale;
   args.v_scale = v_scale;
+  args.sinks = sinks;
 
   const Isa isa = active_isa();
   dispatch_float(query.scalar_type(), [&](auto type) {
@@ -102,16 +103,18 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cpu_impl(
     const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
     int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
-    const std::optional<at::Tensor>& v_scale, bool want_lse) {
+    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks, bool want_lse) {
   check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                        sliding_window, softcap, k_scale, v_scale);
+                        sliding_window, softcap, k_scale, v_scale, sinks);
   const auto [k_copy, k_s] = cpu_kv_scale(k_scale, "k_scale");
   const auto [v_copy, v_s] = cpu_kv_scale(v_scale, "v_scale");
+  const at::Tensor sinks_copy = cpu_sinks(sinks);
   at::Tensor out = at::empty(query.sizes(), query.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor lse = want_lse ? at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat))
                             : at::Tensor();
   paged_attention_cpu_into(out, lse, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                           sliding_window, softcap, k_s, v_s);
+                           sliding_window, softcap, k_s, v_s,
+                           sinks_copy.defined() ? sinks_copy.data_ptr<float>() : nullptr);
   return {out, lse};
 }
 
@@ -120,18 +123,18 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
                                const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                const at::Tensor& query_start_loc, double scale, int64_t /*max_seq_len*/,
                                int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
-                               const std::optional<at::Tensor>& v_scale) {
+                               const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks) {
   return std::get<0>(paged_attention_cpu_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                              scale, sliding_window, softcap, k_scale, v_scale, false));
+                                              scale, sliding_window, softcap, k_scale, v_scale, sinks, false));
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_attention_with_lse_cpu(
     const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
     int64_t /*max_seq_len*/, int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
-    const std::optional<at::Tensor>& v_scale) {
+    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks) {
   return paged_attention_cpu_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                                  sliding_window, softcap, k_scale, v_scale, true);
+                                  sliding_window, softcap, k_scale, v_scale, sinks, true);
 }
 
 }  // namespace

@@ -37,6 +37,7 @@ struct AttentionParams {
   int64_t sliding_window;  // -1: none
   float scale, softcap;
   KvScale k_scale, v_scale;  // float8 caches: x = stored * scale of the KV head (null: 1)
+  const float* sinks;        // [Hq] attention sinks (OnlineSoftmax::add_sink), or nullptr
 };
 
 // How many partitions to split a range of num_keys keys into when only work_units units of work

@@ -97,7 +97,8 @@ AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& 
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                      double scale, int64_t sliding_window, double softcap,
                                      const std::optional<at::Tensor>& k_scale,
-                                     const std::optional<at::Tensor>& v_scale) {
+                                     const std::optional<at::Tensor>& v_scale,
+                                     const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_q_heads, head_dim], got shape ", query.sizes());
   check_float_dtype(query, "query");
   constexpr const char* kRead = "each cache element holds one value";
@@ -137,6 +138,12 @@ AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& 
   check_same_device(seq_lens, "seq_lens", query, "query");
   check_same_device(query_start_loc, "query_start_loc", query, "query");
   check_kv_cache_views(key_cache, value_cache);
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == query.size(1),
+                "sinks must be a float32 tensor of shape [num_q_heads] = [", query.size(1), "], got ",
+                sinks->scalar_type(), " of shape ", sinks->sizes());
+    check_same_device(*sinks, "sinks", query, "query");
+  }
   return AttentionShape{query.size(0),     query.size(1),         num_kv_heads,      query.size(2),
                         num_seqs,          block_tables.size(1),  key_cache.size(0), key_cache.size(1)};
 }
@@ -371,6 +378,15 @@ void check_block_mapping_values(const at::Tensor& block_mapping, int64_t num_src
                 m[2 * j], " is also the destination of block_mapping[", it == dsts.end() ? 0 : it->second,
                 "]: a block copied in one call must not also be written by it (no chains)");
   }
+}
+
+at::Tensor cpu_sinks(const std::optional<at::Tensor>& sinks) {
+  if (!sinks.has_value()) return at::Tensor();
+  const at::Tensor copy = sinks->clone(at::MemoryFormat::Contiguous);
+  const float* v = copy.data_ptr<float>();
+  for (int64_t h = 0; h < copy.numel(); ++h)
+    TORCH_CHECK(std::isfinite(v[h]), "sinks must be finite, got ", v[h], " for head ", h);
+  return copy;
 }
 
 }  // namespace pagedkv

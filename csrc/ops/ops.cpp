@@ -154,11 +154,11 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, *, int max_seq_len=-1, int sliding_window=-1, "
-      "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+      "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? sinks=None) -> Tensor");
   m.def(
       "paged_attention_with_lse(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, *, int max_seq_len=-1, int sliding_window=-1, "
-      "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor, Tensor)");
+      "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? sinks=None) -> (Tensor, Tensor)");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   // The host tier (tier_ops.cpp, cuda/tier_ops.cu): whole blocks between the paged caches and a block-major

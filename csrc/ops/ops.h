@@ -46,7 +46,8 @@ AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& 
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                      double scale, int64_t sliding_window, double softcap,
                                      const std::optional<at::Tensor>& k_scale = std::nullopt,
-                                     const std::optional<at::Tensor>& v_scale = std::nullopt);
+                                     const std::optional<at::Tensor>& v_scale = std::nullopt,
+                                     const std::optional<at::Tensor>& sinks = std::nullopt);
 void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
                        const at::Tensor& block_mapping);
 void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
@@ -67,6 +68,8 @@ void check_silu_and_mul(const at::Tensor& input);
 void check_rotary_embedding(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos_sin_cache);
 
 // Checks that read tensor values; only for tensors that live on the CPU.
+// A private contiguous copy of a CPU sinks argument, its values finite (checked values = read values).
+at::Tensor cpu_sinks(const std::optional<at::Tensor>& sinks);
 void check_kv_scale_values(const at::Tensor& scale, const char* name);  // finite and > 0
 // A private contiguous copy of a CPU scale argument (checked values = read values) and its view.
 std::pair<at::Tensor, KvScale> cpu_kv_scale(const std::optional<at::Tensor>& scale, const char* name);
@@ -124,7 +127,8 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
                               const at::Tensor& key_cache, const at::Tensor& value_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                              double softcap, KvScale k_scale = {}, KvScale v_scale = {});
+                              double softcap, KvScale k_scale = {}, KvScale v_scale = {},
+                              const float* sinks = nullptr);
 
 // Calls fn with a value of the C++ type of a (checked) float32 / float16 / bfloat16 dtype.
 template <typename Fn>

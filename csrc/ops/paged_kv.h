@@ -125,6 +125,16 @@ struct OnlineSoftmax {
     l += weight;
     return {alpha, weight};
   }
+  // Folds in an attention sink (gpt-oss): one more logit in the normaliser that carries no value.
+  // Returns the factor that turns an output normalised by the state before the sink (acc * inv_sum())
+  // into the one normalised with it; lse() then includes the sink. A row that saw no key keeps output 0
+  // and gets lse = sink. The sink must be finite.
+  PAGEDKV_HD float add_sink(float sink) {
+    rescale_to(sink);
+    const float before = l;
+    l += expf(sink - m);
+    return before / l;
+  }
   PAGEDKV_HD float inv_sum() const { return l > 0.f ? 1.f / l : 0.f; }
   // Natural-log log-sum-exp of the logits seen so far; -inf when none.
   PAGEDKV_HD float lse() const { return l > 0.f ? m + logf(l) : kNegInf; }

@@ -158,15 +158,19 @@ T* aligned64(T* p) {
   return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
 }
 
-// Final output of one row: out = acc / l (rounded to the query dtype) and, when asked, its lse.
+// Final output of one row: out = acc / l (rounded to the query dtype) and, when asked, its lse; the
+// head's sink, if any, joins the normaliser here, once per row (after the split-K merge for split rows,
+// whose partials carry none), so every kernel copy has it.
 template <typename scalar_t>
 void write_output_row(const AttentionParams& a, int64_t token, int64_t head, const float* acc,
                       const OnlineSoftmax& state) {
   const int64_t D = a.head_dim, row = token * a.num_q_heads + head;
-  const float inv = state.inv_sum();
+  OnlineSoftmax final_state = state;
+  float inv = state.inv_sum();
+  if (a.sinks != nullptr) inv *= final_state.add_sink(a.sinks[head]);
   auto* out = static_cast<scalar_t*>(a.out) + row * D;
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<scalar_t>(acc[d] * inv);
-  if (a.lse != nullptr) a.lse[row] = state.lse();
+  if (a.lse != nullptr) a.lse[row] = final_state.lse();
 }
 
 // Row r of an item: the final output when the item is whole, else its partition's normalised partial

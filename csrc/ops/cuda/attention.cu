@@ -57,8 +57,8 @@ void launch_paged_attention(KernelParams p, int64_t max_seq_len, int device, cud
   if (launch.grid_z > 1) {
     const int64_t num_rows = int64_t(p.num_tokens) * p.num_q_heads;
     attention_cuda::merge_partitions_kernel<scalar_t><<<unsigned(num_rows), attention_cuda::kThreads, 0, stream>>>(
-        p.partial_out, p.partial_lse, static_cast<scalar_t*>(p.out), p.lse, int(launch.grid_z), num_rows,
-        p.head_dim);
+        p.partial_out, p.partial_lse, static_cast<scalar_t*>(p.out), p.lse, p.sinks, int(launch.grid_z), num_rows,
+        p.num_q_heads, p.head_dim);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -67,10 +67,11 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
     const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in, const at::Tensor& query_start_loc_in,
     double scale, int64_t max_seq_len, int64_t sliding_window, double softcap,
-    const std::optional<at::Tensor>& k_scale_in, const std::optional<at::Tensor>& v_scale_in, bool want_lse) {
+    const std::optional<at::Tensor>& k_scale_in, const std::optional<at::Tensor>& v_scale_in,
+    const std::optional<at::Tensor>& sinks_in, bool want_lse) {
   const AttentionShape shape = check_paged_attention(query, key_cache, value_cache, block_tables_in, seq_lens_in,
                                                      query_start_loc_in, scale, sliding_window, softcap, k_scale_in,
-                                                     v_scale_in);
+                                                     v_scale_in, sinks_in);
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor for the CUDA paged_attention");
   const c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -84,6 +85,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
   // Scales stay on the device (reading them here would sync); null means 1.
   const at::Tensor k_scale = k_scale_in.has_value() ? k_scale_in->contiguous() : at::Tensor();
   const at::Tensor v_scale = v_scale_in.has_value() ? v_scale_in->contiguous() : at::Tensor();
+  const at::Tensor sinks = sinks_in.has_value() ? sinks_in->contiguous() : at::Tensor();
   DeviceIndexCheck index_check(query.device());
 
   KernelParams p{};
@@ -92,6 +94,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
   p.index_error = index_check.error();
   if (k_scale.defined()) p.k_scale = KvScale{k_scale.data_ptr<float>(), k_scale.dim() == 0 ? 0 : 1};
   if (v_scale.defined()) p.v_scale = KvScale{v_scale.data_ptr<float>(), v_scale.dim() == 0 ? 0 : 1};
+  if (sinks.defined()) p.sinks = sinks.data_ptr<float>();
   const at::TensorOptions float_options = query.options().dtype(at::kFloat);
   const int device = query.get_device();
   dispatch_float(query.scalar_type(), [&](auto type) {
@@ -115,18 +118,19 @@ at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_c
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                 const at::Tensor& query_start_loc, double scale, int64_t max_seq_len,
                                 int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
-                                const std::optional<at::Tensor>& v_scale) {
+                                const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks) {
   return std::get<0>(paged_attention_cuda_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                               scale, max_seq_len, sliding_window, softcap, k_scale, v_scale, false));
+                                               scale, max_seq_len, sliding_window, softcap, k_scale, v_scale, sinks,
+                                               false));
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_attention_with_lse_cuda(
     const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
     int64_t max_seq_len, int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
-    const std::optional<at::Tensor>& v_scale) {
+    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks) {
   return paged_attention_cuda_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                                   max_seq_len, sliding_window, softcap, k_scale, v_scale, true);
+                                   max_seq_len, sliding_window, softcap, k_scale, v_scale, sinks, true);
 }
 
 }  // namespace

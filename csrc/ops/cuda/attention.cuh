@@ -335,7 +335,11 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
     const int r = i / D, d = i % D;
     const int64_t token = q_start + q_begin + r / num_heads, head = head0 + r % num_heads;
     const int64_t row = token * p.num_q_heads + head;
-    const float o = acc_s[i] * state_s[r].inv_sum() * v_scale;
+    float o = acc_s[i] * state_s[r].inv_sum() * v_scale;
+    if (num_parts == 1 && p.sinks != nullptr) {    // the sink joins the final normaliser (after the merge if split)
+      OnlineSoftmax with_sink = state_s[r];
+      o *= with_sink.add_sink(p.sinks[head]);
+    }
     if (num_parts == 1) {
       static_cast<scalar_t*>(p.out)[row * D + d] = static_cast<scalar_t>(o);
     } else {
@@ -345,7 +349,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
   if (tid < rows) {
     const int64_t token = q_start + q_begin + tid / num_heads, head = head0 + tid % num_heads;
     const int64_t row = token * p.num_q_heads + head;
-    const float lse = state_s[tid].lse();
+    OnlineSoftmax final_state = state_s[tid];
+    if (num_parts == 1 && p.sinks != nullptr) final_state.add_sink(p.sinks[head]);
+    const float lse = final_state.lse();
     if (num_parts > 1) {
       p.partial_lse[int64_t(blockIdx.z) * p.num_tokens * p.num_q_heads + row] = lse;
     } else if (p.lse != nullptr) {
@@ -358,14 +364,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     merge_partitions_kernel(const float* __restrict__ partial_out, const float* __restrict__ partial_lse,
-                            scalar_t* __restrict__ out, float* __restrict__ lse, int num_parts, int64_t num_rows,
-                            int head_dim) {
+                            scalar_t* __restrict__ out, float* __restrict__ lse, const float* __restrict__ sinks,
+                            int num_parts, int64_t num_rows, int num_q_heads, int head_dim) {
   const int64_t row = blockIdx.x;
   OnlineSoftmax state;
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     state = OnlineSoftmax{};
-    const float o = merge_partition_element(partial_out + row * head_dim, num_rows * head_dim, partial_lse + row,
-                                            num_rows, num_parts, d, state);
+    float o = merge_partition_element(partial_out + row * head_dim, num_rows * head_dim, partial_lse + row,
+                                      num_rows, num_parts, d, state);
+    if (sinks != nullptr) o *= state.add_sink(sinks[row % num_q_heads]);   // the partials carry no sink
     out[row * head_dim + d] = static_cast<scalar_t>(o);
   }
   if (lse != nullptr && threadIdx.x == 0) lse[row] = state.lse();  // thread 0 merged element 0 (head_dim >= 1)
