@@ -1,4 +1,4 @@
-"""Mistral, Gemma 2, Qwen3 and Gemma 3 through the same engine as Llama (the registry keyed by config.json's
+"""Mistral, Gemma 2, Qwen3, Gemma 3 and gpt-oss through the same engine as Llama (the registry keyed by config.json's
 `architectures`): greedy fp32 output equals transformers' eager attention token for token, with prompts
 plus generations several times the sliding window, prefix caching on and off, n > 1; each Gemma 2
 feature (window per layer type, attention and final softcaps, query_pre_attn_scalar, tied embeddings)
@@ -16,7 +16,7 @@ from pagedkv.engine.config import ARCHITECTURES, ModelConfig
 from pagedkv.engine.models.registry import model_class
 
 MAX_TOKENS = 24          # prompts of 38-56 tokens + 24: up to 10 windows of 8
-MODEL_TYPES = ["mistral", "gemma2", "qwen3", "gemma3"]
+MODEL_TYPES = ["mistral", "gemma2", "qwen3", "gemma3", "gpt_oss"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -77,6 +77,10 @@ def test_the_registry_builds_each_architecture(tiny):
         assert windows == [8, 8, 8, 8, 8, -1]
         model = llm.model.model
         assert [model.layer_ropes[i] is model.local_rotary_emb for i in range(6)] == [True] * 5 + [False]
+    elif model_type == "gpt_oss":     # transformers' default layer_types: sliding, full, ...
+        assert windows == [8, -1] * (cfg.num_layers // 2)
+        assert all(layer.self_attn.sink_logits.dtype == torch.float32 for layer in llm.model.model.layers)
+        assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.extra["num_experts_per_tok"] == 2
     elif model_type == "qwen3":
         assert windows == [-1] * cfg.num_layers and cfg.head_dim == 24
         assert all(hasattr(layer.self_attn, "q_norm") for layer in llm.model.model.layers)
@@ -120,6 +124,11 @@ EDITS = {
                                                               "full_attention": {"rope_type": "default", "rope_theta": 100.0}}),
                "window 5": dict(sliding_window=5),
                "own layer types": dict(layer_types=["full_attention", "sliding_attention"] * 3)},
+    "gpt_oss": {"window 5": dict(sliding_window=5),
+                "own layer types": dict(layer_types=["full_attention", "sliding_attention"] * 2),
+                "one expert a token": dict(num_experts_per_tok=1),
+                "swiglu limit 0.5": dict(swiglu_limit=0.5),
+                "no yarn": dict(rope_parameters={"rope_type": "default", "rope_theta": 150000.0})},
 }
 
 
@@ -136,7 +145,7 @@ def test_each_field_changes_the_output_and_the_engine_follows(tiny, tmp_path, ed
 
 
 @pytest.mark.parametrize("tiny, final_softcap", [("mistral", None), ("gemma2", 4.0), ("gemma2", None),
-                                                   ("qwen3", None), ("gemma3", None)],
+                                                   ("qwen3", None), ("gemma3", None), ("gpt_oss", None)],
                          indirect=["tiny"])
 def test_logits_equal_transformers(tiny, tmp_path, final_softcap):
     """The last token's logits (which sampling uses) equal transformers': a greedy check cannot see the
@@ -211,7 +220,8 @@ BAD = [
     ("mistral softcap", dict(MISTRAL, attn_logit_softcapping=30.0), "attn_logit_softcapping"),
     ("type mismatch", dict(GEMMA2, model_type="mistral"), "model_type"),
     ("two architectures", dict(GEMMA2, architectures=["Gemma2ForCausalLM", "LlamaForCausalLM"]), "architectures"),
-    ("gpt-oss", dict(GEMMA2, architectures=["GptOssForCausalLM"], model_type="gpt_oss"), "GptOssForCausalLM"),
+    ("deepseek v3", dict(GEMMA2, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"),
+     "DeepseekV3ForCausalLM"),
     ("qwen3 sliding", dict(MISTRAL, architectures=["Qwen3ForCausalLM"], model_type="qwen3", sliding_window=None,
                            use_sliding_window=True), "use_sliding_window"),
 ]

@@ -52,3 +52,52 @@ def test_half_pairs_and_bad_tensors_are_refused():
     with pytest.raises(ValueError, match="do not match"):
         mxfp4.dequantize(torch.zeros(1, 2, 1, 16, dtype=torch.uint8), torch.zeros(1, 1, 1, dtype=torch.uint8))
 
+
+
+GPT_OSS = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=100, hidden_size=64,
+               intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_quantization_config_only_mxfp4_and_only_gpt_oss():
+    ModelConfig.from_dict(dict(GPT_OSS, quantization_config={"quant_method": "mxfp4"}))
+    with pytest.raises(ValueError, match="quantization_config"):
+        ModelConfig.from_dict(dict(GPT_OSS, quantization_config={"quant_method": "gptq"}))
+    with pytest.raises(ValueError, match="quantization_config"):
+        ModelConfig.from_dict(dict(GPT_OSS, architectures=["LlamaForCausalLM"], model_type="llama",
+                                   quantization_config={"quant_method": "mxfp4"}))
+
+
+def test_a_gpt_oss_checkpoint_with_mxfp4_experts_equals_transformers(tmp_path):
+    """Experts stored as MXFP4 pairs (as gpt-oss ships them) load dequantised: greedy tokens equal
+    transformers' on the same (dequantised) weights."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from engine_fixtures import build_tiny_model, hf_greedy, never_stop, shared_prefix_prompts
+    from pagedkv.engine import LLM, SamplingParams
+
+    model = build_tiny_model("gpt_oss")
+    packed = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = quantize(param.data)
+                param.copy_(mxfp4.dequantize(blocks, scales))
+                packed[name] = (blocks, scales)
+    model.save_pretrained(tmp_path)
+    never_stop(model)
+    weights = load_file(tmp_path / "model.safetensors")
+    for name, (blocks, scales) in packed.items():
+        del weights[name]
+        weights[name + "_blocks"], weights[name + "_scales"] = blocks, scales
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "router"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    prompts = shared_prefix_prompts(model.config.vocab_size)[:4]
+    expected = [hf_greedy(model, p, 16) for p in prompts]
+    outputs = LLM(tmp_path, block_size=4).generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
+                                                                           ignore_eos=True))
+    assert [o.token_ids for o in outputs] == expected

@@ -45,6 +45,7 @@ struct AttnCase {
   double query_range = 1.0;  // queries uniform in [-query_range, query_range]
   bool strided_query = false;
   int multiprocessors = 4;  // many: small grids are split over keys (split-K)
+  bool sinks = false;       // attention sinks (gpt-oss): one more logit per head, carrying no value
 };
 
 // Float8 caches: how the scales are given.
@@ -81,6 +82,7 @@ struct AttnRun {
   float scale;
   Scales scales;
   std::vector<float> k_scale, v_scale;  // one per KV head (all equal for kTensor; 1 for kNone)
+  std::vector<float> sinks;             // one per query head (c.sinks)
 
   AttnRun(const AttnCase& ac, std::mt19937_64& rng, Scales sc = Scales::kNone, Layout lay = Layout::kContiguous)
       : c(ac), scales(sc), layout(lay) {
@@ -118,6 +120,9 @@ struct AttnRun {
       k_scale.push_back(scales == Scales::kNone ? 1.f : scales == Scales::kTensor ? k_all : float(std::exp(log_scale(rng))));
       v_scale.push_back(scales == Scales::kNone ? 1.f : scales == Scales::kTensor ? v_all : float(std::exp(log_scale(rng))));
     }
+    // Sinks around log(keys): about as heavy as the keys' mass, so they move the answer.
+    std::normal_distribution<double> sink_dist(std::log(double(c.max_prefix) + 8.0), 2.0);
+    for (int h = 0; c.sinks && h < Hq; ++h) sinks.push_back(float(sink_dist(rng)));
     const size_t cache_elems = size_t(num_blocks) * bs * Hkv * D;
     const int64_t page = int64_t(bs) * Hkv * D;
     switch (layout) {
@@ -195,6 +200,7 @@ struct AttnRun {
     p.sliding_window = c.sliding_window;
     p.scale = scale;
     p.softcap = c.softcap;
+    p.sinks = c.sinks ? sinks.data() : nullptr;
     if (scales != Scales::kNone) {
       p.k_scale = pagedkv::KvScale{k_scale.data(), scales == Scales::kHead ? 1 : 0};
       p.v_scale = pagedkv::KvScale{v_scale.data(), scales == Scales::kHead ? 1 : 0};
@@ -217,7 +223,7 @@ struct AttnRun {
     if (launch.grid_z > 1) {
       const int64_t rows = int64_t(T_total) * Hq;
       cuda_emu::launch(dim3(unsigned(rows)), dim3(attn::kThreads), 0, attn::merge_partitions_kernel<T>,
-                       p.partial_out, p.partial_lse, out_buf.get(), p.lse, int(launch.grid_z), rows, D);
+                       p.partial_out, p.partial_lse, out_buf.get(), p.lse, p.sinks, int(launch.grid_z), rows, Hq, D);
     }
     out->resize(out_buf.size);
     for (size_t i = 0; i < out_buf.size; ++i) (*out)[i] = to_double(out_buf[i]);
@@ -250,8 +256,9 @@ struct AttnRun {
       logits.push_back(s);
       m = std::max(m, s);
     }
+    if (c.sinks) m = std::max(m, double(sinks[h]));
     out->assign(D, 0.0);
-    double l = 0;
+    double l = c.sinks ? std::exp(double(sinks[h]) - m) : 0.0;
     for (int64_t k = vis.begin; k < vis.end; ++k) {
       const double w = std::exp(logits[k - vis.begin] - m);
       l += w;
@@ -348,6 +355,12 @@ TEST(CudaAttention, SlidingWindowSplitK) {
 }
 
 TEST(CudaAttention, Softcap) { run_case({"softcap", 4, 2, 64, 16, {6, 1}, 0, 40, -1, 20.f, 12.0}); }
+
+TEST(CudaAttention, Sinks) { run_case({"sinks", 4, 2, 64, 16, {1, 6, 1}, 0, 60, -1, 0.f, 1.0, false, 4, true}); }
+
+TEST(CudaAttention, SinksWindowSoftcapSplitK) {
+  run_case({"sinks_splitk", 4, 1, 64, 16, {1, 3}, 600, 700, 200, 8.f, 4.0, false, 132, true}, true);
+}
 
 TEST(CudaAttention, HeadDim256) { run_case({"d256", 2, 1, 256, 16, {1, 3}, 60, 100}); }
 

@@ -127,6 +127,8 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
+    sink_logits = None      # float32 [num_heads] attention sinks (gpt-oss sets them after loading)
+
     def __init__(self, cfg: ModelConfig, layer: int, tp=None):
         super().__init__()
         self.tp = tp     # tensor parallel: cfg holds this rank's heads, o_proj is row-parallel
@@ -162,7 +164,8 @@ class Attention(nn.Module):
         out = torch.ops.pagedkv.paged_attention(q, key_cache, value_cache, group.block_tables,
                                                 meta.seq_lens, meta.query_start_loc, self.scale,
                                                 max_seq_len=meta.max_seq_len, sliding_window=self.sliding_window,
-                                                softcap=self.softcap, k_scale=k_scale, v_scale=v_scale)
+                                                softcap=self.softcap, k_scale=k_scale, v_scale=v_scale,
+                                                sinks=self.sink_logits)
         out = self.o_proj.forward(out.reshape(-1, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -35,7 +35,7 @@ GEMMA_READ = frozenset({"sliding_window", "layer_types", "query_pre_attn_scalar"
 
 # The model registry, keyed by config.json's `architectures`. Mistral is Llama with every layer windowed;
 # Gemma 2 alternates windowed and full layers; Gemma 3 has five windowed layers per full one, with a rope
-# of their own.
+# of their own; gpt-oss alternates 128-token windowed layers and full ones, with attention sinks and experts.
 ARCHITECTURES = {
     "LlamaForCausalLM": Architecture("llama", "llama.LlamaForCausalLM", MATHS_FIELDS, {}),
     "MistralForCausalLM": Architecture(
@@ -58,6 +58,15 @@ ARCHITECTURES = {
         {"sliding_window": 4096, "query_pre_attn_scalar": 256, "head_dim": 256, "max_position_embeddings": 131072,
          "tie_word_embeddings": True, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
         GEMMA_READ | {"rope_local_base_freq"}, activation="gelu_pytorch_tanh", global_every=6),
+    "GptOssForCausalLM": Architecture(
+        "gpt_oss", "gpt_oss.GptOssForCausalLM",
+        {k: v for k, v in MATHS_FIELDS.items() if k not in ("sliding_window", "quantization_config")},
+        {"sliding_window": 128, "head_dim": 64, "attention_bias": True, "max_position_embeddings": 131072,
+         "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+         "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 4096}},
+        frozenset({"sliding_window", "layer_types"}),
+        extra=frozenset({"num_local_experts", "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"})),
 }
 
 
