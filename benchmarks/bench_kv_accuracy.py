@@ -1,6 +1,6 @@
 """KV cache dtypes on a real model: how far SmolLM2-135M-Instruct's predictions move when its KV cache is
-stored in bf16, fp16, fp8 e4m3 / e5m2 (scale 1, or dynamic per KV head), and with bf16 weights + bf16 KV,
-against fp32 weights + fp32 KV.
+stored in bf16, fp16, fp8 e4m3 / e5m2 (scale 1, dynamic per KV head, or e4m3's default: a per-head rotation
+then dynamic per KV head), and with bf16 weights + bf16 KV, against fp32 weights + fp32 KV.
 
 Per configuration, a fresh engine (so dynamic fp8 scales are set by its first prefill, as in serving):
   1. greedy answers to the chat workload (--chats conversations, --max-tokens each): outputs identical to
@@ -33,6 +33,7 @@ CONFIGS = [
     ("fp32 weights, fp16 KV", dict(), torch.float16),
     ("fp32 weights, fp8 e4m3 KV, scale 1", dict(kv_cache_dtype="fp8_e4m3", kv_scale=1.0), None),
     ("fp32 weights, fp8 e4m3 KV, dynamic per head", dict(kv_cache_dtype="fp8_e4m3", kv_scale="dynamic"), None),
+    ("fp32 weights, fp8 e4m3 KV, rotated (default)", dict(kv_cache_dtype="fp8_e4m3"), None),
     ("fp32 weights, fp8 e5m2 KV, scale 1", dict(kv_cache_dtype="fp8_e5m2", kv_scale=1.0), None),
     ("fp32 weights, fp8 e5m2 KV, dynamic per head", dict(kv_cache_dtype="fp8_e5m2", kv_scale="dynamic"), None),
     ("bf16 weights, bf16 KV", dict(dtype="bfloat16"), None),

@@ -345,7 +345,8 @@ class EngineConfig:
     prompt_lookup_min: int = 1                # n-gram sizes the lookup tries, longest first
     prompt_lookup_max: int = 3
     kv_cache_dtype: str = "auto"              # "auto" (the model's dtype), "fp8_e4m3", "fp8_e5m2"
-    kv_scale: str | float = "dynamic"         # float8 KV: "dynamic" (per layer and KV head), or a fixed scale
+    kv_scale: str | float = "rotated"         # float8 KV: "rotated" (per-head rotation, then "dynamic"),
+                                              # "dynamic" (per layer and KV head), or a fixed scale
 
     def __post_init__(self):
         self.device = parse_device(self.device)

@@ -27,7 +27,7 @@ def kv_fingerprint(llm, **extra) -> dict:
     fields = {
         "model": model_identity(llm.model, llm.model_config),
         "kv_dtype": str(key.dtype),
-        # fixed scales or "dynamic": dynamic ones are set by each instance's first batch, and blocks written
+        # fixed scales or the rule ("rotated", "dynamic", ...): dynamic ones are set by each instance's first batch, and blocks written
         # under other scales differ in their salted hash, so the per-block identity check rejects them
         "kv_scales": None if llm.config.kv_cache_dtype == "auto" else llm.config.kv_scale,
         "block_size": llm.config.block_size,

@@ -157,15 +157,19 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         key_cache, value_cache = kv_cache
         k_scale = v_scale = None
-        if self.kv_scales is not None:
-            self.kv_scales.observe(k, v)             # dynamic scales: set by the first prefill, then fixed
-            k_scale, v_scale = self.kv_scales.k_scale, self.kv_scales.v_scale
+        quant = self.kv_scales
+        if quant is not None:
+            q, k, v = quant.rotate(q, k, v)          # the rotated rule (else unchanged): q.k is kept
+            quant.observe(k, v)                      # dynamic scales: set by the first prefill, then fixed
+            k_scale, v_scale = quant.k_scale, quant.v_scale
         torch.ops.pagedkv.reshape_and_cache(k, v, key_cache, value_cache, group.slot_mapping, k_scale, v_scale)
         out = torch.ops.pagedkv.paged_attention(q, key_cache, value_cache, group.block_tables,
                                                 meta.seq_lens, meta.query_start_loc, self.scale,
                                                 max_seq_len=meta.max_seq_len, sliding_window=self.sliding_window,
                                                 softcap=self.softcap, k_scale=k_scale, v_scale=v_scale,
                                                 sinks=self.sink_logits)
+        if quant is not None:
+            out = quant.unrotate(out)
         out = self.o_proj.forward(out.reshape(-1, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -47,7 +47,7 @@ class LLM:
                  kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "",
                  kv_events_include_token_ids: bool = True, metrics_port: int | None = None,
                  metrics_addr: str = "127.0.0.1", cpu_threads: int | str = "auto", kv_cache_dtype: str = "auto",
-                 kv_scale: str | float = "dynamic"):
+                 kv_scale: str | float = "rotated"):
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError(f"model_path must be a str or os.PathLike (a checkpoint directory), got {model_path!r}")
         self.config = EngineConfig(device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
