@@ -50,18 +50,25 @@ def run_pagedkv(model, prompts, max_tokens, dtype):
 
     def run():
         llm.bm.reset_prefix_cache()
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        t0 = time.perf_counter()
-        requests = [llm.add_request(p, params) for p in prompts]
-        times = [[] for _ in prompts]
-        while llm.has_unfinished():
-            llm.step()
-            now = time.perf_counter()
-            for r, stamps in zip(requests, times):
-                n = len(r.seqs[0].output_token_ids) if r.seqs else 0
-                stamps.extend([now] * (n - len(stamps)))
-        return [r.seqs[0].output_token_ids for r in requests], times, t0
+        return stream_pagedkv(llm, prompts, max_tokens)
     return run
+
+
+def stream_pagedkv(llm, prompts, max_tokens):
+    """Every prompt added at once, then steps to the end: (answers, token timestamps per request, t0)."""
+    from pagedkv.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    requests = [llm.add_request(p, params) for p in prompts]
+    times = [[] for _ in prompts]
+    while llm.has_unfinished():
+        llm.step()
+        now = time.perf_counter()
+        for r, stamps in zip(requests, times):
+            n = len(r.seqs[0].output_token_ids) if r.seqs else 0
+            stamps.extend([now] * (n - len(stamps)))
+    return [r.seqs[0].output_token_ids for r in requests], times, t0
 
 
 def load_hf(model, dtype, attn):
@@ -133,19 +140,21 @@ PROFILE_CATEGORIES = [("attention (paged_attention)", ("paged_attention",)),
                       ("sampling", ("argmax", "softmax", "sort", "multinomial"))]
 
 
-def profile_decode(model, prompts, dtype, threads, steps=10):
+def profile_decode(model, prompts, dtype, threads, steps=10, **llm_args):
     """Where a pagedkv decode step at the workload's batch size spends its time (torch.profiler, self CPU
-    time per category; the rest is other ops, the scheduler, the block manager and Python)."""
+    time per category; the rest is other ops, the scheduler, the block manager and Python). llm_args go
+    to LLM (kv_cache_bytes, kv_cache_dtype)."""
     import collections
 
     from torch.profiler import ProfilerActivity, profile
 
     from pagedkv.engine import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_num_seqs=len(prompts), cpu_threads=threads)
-    for p in prompts:
-        llm.add_request(p, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
-    for _ in range(4):          # the prefill, then a few decodes
+    llm = LLM(model, dtype=dtype, max_num_seqs=len(prompts), cpu_threads=threads, **llm_args)
+    requests = [llm.add_request(p, SamplingParams(max_tokens=steps + 8, ignore_eos=True)) for p in prompts]
+    while not all(r.seqs and r.seqs[0].output_token_ids for r in requests):     # the prefill
+        llm.step()
+    for _ in range(3):          # then a few decodes
         llm.step()
     walls = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
