@@ -347,6 +347,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"              # "auto" (the model's dtype), "fp8_e4m3", "fp8_e5m2"
     kv_scale: str | float = "rotated"         # float8 KV: "rotated" (per-head rotation, then "dynamic"),
                                               # "dynamic" (per layer and KV head), or a fixed scale
+    kv_recent_tokens: int = 256               # float8 KV: each query's latest N tokens read in the model's
+    kv_first_block: bool = True               # dtype, and its sequence's first block (0 / False: off)
 
     def __post_init__(self):
         self.device = parse_device(self.device)
@@ -393,6 +395,8 @@ class EngineConfig:
             raise ValueError("distributed_backend='nccl' needs device='cuda'")
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
         self.kv_scale = check_kv_scale(self.kv_scale)
+        self.kv_recent_tokens = check_int("kv_recent_tokens", self.kv_recent_tokens, minimum=0, maximum=INT32_MAX)
+        self.kv_first_block = check_bool("kv_first_block", self.kv_first_block)
         (self.speculative, self.num_speculative_tokens, self.prompt_lookup_min,
          self.prompt_lookup_max) = check_speculative(self.speculative, self.num_speculative_tokens,
                                                      self.prompt_lookup_min, self.prompt_lookup_max)

@@ -10,6 +10,7 @@ from pagedkv.ops import load_blocks, offload_blocks
 from ..config import EngineConfig
 from .cpu_linear import pack_wide_linears
 from ..kv.quant import attach_kv_scales, kv_cache_dtype
+from ..kv.recent import LayerRecentKV, RecentPool
 from ..models.layers import AttentionMetadata, KVGroupInputs
 from ..models.llama import LlamaForCausalLM
 from ..checkpoints.loader import Checkpoint, load_model
@@ -29,6 +30,44 @@ def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.
     cfg = model.config
     return block_bytes(num_layers=num_cache_tensors(model), block_size=block_size, num_kv_heads=cfg.num_kv_heads,
                        head_dim=cfg.head_dim, dtype=dtype)
+
+
+RECENT_POOL_SHARE = 4     # the recent pool takes at most 1 / RECENT_POOL_SHARE of the KV budget
+
+
+def _kv_budget(config: EngineConfig) -> tuple[int, str]:
+    if config.device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(config.device)[0] * config.gpu_memory_utilization)
+        return budget, f"gpu_memory_utilization={config.gpu_memory_utilization} of the free GPU memory ({budget} bytes)"
+    return config.kv_cache_bytes, f"kv_cache_bytes={config.kv_cache_bytes}"
+
+
+def _recent_block_bytes(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    cfg = model.config
+    layers = sum(1 for g in cfg.layer_groups if cfg.group_windows[g] is None)
+    return block_bytes(num_layers=layers, block_size=config.block_size, num_kv_heads=cfg.num_kv_heads,
+                       head_dim=cfg.head_dim, dtype=next(model.parameters()).dtype)
+
+
+def recent_pool_blocks(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    """Blocks of the float8 rule's recent pool (kv.recent): what max_num_seqs sequences and a full step
+    need, within a quarter of the KV budget (and at least one sequence's); 0 without a float8 cache, without
+    a full-attention KV group, or with kv_recent_tokens=0 and kv_first_block=False."""
+    if kv_cache_dtype(config.kv_cache_dtype, torch.float32) == torch.float32:
+        return 0
+    if not (config.kv_recent_tokens or config.kv_first_block) or None not in model.config.group_windows:
+        return 0
+    needed = RecentPool.blocks_needed(config.max_num_seqs, config.max_num_batched_tokens, config.block_size,
+                                      config.kv_recent_tokens)
+    one = RecentPool.blocks_needed(1, config.block_size, config.block_size, config.kv_recent_tokens)
+    share = _kv_budget(config)[0] // RECENT_POOL_SHARE // _recent_block_bytes(model, config)
+    return min(needed, max(one, share))
+
+
+def recent_pool_bytes(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    """Bytes of the recent pool: its blocks' keys and values in the model's dtype, in each layer of the
+    full-attention group."""
+    return _recent_block_bytes(model, config) * recent_pool_blocks(model, config)
 
 
 def load_rank_model(checkpoint: Checkpoint, config: EngineConfig, *, pack_cpu_weights: bool,
@@ -81,12 +120,11 @@ def _num_blocks_for_budget(model: LlamaForCausalLM, config: EngineConfig) -> int
     # same block manager (block_size tokens per block, one KV group).
     block_bytes = kv_cache_block_bytes(model, config.block_size,
                                        kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype))
-    if config.device.type == "cuda":
-        budget = int(torch.cuda.mem_get_info(config.device)[0] * config.gpu_memory_utilization)
-        what = f"gpu_memory_utilization={config.gpu_memory_utilization} of the free GPU memory ({budget} bytes)"
-    else:
-        budget = config.kv_cache_bytes
-        what = f"kv_cache_bytes={budget}"
+    budget, what = _kv_budget(config)
+    recent = recent_pool_bytes(model, config)
+    if recent:      # the float8 rule's full-precision window comes out of the same budget
+        budget -= recent
+        what += f" less the float8 rule's recent pool ({recent} bytes: kv_recent_tokens, kv_first_block)"
     if budget < block_bytes:
         raise ValueError(f"{what} holds no KV block ({block_bytes} bytes each); raise it or pass num_blocks")
     # More is never used: every sequence at full length, admitted with its blocks in every KV group.
@@ -113,7 +151,25 @@ class ModelRunner:
                                              pin_memory=self.device.type == "cuda") if num_host_blocks else None)
         self.layer_caches = [self.kv_caches[i] for i in model.config.layer_cache_slots]   # what layer i reads
         self.num_groups = len(model.config.group_windows)
+        self.recent, self.recent_group = self._attach_recent_pool(config), None
+        if self.recent is not None:
+            self.recent_group = model.config.group_windows.index(None)
         self.generator = torch.Generator(self.device).manual_seed(seed)
+
+    def _attach_recent_pool(self, config: EngineConfig) -> "RecentPool | None":
+        """The float8 rule's recent pool (kv.recent) and each full-attention layer's part of it."""
+        num = recent_pool_blocks(self.model, config)
+        if not num:
+            return None
+        cfg, dtype = self.model.config, next(self.model.parameters()).dtype
+        full = cfg.group_windows.index(None)
+        for layer in self.model.model.layers:
+            attn = layer.self_attn
+            if cfg.layer_groups[attn.layer_index] == full:
+                (k, v), = allocate_kv_cache(1, num, self.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
+                                            device=self.device)
+                attn.kv_recent = LayerRecentKV(k, v, config.kv_recent_tokens)
+        return RecentPool(num, self.block_size, config.kv_recent_tokens, config.kv_first_block, self.device)
 
     def _allocate(self, num_blocks, device, dtype, pin=False):
         cfg = self.model.config
@@ -153,13 +209,17 @@ class ModelRunner:
                             ends: list[int]) -> AttentionMetadata:
         """The paged-attention inputs of a step whose sequence i has queries at positions [starts[i],
         ends[i]): one bm.attention_inputs call per KV group."""
-        dev, groups = self.device, []
+        dev, groups, recent = self.device, [], None
         for g in range(self.num_groups):
             slots, tables, seq_lens, query_start_loc = bm.attention_inputs(seq_ids, starts, ends, group=g)
             groups.append(KVGroupInputs(slots.to(dev, non_blocking=True), tables.to(dev, non_blocking=True)))
+            if g == self.recent_group:
+                first = self.block_size
+                recent = self.recent.prepare(seq_ids, starts, ends, tables,
+                                             first_tokens=lambda seq_id: bm.token_ids(seq_id)[:first])
         return AttentionMetadata(seq_lens=seq_lens.to(dev, non_blocking=True),
                                  query_start_loc=query_start_loc.to(dev, non_blocking=True),
-                                 max_seq_len=max(ends), groups=groups)
+                                 max_seq_len=max(ends), groups=groups, recent=recent)
 
     @torch.inference_mode()
     def move_blocks(self, moves: ScheduledBatch) -> None:
