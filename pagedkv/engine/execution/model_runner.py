@@ -67,7 +67,8 @@ def recent_pool_blocks(model: LlamaForCausalLM, config: EngineConfig) -> int:
 def recent_pool_bytes(model: LlamaForCausalLM, config: EngineConfig) -> int:
     """Bytes of the recent pool: its blocks' keys and values in the model's dtype, in each layer of the
     full-attention group."""
-    return _recent_block_bytes(model, config) * recent_pool_blocks(model, config)
+    blocks = recent_pool_blocks(model, config)
+    return blocks and blocks * _recent_block_bytes(model, config)
 
 
 def load_rank_model(checkpoint: Checkpoint, config: EngineConfig, *, pack_cpu_weights: bool,
