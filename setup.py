@@ -71,11 +71,12 @@ def _extension():
     cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]  # torch picks the C++ standard it needs
     define_macros = []
     libraries = []
-    if _have_header("openssl/sha.h"):
-        define_macros.append(("PAGEDKV_HAVE_OPENSSL", "1"))
-        libraries.append("crypto")
+    # xxHash is compiled in (XXH_INLINE_ALL), but its header comes from the system: no PyPI package
+    # installs xxhash.h (the `xxhash` wheel carries only its compiled module), so pip cannot supply it.
     if not _have_header("xxhash.h"):
-        raise RuntimeError("xxhash.h not found: apt-get install libxxhash-dev (or copy it to build_deps/include)")
+        raise RuntimeError("building pagedkv needs xxhash.h (header only, nothing is linked): "
+                           "apt-get install libxxhash-dev, dnf install xxhash-devel, "
+                           "or put xxhash.h in build_deps/include")
     kwargs = dict(
         name="pagedkv._C",
         extra_link_args=["-fopenmp"],

@@ -112,7 +112,7 @@ def hash_block_tokens(token_ids: _Ints, parent_hash: SupportsIndex | None = None
 
 
 def sha256_available() -> bool:
-    """Whether this build has OpenSSL, and so hash_algo="sha256"."""
+    """Always True: SHA-256 is built in (kept for callers that checked it)."""
 
 
 def _set_cpu_attention_isa(isa: str) -> None:

@@ -7,7 +7,6 @@ cd "$(dirname "$0")/.."
 missing=()
 [ -f /usr/include/xxhash.h ] || missing+=(libxxhash-dev)
 [ -d /usr/include/gtest ] || missing+=(libgtest-dev)
-[ -f /usr/include/openssl/evp.h ] || missing+=(libssl-dev)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
 # The NEON copy of the CPU kernels is cross-compiled and run under qemu-user on x86-64 (make test-cpp-arm),

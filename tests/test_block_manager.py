@@ -51,7 +51,34 @@ def test_salted_block0_hash_follows_the_documented_rule(rng):
         assert pagedkv.hash_block_tokens(block, cache_salt=salt) == seeds_hash(block, parent)
 
 
-@pytest.mark.skipif(not pagedkv._C.sha256_available(), reason="built without OpenSSL")
+def _sha256_first8(data):
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+
+
+@pytest.mark.parametrize("num_bytes", [0, 8, 48, 56, 64, 72, 120, 128, 136, 1 << 20])
+def test_sha256_of_token_blocks_matches_hashlib(num_bytes):
+    """The built-in SHA-256 over whole blocks of int64 tokens: lengths around the 55/56 and 64-byte
+    padding boundaries and a 1 MiB block."""
+    block = [(i * 2654435761) % (1 << 40) - (1 << 39) for i in range(num_bytes // 8)]
+    data = np.array(block, dtype=np.int64).tobytes()
+    assert pagedkv.hash_block_tokens(block, algo="sha256") == _sha256_first8(data)
+    parent = _sha256_first8(b"p")
+    assert pagedkv.hash_block_tokens(block, parent, algo="sha256") == _sha256_first8(
+        parent.to_bytes(8, "little") + data)
+
+
+@pytest.mark.parametrize("num_bytes", [2, 3, 55, 56, 57, 63, 64, 65, 119, 120, 121, 1000, (1 << 20) + 1])
+def test_sha256_of_any_length_matches_hashlib(num_bytes):
+    """A salt of n-1 bytes makes block 0's parent sha256(b"\xa5" + salt): a message of any length n."""
+    salt = bytes((i * 131 + 7) % 256 for i in range(num_bytes - 1))
+    block = toks(4)
+    parent = _sha256_first8(b"\xa5" + salt)
+    expected = _sha256_first8(parent.to_bytes(8, "little") + np.array(block, dtype=np.int64).tobytes())
+    assert pagedkv.hash_block_tokens(block, cache_salt=salt, algo="sha256") == expected
+
+
 def test_sha256_and_weak8():
     import hashlib
 

@@ -1,17 +1,14 @@
-// Block hashing with the official xxHash header and, when available, OpenSSL's SHA-256.
+// Block hashing: xxHash compiled in from its header, SHA-256 from core/sha256.h (no library linked).
 #include "core/hashing.h"
 
 #include <cstring>
 #include <vector>
 
 #include "core/errors.h"
+#include "core/sha256.h"
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
-
-#ifdef PAGEDKV_HAVE_OPENSSL
-#include <openssl/evp.h>
-#endif
 
 namespace pagedkv {
 namespace {
@@ -34,17 +31,7 @@ void store_le64(uint64_t v, unsigned char* p) {
 }
 
 uint64_t digest(const unsigned char* data, size_t len, HashAlgo algo) {
-  if (algo == HashAlgo::kSHA256) {
-#ifdef PAGEDKV_HAVE_OPENSSL
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned int md_len = 0;
-    if (EVP_Digest(data, len, md, &md_len, EVP_sha256(), nullptr) != 1 || md_len < 8)
-      throw std::runtime_error("pagedkv: OpenSSL SHA-256 failed");
-    return load_le64(md);
-#else
-    throw ValueError("pagedkv was built without OpenSSL: hash_algo='sha256' is unavailable");
-#endif
-  }
+  if (algo == HashAlgo::kSHA256) return load_le64(sha256(data, len).data());
   uint64_t h = XXH64(data, len, 0);
   return algo == HashAlgo::kWeak8 ? (h & 0xFFu) : h;
 }
@@ -53,11 +40,7 @@ uint64_t digest(const unsigned char* data, size_t len, HashAlgo algo) {
 
 HashAlgo parse_hash_algo(std::string_view name) {
   if (name == "xxh64") return HashAlgo::kXXH64;
-  if (name == "sha256") {
-    if (!sha256_available())
-      throw ValueError("hash_algo='sha256' is unavailable: pagedkv was built without OpenSSL");
-    return HashAlgo::kSHA256;
-  }
+  if (name == "sha256") return HashAlgo::kSHA256;
   if (name == "weak8") return HashAlgo::kWeak8;
   throw ValueError("hash_algo must be 'xxh64', 'sha256' or 'weak8', got '" + std::string(name) + "'");
 }
@@ -71,13 +54,7 @@ const char* hash_algo_name(HashAlgo algo) {
   return "?";
 }
 
-bool sha256_available() {
-#ifdef PAGEDKV_HAVE_OPENSSL
-  return true;
-#else
-  return false;
-#endif
-}
+bool sha256_available() { return true; }  // kept for callers that checked it: SHA-256 is always built in
 
 uint64_t hash_block_tokens(const int64_t* tokens, size_t num_tokens, std::optional<uint64_t> parent,
                            HashAlgo algo, std::string_view salt) {
