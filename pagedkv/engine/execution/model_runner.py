@@ -3,7 +3,7 @@ from the block manager, runs the model and samples the next tokens."""
 import torch
 
 from pagedkv import BlockManager
-from pagedkv.cache import allocate_host_tier, allocate_kv_cache, block_bytes
+from pagedkv.cache import allocate_host_tier, allocate_kv_cache, allocate_mla_cache, block_bytes, mla_block_bytes
 from pagedkv.disk_store import DiskStore
 from pagedkv.ops import load_blocks, offload_blocks
 
@@ -19,16 +19,34 @@ from ..serving.speculative import accept_greedy, accept_sampled
 
 
 def num_cache_tensors(model: LlamaForCausalLM) -> int:
-    """KV cache tensors (pairs): one per layer, except that layer i of every KV group shares tensor i
-    (Gemma 2: num_layers / 2)."""
+    """KV cache slots: one per layer, except that layer i of every KV group shares slot i (Gemma 2:
+    num_layers / 2). A slot is a (key, value) pair of tensors, or a 1-tuple (latent,) for an MLA model."""
     return max(model.config.layer_cache_slots) + 1
 
 
 def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block id across all cache tensors, keys and values."""
+    """Bytes of one block id across all cache tensors: keys and values, or the latent rows of an MLA model."""
     cfg = model.config
+    if cfg.latent_cache is not None:
+        kv_lora_rank, rope_dim = cfg.latent_cache
+        return mla_block_bytes(num_layers=num_cache_tensors(model), block_size=block_size, kv_lora_rank=kv_lora_rank,
+                               qk_rope_head_dim=rope_dim, dtype=dtype)
     return block_bytes(num_layers=num_cache_tensors(model), block_size=block_size, num_kv_heads=cfg.num_kv_heads,
                        head_dim=cfg.head_dim, dtype=dtype)
+
+
+def check_cache_features(model: LlamaForCausalLM, config: EngineConfig) -> None:
+    """Refuses the engine features the model's cache format cannot take: the latent cache of an MLA model
+    has no host or disk tier (their records are K/V blocks) and no float8 format."""
+    if model.config.latent_cache is None:
+        return
+    arch = model.config.architecture
+    if config.host_cache_bytes:
+        raise ValueError(f"{arch}: host_cache_bytes > 0 is not supported (the host and disk tiers hold K/V blocks, "
+                         "not the latent cache of multi-head latent attention); pass host_cache_bytes=0")
+    if config.kv_cache_dtype != "auto":
+        raise ValueError(f"{arch}: kv_cache_dtype={config.kv_cache_dtype!r} is not supported (the latent cache is "
+                         "kept in the model's dtype); pass kv_cache_dtype='auto'")
 
 
 def load_rank_model(checkpoint: Checkpoint, config: EngineConfig, *, pack_cpu_weights: bool,
@@ -44,6 +62,7 @@ def load_rank_model(checkpoint: Checkpoint, config: EngineConfig, *, pack_cpu_we
 def pool_size(model: LlamaForCausalLM, config: EngineConfig, tp=None) -> int:
     """KV blocks in the pool: config.num_blocks, or what the memory budget holds (never more than every
     sequence at full length needs); under tensor parallelism the smallest rank's, so every rank has one."""
+    check_cache_features(model, config)
     num_blocks = config.num_blocks or _num_blocks_for_budget(model, config)
     return num_blocks if tp is None else tp.min_over_ranks(num_blocks)
 
@@ -117,6 +136,11 @@ class ModelRunner:
 
     def _allocate(self, num_blocks, device, dtype, pin=False):
         cfg = self.model.config
+        if cfg.latent_cache is not None:
+            kv_lora_rank, rope_dim = cfg.latent_cache
+            return [(latent,) for latent in allocate_mla_cache(num_cache_tensors(self.model), num_blocks, self.block_size,
+                                                               kv_lora_rank, rope_dim, dtype=dtype, device=device,
+                                                               pin_memory=pin)]
         return allocate_kv_cache(num_cache_tensors(self.model), num_blocks, self.block_size, cfg.num_kv_heads,
                                  cfg.head_dim, dtype=dtype, device=device, pin_memory=pin)
 
@@ -183,18 +207,23 @@ class ModelRunner:
                 for g, c in zip(gpu, cpu):
                     src, dst = (g, c) if to_cpu else (c, g)
                     torch.ops.pagedkv.swap_blocks(src, dst, pairs)
-        keys, values = [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches]
         if len(moves.offloads):
-            offload_blocks(keys, values, self.host_tier, moves.offloads)
+            offload_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], self.host_tier,
+                           moves.offloads)
         layer_loads = None
         if len(moves.loads):
             if defer_loads and not len(moves.copies):
                 layer_loads = LayerLoads(self.host_tier, self.kv_caches, moves.loads, self.model.config.layer_cache_slots)
             else:
-                load_blocks(self.host_tier, keys, values, moves.loads)
+                load_blocks(self.host_tier, [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], moves.loads)
         if len(moves.copies):
-            pairs = torch.as_tensor(moves.copies, dtype=torch.int64).view(-1, 2).to(self.device)
-            torch.ops.pagedkv.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
+            pairs = torch.as_tensor(moves.copies, dtype=torch.int64).view(-1, 2)
+            if self.model.config.latent_cache is not None:     # one latent tensor per slot: moved within itself
+                for (latent,) in self.kv_caches:
+                    torch.ops.pagedkv.swap_blocks(latent, latent, pairs.cpu())
+            else:
+                torch.ops.pagedkv.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
+                                              pairs.to(self.device))
         return layer_loads
 
     def _prepare(self, batch: ScheduledBatch, bm: BlockManager):
