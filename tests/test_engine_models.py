@@ -433,3 +433,19 @@ def test_deepseek_v3_routing_it_cannot_run_is_refused(tiny, tmp_path, fields, me
     _, path, _, _ = tiny
     with pytest.raises(ValueError, match=message):
         LLM(edited_copy(path, tmp_path / "edited", **fields), block_size=4)
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+def test_deepseek_v3_skips_the_multi_token_prediction_layers(tiny, tmp_path):
+    """Layers past num_hidden_layers (DeepSeek V3's MTP module, model.layers.61 in the real checkpoint) are
+    not run, as in transformers; any other unknown tensor is still refused."""
+    from safetensors.torch import save_file
+
+    _, path, prompts, expected = tiny
+    copy = edited_copy(path, tmp_path / "mtp")
+    save_file({"model.layers.3.eh_proj.weight": torch.zeros(64, 128),
+               "model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(112, 32)}, copy / "mtp.safetensors")
+    assert [o.token_ids for o in LLM(copy, block_size=4).generate(prompts[:2], GREEDY)] == expected[:2]
+    save_file({"model.layers.0.mlp.extra.weight": torch.zeros(4)}, copy / "mtp.safetensors")
+    with pytest.raises(ValueError, match="model.layers.0.mlp.extra.weight"):
+        LLM(copy, block_size=4)
