@@ -416,8 +416,7 @@ def test_deepseek_v3_without_q_lora(tmp_path):
 
 
 @pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
-@pytest.mark.parametrize("setting, field", [(dict(host_cache_bytes=1 << 20), "host_cache_bytes"),
-                                            (dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
+@pytest.mark.parametrize("setting, field", [(dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
                                             (dict(tensor_parallel_size=2), "tensor_parallel_size")])
 def test_deepseek_v3_refuses_what_the_latent_cache_cannot_take(tiny, setting, field):
     _, path, _, _ = tiny
@@ -449,3 +448,40 @@ def test_deepseek_v3_skips_the_multi_token_prediction_layers(tiny, tmp_path):
     save_file({"model.layers.0.mlp.extra.weight": torch.zeros(4)}, copy / "mtp.safetensors")
     with pytest.raises(ValueError, match="model.layers.0.mlp.extra.weight"):
         LLM(copy, block_size=4)
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+@pytest.mark.parametrize("disk", [False, True])
+def test_deepseek_v3_latent_blocks_through_the_host_and_disk_tiers(tiny, tmp_path, disk):
+    """A pool of 24 blocks (one sequence): each prompt's blocks are pushed out by the next ones, kept in the
+    host tier (or, through a small host tier, on disk), and brought back for the second round; the tokens stay
+    transformers'."""
+    _, path, prompts, expected = tiny
+    host_blocks = 8 if disk else 64
+    tiers = dict(host_cache_bytes=host_blocks * 3 * 4 * 40 * 4)     # latent blocks: 3 layers x 4 tokens x 40
+    if disk:
+        tiers.update(disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 20)
+    llm = LLM(path, block_size=4, num_blocks=24, max_num_batched_tokens=64, **tiers)
+    assert llm.runner.host_tier.shape == (host_blocks, 3, 4, 40)
+    for _ in range(2):
+        assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == expected
+    stats = llm.stats()
+    assert stats["offloaded_blocks"] > 0 and stats["loaded_blocks"] > 0 and stats["host_hit_blocks"] > 0, stats
+    assert stats["load_failures"] == 0 and stats["offload_failures"] == 0
+    if disk:
+        assert stats["disk_writes"] > 0 and stats["disk_reads"] > 0 and stats["disk_hit_blocks"] > 0, stats
+    llm.bm.check_invariants()
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+def test_deepseek_v3_latent_blocks_loaded_from_the_host_are_read(tiny, monkeypatch):
+    """Without the host-to-device copies the latent blocks a hit revives hold other tokens' rows: the tokens
+    change (so the test above sees the loaded bytes)."""
+    from pagedkv.engine.execution import model_runner
+
+    _, path, prompts, expected = tiny
+    llm = LLM(path, block_size=4, num_blocks=24, max_num_batched_tokens=64, host_cache_bytes=64 * 3 * 4 * 40 * 4)
+    assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == expected
+    monkeypatch.setattr(model_runner, "load_slots", lambda *args, **kwargs: None)
+    assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] != expected
+    assert llm.stats()["loaded_blocks"] > 0

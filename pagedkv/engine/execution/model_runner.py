@@ -37,13 +37,10 @@ def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.
 
 def check_cache_features(model: LlamaForCausalLM, config: EngineConfig) -> None:
     """Refuses the engine features the model's cache format cannot take: the latent cache of an MLA model
-    has no host or disk tier (their records are K/V blocks) and no float8 format."""
+    has no float8 format."""
     if model.config.latent_cache is None:
         return
     arch = model.config.architecture
-    if config.host_cache_bytes:
-        raise ValueError(f"{arch}: host_cache_bytes > 0 is not supported (the host and disk tiers hold K/V blocks, "
-                         "not the latent cache of multi-head latent attention); pass host_cache_bytes=0")
     if config.kv_cache_dtype != "auto":
         raise ValueError(f"{arch}: kv_cache_dtype={config.kv_cache_dtype!r} is not supported (the latent cache is "
                          "kept in the model's dtype); pass kv_cache_dtype='auto'")
@@ -127,12 +124,18 @@ class ModelRunner:
                                             pin=self.device.type == "cuda") if num_cpu_blocks else []
         cfg = model.config
         # The prefix cache's host tier: block-major, so a demoted block moves as one region.
-        self.host_tier = (allocate_host_tier(num_host_blocks, num_cache_tensors(model), self.block_size,
-                                             cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
-                                             pin_memory=self.device.type == "cuda") if num_host_blocks else None)
+        self.host_tier = self._allocate_host_tier(num_host_blocks, dtype) if num_host_blocks else None
         self.layer_caches = [self.kv_caches[i] for i in model.config.layer_cache_slots]   # what layer i reads
         self.num_groups = len(model.config.group_windows)
         self.generator = torch.Generator(self.device).manual_seed(seed)
+
+    def _allocate_host_tier(self, num_host_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+        cfg, pin = self.model.config, self.device.type == "cuda"
+        if cfg.latent_cache is not None:     # [num_host_blocks, num_layers, block_size, latent row]
+            return torch.empty((num_host_blocks, num_cache_tensors(self.model), self.block_size, sum(cfg.latent_cache)),
+                               dtype=dtype, pin_memory=pin)
+        return allocate_host_tier(num_host_blocks, num_cache_tensors(self.model), self.block_size, cfg.num_kv_heads,
+                                  cfg.head_dim, dtype=dtype, pin_memory=pin)
 
     def _allocate(self, num_blocks, device, dtype, pin=False):
         cfg = self.model.config
@@ -208,14 +211,13 @@ class ModelRunner:
                     src, dst = (g, c) if to_cpu else (c, g)
                     torch.ops.pagedkv.swap_blocks(src, dst, pairs)
         if len(moves.offloads):
-            offload_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], self.host_tier,
-                           moves.offloads)
+            offload_slots(self.kv_caches, self.host_tier, moves.offloads)
         layer_loads = None
         if len(moves.loads):
             if defer_loads and not len(moves.copies):
                 layer_loads = LayerLoads(self.host_tier, self.kv_caches, moves.loads, self.model.config.layer_cache_slots)
             else:
-                load_blocks(self.host_tier, [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], moves.loads)
+                load_slots(self.host_tier, self.kv_caches, moves.loads)
         if len(moves.copies):
             pairs = torch.as_tensor(moves.copies, dtype=torch.int64).view(-1, 2)
             if self.model.config.latent_cache is not None:     # one latent tensor per slot: moved within itself
@@ -288,6 +290,28 @@ class ModelRunner:
         return out
 
 
+def offload_slots(kv_caches, host_tier: torch.Tensor, mapping) -> None:
+    """(device block, host slot) pairs: whole blocks of every cache slot into the host tier (offload_blocks for
+    K/V pairs; an MLA model's latent tensors by indexing, one copy per layer)."""
+    if len(kv_caches[0]) == 2:
+        offload_blocks([k for k, _ in kv_caches], [v for _, v in kv_caches], host_tier, mapping)
+        return
+    pairs = torch.as_tensor(mapping, dtype=torch.int64).view(-1, 2).cpu()
+    for t, (latent,) in enumerate(kv_caches):
+        host_tier[pairs[:, 1], t] = latent[pairs[:, 0].to(latent.device)].cpu()
+
+
+def load_slots(host_tier: torch.Tensor, kv_caches, mapping, first_layer: int = 0) -> None:
+    """(host slot, device block) pairs: whole blocks from the host tier into the cache slots, the first of which
+    is the host tier's layer `first_layer`."""
+    if len(kv_caches[0]) == 2:
+        load_blocks(host_tier, [k for k, _ in kv_caches], [v for _, v in kv_caches], mapping, first_layer=first_layer)
+        return
+    pairs = torch.as_tensor(mapping, dtype=torch.int64).view(-1, 2).cpu()
+    for t, (latent,) in enumerate(kv_caches, first_layer):
+        latent[pairs[:, 1].to(latent.device)] = host_tier[pairs[:, 0], t].to(latent.device, non_blocking=True)
+
+
 class LayerLoads:
     """A step's host-tier loads, one layer at a time, so that the blocks of layer l + 1 arrive while layer l
     computes. On a GPU every layer's copy is queued at once on a side stream, with an event each, and the
@@ -311,8 +335,8 @@ class LayerLoads:
             stream.wait_stream(torch.cuda.current_stream(device))
             self.events = []
             with torch.cuda.stream(stream):
-                for t, (k, v) in enumerate(kv_caches):
-                    load_blocks(host_tier, [k], [v], self.mapping, first_layer=t)
+                for t in range(len(kv_caches)):
+                    load_slots(host_tier, [kv_caches[t]], self.mapping, first_layer=t)
                     event = torch.cuda.Event()
                     event.record(stream)
                     self.events.append(event)
@@ -330,6 +354,5 @@ class LayerLoads:
         if self.events is not None:
             torch.cuda.current_stream(self.kv_caches[t][0].device).wait_event(self.events[t])
         elif not self.loaded[t]:
-            k, v = self.kv_caches[t]
-            load_blocks(self.host_tier, [k], [v], self.mapping, first_layer=t)
+            load_slots(self.host_tier, [self.kv_caches[t]], self.mapping, first_layer=t)
             self.loaded[t] = True
