@@ -485,3 +485,14 @@ def test_deepseek_v3_latent_blocks_loaded_from_the_host_are_read(tiny, monkeypat
     monkeypatch.setattr(model_runner, "load_slots", lambda *args, **kwargs: None)
     assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] != expected
     assert llm.stats()["loaded_blocks"] > 0
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+def test_deepseek_v3_speculative_drafts_on_the_latent_cache(tiny):
+    """Prompt-lookup drafts verified several tokens a sequence per step (rows of the latent cache written and
+    then rolled back where rejected): transformers' greedy tokens."""
+    _, path, prompts, expected = tiny
+    llm = LLM(path, block_size=4, speculative="ngram", num_speculative_tokens=3)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    stats = llm.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
