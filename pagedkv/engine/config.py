@@ -86,6 +86,8 @@ class ModelConfig:
                                            # their own (Gemma 3); None: every layer's rope is the one above
     extra: dict = field(default_factory=dict)   # the architecture's own config.json fields its model module
                                                 # reads (Architecture.extra: experts, routing, ...)
+    latent_cache: tuple | None = None      # MLA: (kv_lora_rank, qk_rope_head_dim), each layer's cache one latent
+                                           # row per token of their sum; None: a key and a value cache per layer
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window in tokens (a query sees itself and the window - 1 tokens before
@@ -149,7 +151,13 @@ class ModelConfig:
         if num_heads % num_kv_heads:
             raise ValueError(f"config.json: num_attention_heads={num_heads} is not a multiple of "
                              f"num_key_value_heads={num_kv_heads}")
-        head_dim = positive("head_dim", hf.get("head_dim") or hidden // num_heads)
+        latent_cache = None
+        if arch.latent_cache:      # MLA: rope turns the rope part of each head only (transformers' head_dim)
+            latent_cache = (positive("kv_lora_rank", hf.get("kv_lora_rank")),
+                            positive("qk_rope_head_dim", hf.get("qk_rope_head_dim")))
+            head_dim = latent_cache[1]
+        else:
+            head_dim = positive("head_dim", hf.get("head_dim") or hidden // num_heads)
         max_pos = positive("max_position_embeddings", hf.get("max_position_embeddings", 2048))
         if max_pos < 2:
             raise ValueError(f"config.json: max_position_embeddings must be >= 2, got {max_pos}")
@@ -191,6 +199,7 @@ class ModelConfig:
             layer_windows=_layer_windows(hf, arch, num_layers),
             sliding_rope=sliding_rope,
             extra={name: hf[name] for name in arch.extra if name in hf},
+            latent_cache=latent_cache,
             **_architecture_numbers(hf, arch),
             **flags,
         )
