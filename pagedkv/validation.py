@@ -31,6 +31,9 @@ def check_float(name: str, value) -> float:
 
 
 def check_bool(name: str, value) -> bool:
+    """`value` as a bool when it is one (Python's or numpy's; not an int)."""
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     return value

@@ -3,6 +3,10 @@ fixed): end to end with prefix caching on and off, preemption by swap and by rec
 its heads' scales), the dynamic scale rule, the rotated rule against it and the default (rotated, with
 each query's latest tokens and the first block at full precision) on the real model,
 scales and rule in the prefix-cache salt, argument checks."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -119,6 +123,48 @@ def test_fp8_kv_arguments_are_checked(tiny):
         LLM(path, kv_cache_dtype="fp8_e4m3", kv_scale=-1.0)
     with pytest.raises(TypeError, match="kv_scale must be"):
         LLM(path, kv_cache_dtype="fp8_e4m3", kv_scale=True)
+
+
+HOSTILE_RECENT = [
+    ("kv_recent_tokens=-1", "ValueError: kv_recent_tokens must be >= 0"),
+    ("kv_recent_tokens=1.5", "TypeError: kv_recent_tokens must be an int"),
+    ("kv_recent_tokens='256'", "TypeError: kv_recent_tokens must be an int"),
+    ("kv_recent_tokens=True", "TypeError: kv_recent_tokens must be an int"),
+    ("kv_recent_tokens=float('nan')", "TypeError: kv_recent_tokens must be an int"),
+    ("kv_recent_tokens=2**31", "ValueError: kv_recent_tokens must be <="),
+    ("kv_recent_tokens=10**6, max_num_seqs=512, kv_cache_bytes=1 << 16", "ValueError: kv_cache_bytes=65536 less the "
+     "float8 rule's recent pool"),
+    ("kv_first_block=1", "TypeError: kv_first_block must be a bool"),
+    ("kv_first_block=None", "TypeError: kv_first_block must be a bool"),
+    ("kv_first_block='yes'", "TypeError: kv_first_block must be a bool"),
+    # accepted: numpy integers and bools, a window longer than the model (it reads every key in the pool)
+    ("kv_recent_tokens=np.int64(64), kv_first_block=np.bool_(False)", "generated"),
+    ("kv_recent_tokens=2**31 - 1", "generated"),
+]
+
+
+@pytest.mark.parametrize("args,expected", HOSTILE_RECENT, ids=[a for a, _ in HOSTILE_RECENT])
+def test_recent_pool_arguments_from_a_hostile_user(tiny, args, expected):
+    """Each in its own process: a clear exception (or a run), never an abort; the engine it refuses is not
+    half-built."""
+    path, prompts, _ = tiny
+    code = f"""
+import numpy as np
+from pagedkv.engine import LLM, SamplingParams
+try:
+    llm = LLM({path!r}, block_size=8, kv_cache_dtype="fp8_e4m3", {args})
+except (TypeError, ValueError) as e:
+    print(f"{{type(e).__name__}}: {{e}}")
+else:
+    out = llm.generate([{prompts[0]!r}], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    print("generated")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert expected in done.stdout, done.stdout + done.stderr
 
 
 def test_fp8_kv_holds_four_times_the_blocks_of_fp32(tiny):

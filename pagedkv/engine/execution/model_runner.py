@@ -53,6 +53,12 @@ def _recent_block_bytes(model: LlamaForCausalLM, config: EngineConfig) -> int:
                        head_dim=cfg.head_dim, dtype=next(model.parameters()).dtype)
 
 
+def recent_window(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    """The recent pool's window: kv_recent_tokens, at most the model's length (a longer one reads the same
+    keys)."""
+    return min(config.kv_recent_tokens, model.config.max_position_embeddings)
+
+
 def recent_pool_blocks(model: LlamaForCausalLM, config: EngineConfig) -> int:
     """Blocks of the float8 rule's recent pool (kv.recent): what max_num_seqs sequences and a full step
     need, within a quarter of the KV budget (and at least one sequence's); 0 without a float8 cache, without
@@ -61,9 +67,9 @@ def recent_pool_blocks(model: LlamaForCausalLM, config: EngineConfig) -> int:
         return 0
     if not (config.kv_recent_tokens or config.kv_first_block) or None not in model.config.group_windows:
         return 0
-    needed = RecentPool.blocks_needed(config.max_num_seqs, config.max_num_batched_tokens, config.block_size,
-                                      config.kv_recent_tokens)
-    one = RecentPool.blocks_needed(1, config.block_size, config.block_size, config.kv_recent_tokens)
+    window = recent_window(model, config)
+    needed = RecentPool.blocks_needed(config.max_num_seqs, config.max_num_batched_tokens, config.block_size, window)
+    one = RecentPool.blocks_needed(1, config.block_size, config.block_size, window)
     share = _kv_budget(config)[0] // RECENT_POOL_SHARE // _recent_block_bytes(model, config)
     return min(needed, max(one, share))
 
@@ -141,7 +147,8 @@ def _num_blocks_for_budget(model: LlamaForCausalLM, config: EngineConfig) -> int
     recent = recent_pool_bytes(model, config)
     if recent:      # the float8 rule's full-precision window comes out of the same budget
         budget -= recent
-        what += f" less the float8 rule's recent pool ({recent} bytes: kv_recent_tokens, kv_first_block)"
+        what += (f" less the float8 rule's recent pool ({recent} bytes: lower kv_recent_tokens, or pass "
+                 "kv_recent_tokens=0, kv_first_block=False for none)")
     if budget < block_bytes:
         raise ValueError(f"{what} holds no KV block ({block_bytes} bytes each); raise it or pass num_blocks")
     # More is never used: every sequence at full length, admitted with its blocks in every KV group.
@@ -177,14 +184,14 @@ class ModelRunner:
         if not num:
             return None
         cfg, dtype = self.model.config, next(self.model.parameters()).dtype
-        full = cfg.group_windows.index(None)
+        full, window = cfg.group_windows.index(None), recent_window(self.model, config)
         for layer in self.model.model.layers:
             attn = layer.self_attn
             if cfg.layer_groups[attn.layer_index] == full:
                 (k, v), = allocate_kv_cache(1, num, self.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
                                             device=self.device)
-                attn.kv_recent = LayerRecentKV(k, v, config.kv_recent_tokens)
-        return RecentPool(num, self.block_size, config.kv_recent_tokens, config.kv_first_block, self.device)
+                attn.kv_recent = LayerRecentKV(k, v, window)
+        return RecentPool(num, self.block_size, window, config.kv_first_block, self.device)
 
     def _allocate_host_tier(self, num_host_blocks: int, dtype: torch.dtype) -> torch.Tensor:
         cfg, pin = self.model.config, self.device.type == "cuda"
