@@ -300,11 +300,12 @@ def test_reduced_precision_follows_transformers(tiny):
 @pytest.mark.parametrize("setting", [dict(num_blocks=64), dict(num_blocks=46, num_cpu_blocks=32,
                                                                   max_num_batched_tokens=13)],
                          ids=["roomy", "swap-chunked"])
-@pytest.mark.parametrize("model_type", ["gemma2", "gemma3", "qwen3"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3", "qwen3", "gpt_oss"])
 def test_tensor_parallel(tmp_path, setting, model_type):
     """TP=2 (gloo): each rank holds one of the two KV heads of every layer (the QK norms' weights, one per
-    head_dim, are replicated); the step message carries the windowed group's slots and block tables beside
-    the full group's, and swaps move both."""
+    head_dim, are replicated; gpt-oss's sinks follow the query heads, and each rank holds half of every
+    expert's columns); the step message carries the windowed group's slots and block tables beside the full
+    group's, and swaps move both."""
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -93,7 +93,7 @@ class Step:
             slot_mapping=self.slots)
 
 
-def vllm_reference(step, dtype, kv_cache_dtype, sliding_window, softcap, k_scale, v_scale):
+def vllm_reference(step, dtype, kv_cache_dtype, sliding_window, softcap, k_scale, v_scale, sinks=None):
     """vLLM's CPU attention on the same inputs, in its own cache, as its CPU backend calls it."""
     isa = _get_attn_isa(dtype, BLOCK_SIZE, HEAD_SIZE, kv_cache_dtype)
     cache_dtype = torch.uint8 if kv_cache_dtype != "auto" else dtype
@@ -110,16 +110,19 @@ def vllm_reference(step, dtype, kv_cache_dtype, sliding_window, softcap, k_scale
         query=step.query, key_cache=key_cache, value_cache=value_cache, output=output,
         query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, scale=HEAD_SIZE ** -0.5, causal=True,
         alibi_slopes=None, sliding_window=sliding_window, block_table=step.block_table, softcap=softcap,
-        scheduler_metadata=metadata, s_aux=None, k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)
+        scheduler_metadata=metadata, s_aux=sinks, k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)
     return output
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLNHC"])
 @pytest.mark.parametrize("dtype, kv_cache_dtype", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
                                                    (torch.bfloat16, "fp8_e4m3"), (torch.float32, "fp8_e5m2")])
-@pytest.mark.parametrize("sliding_window, softcap", [(-1, 0.0), (24, 0.0), (-1, 5.0)])
-def test_backend_matches_vllm_cpu_attention(layout, dtype, kv_cache_dtype, sliding_window, softcap, seed):
-    """float32 / bfloat16 caches: the backend equals vLLM's CPU attention and the float64 reference.
+@pytest.mark.parametrize("sliding_window, softcap, with_sinks", [(-1, 0.0, False), (24, 0.0, False), (-1, 5.0, False),
+                                                               (-1, 0.0, True), (24, 0.0, True)])
+def test_backend_matches_vllm_cpu_attention(layout, dtype, kv_cache_dtype, sliding_window, softcap, with_sinks,
+                                            seed):
+    """float32 / bfloat16 caches: the backend equals vLLM's CPU attention and the float64 reference, with
+    and without learned sinks (a bfloat16 parameter, as gpt-oss loads it).
     float8 caches: the backend equals the float64 reference on the stored values; vLLM's own float8 path
     is not compared (it is ~0.1-0.5 away from that reference on these inputs)."""
     generator = torch.Generator().manual_seed(seed)
@@ -127,8 +130,9 @@ def test_backend_matches_vllm_cpu_attention(layout, dtype, kv_cache_dtype, slidi
     fp8 = kv_cache_dtype != "auto"
     k_scale, v_scale = (0.5, 0.25) if fp8 else (1.0, 1.0)
     layer = types.SimpleNamespace(_k_scale=torch.tensor(k_scale), _v_scale=torch.tensor(v_scale))
+    sinks = (torch.randn(NUM_Q_HEADS, generator=generator) * 2).to(torch.bfloat16) if with_sinks else None
     impl = make_impl(sliding_window=None if sliding_window < 0 else sliding_window,
-                     logits_soft_cap=softcap or None, kv_cache_dtype=kv_cache_dtype)
+                     logits_soft_cap=softcap or None, kv_cache_dtype=kv_cache_dtype, sinks=sinks)
     kv = vllm_kv_tensor(layout, step.num_blocks, torch.uint8 if fp8 else dtype)
     if fp8:  # NaN of the float8 format in every byte
         kv.view(torch.uint8).fill_(0x7F if kv_cache_dtype == "fp8_e4m3" else 0x7E)
@@ -149,10 +153,16 @@ def test_backend_matches_vllm_cpu_attention(layout, dtype, kv_cache_dtype, slidi
     output = output.view(step.query.shape)
     expected, _ = reference.paged_attention(
         step.query, key_cache.float() * k_scale, value_cache.float() * v_scale, step.block_table, step.seq_lens,
-        step.query_start_loc, HEAD_SIZE ** -0.5, sliding_window=sliding_window, softcap=softcap)
+        step.query_start_loc, HEAD_SIZE ** -0.5, sliding_window=sliding_window, softcap=softcap,
+        sinks=None if sinks is None else sinks.double())
     reference.assert_close(output, expected, dtype, "backend vs float64 reference")
+    if sinks is not None:   # the sinks are on the way: without them the output moves
+        without, _ = reference.paged_attention(
+            step.query, key_cache.float() * k_scale, value_cache.float() * v_scale, step.block_table,
+            step.seq_lens, step.query_start_loc, HEAD_SIZE ** -0.5, sliding_window=sliding_window, softcap=softcap)
+        assert (output.double() - without).abs().max() > 0.05
     if not fp8:
-        theirs = vllm_reference(step, dtype, kv_cache_dtype, sliding_window, softcap, k_scale, v_scale)
+        theirs = vllm_reference(step, dtype, kv_cache_dtype, sliding_window, softcap, k_scale, v_scale, sinks)
         reference.assert_close(output, theirs, dtype, "backend vs vLLM's CPU attention")
 
 
@@ -177,7 +187,8 @@ def test_profiling_run_and_padding_rows():
     (dict(attn_type=AttentionType.ENCODER_ONLY), "attention type 'encoder_only'"),
     (dict(attn_type=AttentionType.ENCODER_DECODER), "attention type 'encoder_decoder'"),
     (dict(alibi_slopes=[0.5] * NUM_Q_HEADS), "ALiBi"),
-    (dict(sinks=torch.zeros(NUM_Q_HEADS)), "attention sinks"),
+    (dict(sinks=torch.zeros(NUM_KV_HEADS)), "attention sinks of shape (2,) (one per query head: (8,))"),
+    (dict(sinks=[0.0] * NUM_Q_HEADS), "attention sinks of shape"),
     (dict(kv_sharing_target_layer_name="model.layers.0.self_attn.attn"), "KV sharing"),
     (dict(kv_cache_dtype="int8_per_token_head"), "kv_cache_dtype 'int8_per_token_head'"),
     (dict(use_alibi_sqrt=True), "argument use_alibi_sqrt=True"),
@@ -211,7 +222,7 @@ def test_builder_refuses_what_it_cannot_compute():
 def test_backend_declares_what_it_computes():
     backend = pagedkv_vllm.PagedKVAttentionBackend
     assert backend.get_name() == "CPU_ATTN" and pagedkv_vllm.PagedKVCustomAttentionBackend.get_name() == "CUSTOM"
-    assert backend.supports_sliding_window() and not backend.is_mla() and not backend.supports_sink()
+    assert backend.supports_sliding_window() and not backend.is_mla() and backend.supports_sink()
     assert backend.supports_attn_type(AttentionType.DECODER)
     assert not backend.supports_attn_type(AttentionType.ENCODER_DECODER)
     assert backend.supports_kv_cache_dtype("fp8_e4m3") and not backend.supports_kv_cache_dtype("int8_per_token_head")

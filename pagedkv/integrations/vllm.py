@@ -20,11 +20,12 @@ num_kv_heads, head_dim]`` K and V caches are the two halves of the cell, transpo
 already has pagedkv's shapes (int32 query starts, sequence lengths that include the step, int32 block
 tables, slot mappings with -1 padding), so a step builds nothing.
 
-Computed: causal decoder attention, GQA / MQA, sliding windows, logit softcapping, float8 KV caches
+Computed: causal decoder attention, GQA / MQA, sliding windows, logit softcapping, learned attention
+sinks (gpt-oss's ``sinks``, one logit per query head, as vLLM's CPU backend takes them), float8 KV caches
 (``kv_cache_dtype="fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, with the layer's k/v scales), prefix caching
 and chunked prefill, float32 / float16 / bfloat16 models, any head size and block size. Refused when
 the layer is built, with ``NotImplementedError`` naming what is missing: encoder, encoder-only and
-cross attention, ALiBi, attention sinks, KV sharing between layers, other KV cache dtypes and any
+cross attention, ALiBi, sinks not shaped ``[num_heads]``, KV sharing between layers, other KV cache dtypes and any
 argument this module does not know; MLA layers never reach it (vLLM gives them their own backends).
 """
 from __future__ import annotations
@@ -155,10 +156,12 @@ class PagedKVAttentionImpl(AttentionImpl[PagedKVAttentionMetadata]):
             refused.append(f"KV sharing with layer {kv_sharing_target_layer_name!r}")
         if kv_cache_dtype != "auto" and kv_cache_dtype not in _FP8_DTYPES:
             refused.append(f"kv_cache_dtype {kv_cache_dtype!r} (auto, fp8, fp8_e4m3, fp8_e5m2)")
-        if extra.get("sinks") is not None:
-            refused.append("attention sinks")
+        sinks = extra.pop("sinks", None)
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (num_heads,)):
+            refused.append(f"attention sinks of shape {tuple(getattr(sinks, 'shape', ()))} (one per query head: "
+                           f"({num_heads},))")
         refused += [f"argument {name}={value!r}" for name, value in extra.items()
-                    if name != "sinks" and value is not None and value is not False]
+                    if value is not None and value is not False]
         if refused:
             raise NotImplementedError(f"{LOG_LINE} cannot compute this layer: " + "; ".join(refused) +
                                       f" (unset {ENV} to run vLLM's own attention)")
@@ -174,7 +177,7 @@ class PagedKVAttentionImpl(AttentionImpl[PagedKVAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
-        self.sinks = None
+        self.sinks = sinks      # the layer's parameter, loaded after construction: read as float32 per call
 
     def _scales(self, layer: AttentionLayer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.kv_cache_dtype == "auto":
@@ -201,7 +204,8 @@ class PagedKVAttentionImpl(AttentionImpl[PagedKVAttentionMetadata]):
         k_scale, v_scale = self._scales(layer)
         out = ops.paged_attention(query[:n], key_cache, value_cache, m.block_table, m.seq_lens, m.query_start_loc,
                                   self.scale, max_seq_len=m.max_seq_len, sliding_window=self.sliding_window,
-                                  softcap=self.logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
+                                  softcap=self.logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+                                  sinks=None if self.sinks is None else self.sinks.float())
         output[:n].copy_(out.view(output[:n].shape))
         return output
 
@@ -224,6 +228,10 @@ class PagedKVAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sink(cls) -> bool:
         return True
 
     @staticmethod

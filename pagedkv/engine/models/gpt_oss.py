@@ -2,12 +2,15 @@
 softmax logit that carries no value, through the kernels' `sinks`), sliding-window layers (128 tokens)
 alternating with full ones, YaRN rope, and a mixture of experts in place of the MLP (top-k of the router's
 logits, softmax over those k, each expert a clamped SwiGLU with biases). The experts are plain torch: the
-KV cache, not the GEMMs, is this library's product."""
+KV cache, not the GEMMs, is this library's product. Under tensor parallelism each rank holds its query
+heads' sinks and its columns of every expert (gate and up interleaved, so a rank's columns stay pairs; the
+down projection row-parallel, its bias added by rank 0), and the experts' outputs are summed over ranks."""
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ..config import ModelConfig
+from ..tp.shard import ZERO
 from .layers import Attention, DecoderLayer
 from .llama import LlamaForCausalLM, LlamaModel
 
@@ -55,8 +58,7 @@ class GptOssExperts(nn.Module):
 class GptOssMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
-        if tp is not None:
-            raise ValueError("gpt-oss: tensor_parallel_size > 1 is not supported (its experts are not sharded)")
+        self.tp = tp     # tensor parallel: cfg holds this rank's columns of each expert
         experts, self.top_k, self.alpha, self.limit = expert_numbers(cfg)
         self.router = nn.Linear(cfg.hidden_size, experts)
         self.experts = GptOssExperts(cfg, experts)
@@ -74,7 +76,7 @@ class GptOssMLP(nn.Module):
             h = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
             y = h @ e.down_proj[expert] + e.down_proj_bias[expert]
             out.index_add_(0, tokens, y * weights[tokens, slot, None])
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class GptOssDecoderLayer(DecoderLayer):
@@ -87,3 +89,19 @@ class GptOssModel(LlamaModel):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     model_class = GptOssModel
+
+    def tensor_piece(self, name: str, full_config: ModelConfig):
+        shard, leaf = self.tp.shard, name.rsplit(".", 1)[-1]
+        inter, size = shard.intermediate(full_config), full_config.intermediate_size
+        pairs = range(2 * inter.start, 2 * inter.stop)
+        if leaf == "sinks":                                # [num_heads]
+            return 0, shard.q_heads(full_config), full_config.num_heads
+        if leaf == "gate_up_proj":                         # [experts, hidden, 2 * inter], gate/up interleaved
+            return 2, pairs, 2 * size
+        if leaf == "gate_up_proj_bias":                    # [experts, 2 * inter]
+            return 1, pairs, 2 * size
+        if leaf == "down_proj":                            # [experts, inter, hidden]
+            return 1, inter, size
+        if leaf == "down_proj_bias":                       # [experts, hidden]: added once
+            return None if shard.rank == 0 else ZERO
+        return super().tensor_piece(name, full_config)

@@ -61,6 +61,11 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def tensor_piece(self, name: str, full_config: ModelConfig):
+        """Under tensor parallelism, the part of checkpoint tensor `name` this rank loads
+        (tp.shard.Shard.piece's answer; a model with tensors of its own names extends it)."""
+        return self.tp.shard.piece(name, full_config)
+
     def unused_checkpoint_tensor(self, name: str) -> bool:
         """A checkpoint tensor the model does not run and the loader skips (DeepSeek V3's MTP layers)."""
         return False
