@@ -184,6 +184,7 @@ def main() -> int:
           "mean agreeing prefix |")
     print("|---|---|---|---|---|---|---|")
     for name, kl, top1, ckl, ctop1, same, prefix in rows:
+        kl, ckl = max(kl, 0.0), max(ckl, 0.0)      # >= 0 but for float rounding of equal distributions
         print(f"| {name} | {kl:.2e} | {top1:.2%} | {ckl:.2e} | {ctop1:.2%} | {same}/{len(convs)} | {prefix:.1f} |")
     return 0
 
