@@ -17,6 +17,13 @@ and a prefill of 128 queries over 2048 keys, fp32 and bf16, or --dtype's only).
 
     python benchmarks/bench_attention.py --layouts --device cpu
 
+`--sinks` times paged_attention with learned attention sinks (gpt-oss's one extra logit per query head)
+against the same call without them, the two alternating call by call (median of --repeats, default 21),
+for decode and a prefill over a cached prefix, fp32 and bf16 (or --dtype's only); the ratio is the sinks'
+cost.
+
+    python benchmarks/bench_attention.py --sinks --device cpu
+
 `--roofline` times CPU decode (best of --repeats calls) on shuffled block tables for fp32, bf16 and fp16
 K/V and prints each case's K/V bytes per second as a share of a streaming read measured in the same
 process (the sum of a 256 MiB fp32 tensor, best of the same number of calls, measured again before
@@ -106,6 +113,49 @@ def cache_views(layout, shape, dtype, device):
         x = torch.empty(n, 2, h, bs, d, dtype=dtype, device=device)
         return x[:, 0].transpose(1, 2), x[:, 1].transpose(1, 2)
     raise ValueError(layout)
+
+
+SINK_CASES = [(16, 2048, 1), (4, 8192, 1), (1, 2048, 128)]
+
+
+def sinks_cost(args, device):
+    """paged_attention with sinks against the same call without, alternating call by call."""
+    repeats = args.repeats or 21
+    dtypes = [DTYPES[args.dtype]] if args.dtype else [torch.float32, torch.bfloat16]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    print(f"paged_attention with sinks vs without: device={device} Hq={args.num_q_heads} Hkv={args.num_kv_heads} "
+          f"D={args.head_dim} block_size={args.block_size} threads={torch.get_num_threads()}"
+          + ("" if device.type == "cuda" else f" isa={_C._cpu_attention_isa()}")
+          + f"; the two alternate call by call, median of {repeats} calls each")
+    print(f"{'case':<24}{'dtype':<10}{'without ms':>12}{'with ms':>10}{'ratio':>8}")
+    for batch, ctx, q_len in SINK_CASES:
+        for dtype in dtypes:
+            case = Case(batch, ctx, q_len, num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads,
+                        head_dim=args.head_dim, block_size=args.block_size, dtype=dtype, device=device,
+                        contiguous_copies=False)
+            sinks = torch.randn(args.num_q_heads, dtype=torch.float32, device=device)
+            calls = {"without": case.paged,
+                     "with": lambda: ops.paged_attention(case.query, case.key_cache, case.value_cache,
+                                                         case.block_tables, case.seq_lens, case.query_start_loc,
+                                                         case.scale, max_seq_len=ctx, sinks=sinks)}
+            assert not torch.equal(calls["with"](), calls["without"]()), "the sinks did not change the output"
+            for _ in range(args.warmup):
+                for call in calls.values():
+                    call()
+            sync()
+            samples = {name: [] for name in calls}
+            for r in range(repeats):
+                for name in (["without", "with"] if r % 2 == 0 else ["with", "without"]):
+                    t0 = time.perf_counter()
+                    calls[name]()
+                    sync()
+                    samples[name].append((time.perf_counter() - t0) * 1e3)
+            ms = {name: statistics.median(v) for name, v in samples.items()}
+            kind = "decode" if q_len == 1 else "prefill"
+            label = f"{kind} B{batch} L{ctx}" + (f" q{q_len}" if q_len > 1 else "")
+            print(f"{label:<24}{str(dtype).split('.')[-1]:<10}{ms['without']:>12.3f}{ms['with']:>10.3f}"
+                  f"{ms['with'] / ms['without']:>7.3f}x", flush=True)
+            del case, calls
 
 
 CACHE_LAYOUTS = ["contiguous", "vllm_cells", "flashinfer", "hnd"]
@@ -245,6 +295,7 @@ def main():
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiled once per shape)")
     parser.add_argument("--roofline", action="store_true",
                         help="CPU decode as a share of the read bandwidth (fp32, bf16, fp16; default 7 repeats)")
+    parser.add_argument("--sinks", action="store_true", help="the cost of learned attention sinks")
     parser.add_argument("--layouts", action="store_true",
                         help="paged_attention on vLLM / FlashInfer / HND cache views vs contiguous caches")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -259,6 +310,8 @@ def main():
     device = torch.device(args.device)
     if args.layouts:
         return layouts(args, device)
+    if args.sinks:
+        return sinks_cost(args, device)
     cuda = device.type == "cuda"
     dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     repeats = args.repeats or (50 if cuda else 10)

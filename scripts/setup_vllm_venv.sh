@@ -13,6 +13,13 @@ cd "$(dirname "$0")/.."
 venv=${1:-${VLLM_VENV:-$HOME/.venvs/pagedkv-vllm}}
 python=${PYTHON:-python3.11}
 torch_index=${TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+# Where PyTorch's index cannot be reached (a mirror-only network), pip's own configuration has to serve
+# torch 2.13.0+cpu: skip the index instead of retrying it for every package.
+if [ -n "$torch_index" ] && ! "$python" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)" \
+    "$torch_index/" >/dev/null 2>&1; then
+  echo "setup_vllm_venv: $torch_index is unreachable; using pip's configured index only"
+  torch_index=
+fi
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/pip" install -q --disable-pip-version-check)

@@ -4,7 +4,7 @@
 - Ops: the backend's write (`do_kv_cache_update`) and read (`forward`) on vLLM KV tensors of several
   layouts against vLLM's own CPU attention (`cpu_attn_reshape_and_cache`, `cpu_attention_with_kv_cache`)
   on the same inputs: one batch mixing a decode, a prefill over a cached prefix and a whole prompt; GQA,
-  sliding window, softcap; float32, bfloat16, float8 caches with k/v scales. Every cell the step does not
+  sliding window, softcap, learned sinks (vLLM's `s_aux`); float32, bfloat16, float8 caches with k/v scales. Every cell the step does not
   write holds NaN, and the written cells are compared with the inputs.
 - Refusals: layers the backend cannot compute raise when they are built, naming what is missing.
 - End to end: `LLM.generate` with the plugin on and off, each in its own process (tests/vllm_generate.py):
