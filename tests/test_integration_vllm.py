@@ -314,7 +314,8 @@ def engine_generate(case: dict) -> list[list[dict]]:
     from pagedkv.engine import LLM, SamplingParams
 
     llm = LLM(case["model"], dtype=case["llm"]["dtype"], block_size=case["llm"]["block_size"],
-              kv_cache_dtype=case["llm"]["kv_cache_dtype"], kv_scale=1.0)
+              kv_cache_dtype=case["llm"]["kv_cache_dtype"], kv_scale=1.0,
+              kv_recent_tokens=0, kv_first_block=False)     # vLLM's float8 rule: every key from the cache
     params = SamplingParams(temperature=0.0, max_tokens=case["max_tokens"], ignore_eos=True)
     return [[{"tokens": list(o.outputs[0].token_ids)} for o in llm.generate(case["prompts"], params)]
             for _ in range(case["passes"])]
