@@ -45,7 +45,7 @@ import pagedkv.ops as ops  # noqa: E402
 from pagedkv import _C  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import DTYPES, time_ms  # noqa: E402
+from timing import DTYPES, read_bandwidth_gbs, time_ms  # noqa: E402
 
 
 def copy_bandwidth_gbs(device, warmup, repeats):
@@ -54,14 +54,6 @@ def copy_bandwidth_gbs(device, warmup, repeats):
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), device, warmup, repeats)
     return 2 * src.numel() / ms / 1e6
-
-
-def read_bandwidth_gbs(repeats):
-    """Streaming read bandwidth of this process's threads: bytes of a 256 MiB fp32 tensor summed per second
-    (best of repeats)."""
-    data = torch.ones(64 << 20, dtype=torch.float32)
-    best = min(_seconds(data.sum) for _ in range(repeats + 1))
-    return data.numel() * data.element_size() / best / 1e9
 
 
 def _seconds(fn):

@@ -22,6 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import pagedkv  # noqa: E402  (before torch: the OpenMP wait policy)
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import read_bandwidth_gbs  # noqa: E402
+
 LAYERS, HEADS, K_DIM, V_DIM, RANK, ROPE = 61, 128, 192, 128, 512, 64
 
 
@@ -51,26 +54,31 @@ def capacity_table(budget_bytes: int, block_size: int) -> None:
 
 def speed_table(rounds: int) -> None:
     print(f"\nCPU decode, paged_attention_mla (bf16 query and cache, rows of {RANK}+{ROPE}, block_size 64, "
-          f"{torch.get_num_threads()} threads, ISA clone chosen at load), median of {rounds} rounds\n")
-    print("| batch | heads | context | ms / call | (head, row) scores / s |")
-    print("|---:|---:|---:|---:|---:|")
-    for batch, heads, context in [(1, 16, 4096), (8, 16, 2048), (8, 128, 1024)]:
+          f"{torch.get_num_threads()} threads, ISA clone chosen at load), median of {rounds} rounds; share = the "
+          "latent bytes a call must read (each row once) per second over a streaming read measured before "
+          "each case\n")
+    print("| batch | heads | context | ms / call | (head, row) scores / s | latent GB/s | read GB/s | share |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch, heads, context in [(1, 16, 4096), (8, 16, 2048), (4, 16, 8192), (8, 128, 1024), (1, 128, 8192)]:
         bs = 64
         blocks = batch * -(-context // bs)
         cache = torch.randn(blocks, bs, RANK + ROPE, dtype=torch.bfloat16)
-        tables = torch.arange(blocks, dtype=torch.int32).view(batch, -1)
+        tables = torch.randperm(blocks).int().view(batch, -1)
         seq_lens = torch.full((batch,), context, dtype=torch.int32)
         qsl = torch.arange(batch + 1, dtype=torch.int32)
         q = torch.randn(batch, heads, RANK + ROPE, dtype=torch.bfloat16)
         run = lambda: pagedkv.ops.paged_attention_mla(q, cache, tables, seq_lens, qsl, 192 ** -0.5, RANK)  # noqa: E731
         run()
+        read = read_bandwidth_gbs(rounds)
         times = []
         for _ in range(rounds):
             t0 = time.perf_counter()
             run()
             times.append(time.perf_counter() - t0)
         ms = statistics.median(times) * 1e3
-        print(f"| {batch} | {heads} | {context} | {ms:.2f} | {batch * heads * context / (ms / 1e3):,.0f} |")
+        gbs = batch * context * (RANK + ROPE) * 2 / (ms / 1e3) / 1e9
+        print(f"| {batch} | {heads} | {context} | {ms:.2f} | {batch * heads * context / (ms / 1e3):,.0f} | "
+              f"{gbs:.1f} | {read:.1f} | {gbs / read:.2f} |", flush=True)
 
 
 def main() -> None:

@@ -34,3 +34,15 @@ def thread_seconds(fn) -> float:
     t0 = time.thread_time()
     fn()
     return time.thread_time() - t0
+
+
+def read_bandwidth_gbs(repeats):
+    """Streaming read bandwidth of this process's threads: bytes of a 256 MiB fp32 tensor summed per second
+    (best of repeats)."""
+    data = torch.ones(64 << 20, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t0)
+    return data.numel() * data.element_size() / best / 1e9
