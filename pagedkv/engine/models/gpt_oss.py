@@ -10,7 +10,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import ModelConfig
-from ..tp.shard import ZERO
 from .layers import Attention, DecoderLayer
 from .llama import LlamaForCausalLM, LlamaModel
 
@@ -90,18 +89,11 @@ class GptOssModel(LlamaModel):
 class GptOssForCausalLM(LlamaForCausalLM):
     model_class = GptOssModel
 
-    def tensor_piece(self, name: str, full_config: ModelConfig):
-        shard, leaf = self.tp.shard, name.rsplit(".", 1)[-1]
-        inter, size = shard.intermediate(full_config), full_config.intermediate_size
-        pairs = range(2 * inter.start, 2 * inter.stop)
-        if leaf == "sinks":                                # [num_heads]
-            return 0, shard.q_heads(full_config), full_config.num_heads
-        if leaf == "gate_up_proj":                         # [experts, hidden, 2 * inter], gate/up interleaved
-            return 2, pairs, 2 * size
-        if leaf == "gate_up_proj_bias":                    # [experts, 2 * inter]
-            return 1, pairs, 2 * size
-        if leaf == "down_proj":                            # [experts, inter, hidden]
-            return 1, inter, size
-        if leaf == "down_proj_bias":                       # [experts, hidden]: added once
-            return None if shard.rank == 0 else ZERO
-        return super().tensor_piece(name, full_config)
+    # Under tensor parallelism, by the checkpoint tensor's last name: (dim, what each rank holds along it).
+    tensor_parallel_rules = {
+        "sinks": (0, "q_heads"),                         # [num_heads]
+        "gate_up_proj": (2, "intermediate_pairs"),       # [experts, hidden, 2 * inter], gate/up interleaved
+        "gate_up_proj_bias": (1, "intermediate_pairs"),  # [experts, 2 * inter]
+        "down_proj": (1, "intermediate"),                # [experts, inter, hidden]: row-parallel
+        "down_proj_bias": (None, "rank0"),               # [experts, hidden]: added once
+    }
