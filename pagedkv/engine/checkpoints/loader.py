@@ -169,7 +169,7 @@ def load_weights(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
         if model.unused_checkpoint_tensor(name):
             continue
         target, loaded_name = _target(model, params, name)
-        piece = None if shard is None else shard.piece(name, full_config, model.tensor_parallel_rules)
+        piece = None if shard is None else shard.piece(name, full_config, model.tensor_parallel_rule(name))
         expected = list(target.shape)
         if isinstance(piece, tuple):           # (dim, this rank's range, full length)
             expected[piece[0]] = piece[2]

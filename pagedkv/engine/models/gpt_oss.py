@@ -89,11 +89,14 @@ class GptOssModel(LlamaModel):
 class GptOssForCausalLM(LlamaForCausalLM):
     model_class = GptOssModel
 
-    # Under tensor parallelism, by the checkpoint tensor's last name: (dim, what each rank holds along it).
-    tensor_parallel_rules = {
-        "sinks": (0, "q_heads"),                         # [num_heads]
-        "gate_up_proj": (2, "intermediate_pairs"),       # [experts, hidden, 2 * inter], gate/up interleaved
-        "gate_up_proj_bias": (1, "intermediate_pairs"),  # [experts, 2 * inter]
-        "down_proj": (1, "intermediate"),                # [experts, inter, hidden]: row-parallel
-        "down_proj_bias": (None, "rank0"),               # [experts, hidden]: added once
+    # Under tensor parallelism, by the checkpoint tensor's last name: (dim, unit, elements per unit).
+    _tp_rules = {
+        "sinks": (0, "q_heads", 1),                      # [num_heads]
+        "gate_up_proj": (2, "intermediate", 2),          # [experts, hidden, 2 * inter], gate/up interleaved
+        "gate_up_proj_bias": (1, "intermediate", 2),     # [experts, 2 * inter]
+        "down_proj": (1, "intermediate", 1),             # [experts, inter, hidden]: row-parallel
+        "down_proj_bias": (None, "rank0", 0),            # [experts, hidden]: added once
     }
+
+    def tensor_parallel_rule(self, name: str):
+        return self._tp_rules.get(name.rsplit(".", 1)[-1])

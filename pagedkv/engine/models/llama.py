@@ -47,10 +47,6 @@ class LlamaForCausalLM(nn.Module):
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    # Under tensor parallelism, what each rank loads of checkpoint tensors the Llama names do not cover:
-    # last name -> (dim, "q_heads" | "intermediate" | "intermediate_pairs" | "rank0"); see tp.shard.Shard.piece.
-    tensor_parallel_rules: dict = {}
-
     def __init__(self, cfg: ModelConfig, tp=None):
         """tp: a pagedkv.engine.tp.collectives.TensorParallel to build this rank's shard (config then holds the
         shard's head and MLP sizes; embedding and LM head hold its rows of the vocabulary)."""
@@ -64,6 +60,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def tensor_parallel_rule(self, name: str):
+        """Under tensor parallelism, how checkpoint tensor `name` is split when the Llama names do not say:
+        (dim, unit, elements per unit), unit "q_heads" (this rank's query heads), "intermediate" (its MLP
+        columns), an int n (its part of range(n)) or "rank0" (all on rank 0, zeros elsewhere); None for
+        the Llama rules (tp.shard.Shard.piece)."""
+        return None
 
     def unused_checkpoint_tensor(self, name: str) -> bool:
         """A checkpoint tensor the model does not run and the loader skips (DeepSeek V3's MTP layers)."""

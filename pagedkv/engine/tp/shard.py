@@ -60,22 +60,21 @@ class Shard:
         return dataclasses.replace(cfg, num_heads=len(self.q_heads(cfg)), num_kv_heads=len(self.kv_heads(cfg)),
                                    intermediate_size=len(self.intermediate(cfg)))
 
-    def piece(self, name: str, cfg: ModelConfig, rules: dict | None = None):
+    def piece(self, name: str, cfg: ModelConfig, rule: tuple | None = None):
         """The part of checkpoint tensor `name` this rank loads: None (all of it), ZERO (none: a
         row-parallel bias is added once, by rank 0), or (dim, range along dim, full length of dim).
-        rules: a model's own tensors by their last name -> (dim, "q_heads": this rank's query heads, one
-        element each; "intermediate": its MLP columns; "intermediate_pairs": the same as interleaved pairs;
-        "rank0": all on rank 0, ZERO elsewhere)."""
+        rule: the model's own split of it (LlamaForCausalLM.tensor_parallel_rule), else the Llama names'."""
         d = cfg.head_dim
         q, kv, inter, vocab = self.q_heads(cfg), self.kv_heads(cfg), self.intermediate(cfg), self.vocab(cfg)
-        rule = (rules or {}).get(name.rsplit(".", 1)[-1])
         if rule is not None:
-            dim, kind = rule
-            if kind == "rank0":
+            dim, unit, width = rule
+            if unit == "rank0":
                 return None if self.rank == 0 else ZERO
-            return dim, *{"q_heads": (q, cfg.num_heads), "intermediate": (inter, cfg.intermediate_size),
-                          "intermediate_pairs": (range(2 * inter.start, 2 * inter.stop),
-                                                 2 * cfg.intermediate_size)}[kind]
+            units, total = {"q_heads": (q, cfg.num_heads),
+                            "intermediate": (inter, cfg.intermediate_size)}.get(unit, (None, unit))
+            if units is None:
+                units = split(total, self.size, self.rank)
+            return dim, range(units.start * width, units.stop * width), total * width
         heads = lambda r: range(r.start * d, r.stop * d)   # noqa: E731
         layer = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
         is_bias = name.endswith(".bias")
