@@ -10,15 +10,16 @@ __all__ = ["allocate_kv_cache", "allocate_host_tier", "num_blocks_for", "block_b
            "int4_block_bytes"]
 
 # What the ops accept (float8 caches store quantised KV: reshape_and_cache's k_scale / v_scale).
-_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+# uint8: int4 rows (reshape_and_cache_int4), whose last dimension is int4_row_bytes(head_dim, group_size).
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
 
 
 def _check_cache_geometry(dtype, **sizes) -> None:
     for name, v in sizes.items():
         check_int(name, v, minimum=1)
     if dtype not in _CACHE_DTYPES:
-        raise ValueError("dtype must be torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn or "
-                         f"torch.float8_e5m2, got {dtype}")
+        raise ValueError("dtype must be torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, "
+                         f"torch.float8_e5m2 or torch.uint8 (int4 rows), got {dtype}")
 
 
 def block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
