@@ -76,3 +76,18 @@ def test_int4_default_keeps_the_real_models_predictions():
     print(f"\nint4 KV vs fp32 KV (top-1, KL/token): {measured}")
     assert measured["default"][0] >= 0.97 and measured["default"][1] <= 1e-2, measured
     assert measured["plain"][0] < measured["default"][0], measured
+
+
+def test_int4_blocks_come_back_from_the_host_tier(tmp_path):
+    """Prefixes pushed out of a small pool to the host tier and loaded back: the same tokens as the single-tier
+    int4 engine (every key read from the int4 cache, so a loaded block must hold exactly the bytes written)."""
+    from test_engine_host_tier import conversations, engines, run
+    from engine_fixtures import save_tiny_llama
+    model = save_tiny_llama(tmp_path)
+    rounds = conversations(model.config.vocab_size)
+    single, tiered = engines(str(tmp_path), kv_cache_dtype="int4", **PLAIN)
+    assert tiered.runner.host_tier.dtype == torch.uint8
+    assert run(tiered, rounds) == run(single, rounds)
+    stats = tiered.stats()
+    assert stats["loaded_blocks"] > 0 and stats["host_hit_blocks"] > 0 and stats["load_failures"] == 0
+    tiered.bm.check_invariants()
