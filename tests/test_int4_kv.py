@@ -56,6 +56,7 @@ def make_case(seed, *, num_seqs, hq, hkv, d, group, bs, dtype, q_lens, ctx):
     num_blocks = num_seqs * max_blocks + 3
     perm = torch.randperm(num_blocks, generator=g)[:num_seqs * max_blocks]
     block_tables = perm.view(num_seqs, max_blocks).int()
+    block_tables[:, -1] = 2**30            # past every sequence's length: never read
     row = pagedkv.int4_row_bytes(d, group)
     # Every byte not written is NaN-like garbage (0xFF: codes 15, steps and minimums fp16 NaN).
     kc = torch.full((num_blocks, bs, hkv, row), 0xFF, dtype=torch.uint8)
