@@ -24,6 +24,11 @@ cost.
 
     python benchmarks/bench_attention.py --sinks --device cpu
 
+`--int4` times decode over an int4 cache (paged_attention_int4, group 32) against paged_attention over bf16
+K/V of the same shape (bf16 queries), best of --repeats calls each.
+
+    python benchmarks/bench_attention.py --int4 --device cpu
+
 `--roofline` times CPU decode (best of --repeats calls) on shuffled block tables for fp32, bf16 and fp16
 K/V and prints each case's K/V bytes per second as a share of a streaming read measured in the same
 process (the sum of a 256 MiB fp32 tensor, best of the same number of calls, measured again before
@@ -42,7 +47,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 import pagedkv.ops as ops  # noqa: E402
-from pagedkv import _C  # noqa: E402
+from pagedkv import _C, int4_row_bytes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import DTYPES, read_bandwidth_gbs, time_ms  # noqa: E402
@@ -88,6 +93,40 @@ def roofline(args):
             line += f"{ms[dtype]:>13.2f}{case.kv_bytes / ms[dtype] / 1e6 / bandwidth:>7.2f}"
             del case
         print(line + f"{ms[torch.float32] / ms[torch.bfloat16]:>18.2f}x", flush=True)
+
+
+INT4_CASES = [(1, 4096), (8, 2048), (4, 8192)]
+
+
+def int4_decode(args):
+    """Decode over an int4 cache (paged_attention_int4, group 32) against paged_attention over bf16 K/V of the
+    same shape, bf16 queries; best of --repeats calls each, the two taking turns."""
+    repeats, device, group = args.repeats or 7, torch.device(args.device), 32
+    hq, hkv, d, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
+    print(f"int4 decode: device={device} Hq={hq} Hkv={hkv} D={d} block_size={bs} group={group} "
+          f"threads={torch.get_num_threads()} best of {repeats} calls")
+    print(f"{'case':<14}{'bf16 ms':>10}{'int4 ms':>10}{'int4 speed / bf16':>19}{'KV bytes int4 / bf16':>22}")
+    row = int4_row_bytes(d, group)
+    for batch, ctx in INT4_CASES:
+        blocks = -(-ctx // bs)
+        tables = torch.randperm(batch * blocks, device=device).int().view(batch, blocks)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device=device)
+        kv16 = [torch.randn(batch * blocks, bs, hkv, d, dtype=torch.bfloat16, device=device) for _ in range(2)]
+        kv4 = [torch.empty(batch * blocks, bs, hkv, row, dtype=torch.uint8, device=device) for _ in range(2)]
+        slots = torch.arange(batch * blocks * bs, device=device)
+        ops.reshape_and_cache_int4(kv16[0].flatten(0, 1), kv16[1].flatten(0, 1), *kv4, slots, group)
+        bf16 = lambda: ops.paged_attention(q, *kv16, tables, lens, qsl, d ** -0.5)  # noqa: E731
+        int4 = lambda: ops.paged_attention_int4(q, *kv4, tables, lens, qsl, d ** -0.5, group)  # noqa: E731
+        bf16(), int4()
+        t16, t4 = [], []
+        for _ in range(repeats):
+            t16.append(_seconds(bf16))
+            t4.append(_seconds(int4))
+        ms16, ms4 = 1e3 * min(t16), 1e3 * min(t4)
+        print(f"{f'B{batch} L{ctx}':<14}{ms16:>10.2f}{ms4:>10.2f}{ms16 / ms4:>18.2f}x{row / (2 * d):>21.3f}x",
+              flush=True)
 
 
 def cache_views(layout, shape, dtype, device):
@@ -288,6 +327,7 @@ def main():
     parser.add_argument("--roofline", action="store_true",
                         help="CPU decode as a share of the read bandwidth (fp32, bf16, fp16; default 7 repeats)")
     parser.add_argument("--sinks", action="store_true", help="the cost of learned attention sinks")
+    parser.add_argument("--int4", action="store_true", help="decode over an int4 cache against bf16 K/V")
     parser.add_argument("--layouts", action="store_true",
                         help="paged_attention on vLLM / FlashInfer / HND cache views vs contiguous caches")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -299,6 +339,8 @@ def main():
     _C._set_cpu_attention_isa(args.isa)
     if args.roofline:
         return roofline(args)
+    if args.int4:
+        return int4_decode(args)
     device = torch.device(args.device)
     if args.layouts:
         return layouts(args, device)

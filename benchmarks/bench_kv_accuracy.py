@@ -1,6 +1,6 @@
 """KV cache dtypes on a real model: how far SmolLM2-135M-Instruct's predictions move when its KV cache is
 stored in bf16, fp16, fp8 e4m3 / e5m2 (scale 1, dynamic per KV head, or e4m3's default: a per-head rotation
-then dynamic per KV head), and with bf16 weights + bf16 KV, against fp32 weights + fp32 KV.
+then dynamic per KV head), int4 (rotated, a step and a minimum per 32 elements), and with bf16 weights + bf16 KV, against fp32 weights + fp32 KV.
 
 Per configuration, a fresh engine (so dynamic fp8 scales are set by its first prefill, as in serving):
   1. greedy answers to the chat workload (--chats conversations, --max-tokens each): outputs identical to
@@ -43,6 +43,9 @@ CONFIGS = [
      None),
     ("fp32 weights, fp8 e5m2 KV, rotated + recent 256 + first block (default)", dict(kv_cache_dtype="fp8_e5m2"),
      None),
+    ("fp32 weights, int4 KV (g32 + zero point), rotated", dict(kv_cache_dtype="int4", **PLAIN), None),
+    ("fp32 weights, int4 KV (g32 + zero point), rotated + recent 256 + first block (default)",
+     dict(kv_cache_dtype="int4"), None),
     ("bf16 weights, bf16 KV", dict(dtype="bfloat16"), None),
 ]
 

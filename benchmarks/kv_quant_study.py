@@ -48,6 +48,7 @@ class Format:
     scale_fmt: str = "fp16"    # storage of per-token / per-group scales
     rotate: bool = False
     smooth: bool = False       # subtract the first prefill's per-channel mean
+    zero: bool = False         # int4 per group: asymmetric, 16 levels from the group's min (a zero point)
     headroom: float = 2.0      # static scales only
 
     def bytes_per_element(self, head_dim: int) -> float:
@@ -55,7 +56,7 @@ class Format:
         if self.scale == "token" and self.fmt not in ("fp32", "bf16"):
             b += SCALE_BYTES[self.scale_fmt] / head_dim
         elif self.scale.startswith("group"):
-            b += SCALE_BYTES[self.scale_fmt] / int(self.scale[5:])
+            b += SCALE_BYTES[self.scale_fmt] * (2 if self.zero else 1) / int(self.scale[5:])
         return b
 
 
@@ -98,6 +99,19 @@ def to_grid(y: torch.Tensor, fmt: str) -> torch.Tensor:
     return grid[torch.bucketize(y.abs().clamp(max=m), mid)] * y.sign()
 
 
+def symmetric_groups(yg: torch.Tensor, f: Format) -> torch.Tensor:
+    """Each group (last dim) on the format's grid times its own scale, amax / max."""
+    scale = round_scale(yg.abs().amax(-1, keepdim=True).clamp_min(1e-8) / FORMAT_MAX[f.fmt], f.scale_fmt)
+    return to_grid(yg / scale, f.fmt) * scale
+
+
+def affine_groups(yg: torch.Tensor, f: Format) -> torch.Tensor:
+    """Each group on 16 levels from its min to its max (int4 with a zero point; scale and min in fp16)."""
+    low = yg.amin(-1, keepdim=True).to(torch.float16).float()
+    step = ((yg.amax(-1, keepdim=True) - low) / 15).clamp_min(1e-8).to(torch.float16).float()
+    return ((yg - low) / step).round().clamp(0, 15) * step + low
+
+
 class StoredFormat:
     """One layer's K (or V) storage: static state set from the first step's tensor, then the stored value
     (dequantised, back in the model's basis) of any [S, Hkv, D] tensor."""
@@ -134,10 +148,7 @@ class StoredFormat:
                 scale = self.static
             else:
                 g = y.shape[-1] if f.scale == "token" else int(f.scale[5:])
-                yg = y.unflatten(-1, (-1, g))
-                scale = round_scale(yg.abs().amax(-1, keepdim=True).clamp_min(1e-8) / FORMAT_MAX[f.fmt],
-                                    f.scale_fmt)
-                y = (to_grid(yg / scale, f.fmt) * scale).flatten(-2)
+                y = (affine_groups if f.zero else symmetric_groups)(y.unflatten(-1, (-1, g)), f).flatten(-2)
                 scale = None
             if scale is not None:
                 y = to_grid(y / scale, f.fmt) * scale
@@ -219,6 +230,8 @@ E4 = Format("e4m3")
 R4 = Format("e4m3", rotate=True)
 I8T = Format("int8", scale="token", rotate=True)
 BF = Format("bf16")
+I4G32 = Format("int4", "group32", rotate=True)
+I4Z32 = replace(I4G32, zero=True)
 RULES = [
     Rule("fp32 K and V (reference; the study's own attention)", Format(), Format()),
     Rule("bf16 K and V", BF, BF),
@@ -256,6 +269,16 @@ RULES = [
     Rule("4-bit: K int4 rotated g32, V int4 g64; 4 sinks + window 128 bf16",
          Format("int4", "group32", rotate=True), Format("int4", "group64", rotate=True), sinks=4, window=128),
     Rule("4-bit: K int8 rotated per-token; V int4 rotated group 32", I8T, Format("int4", "group32", rotate=True)),
+    Rule("int4 engine: K and V int4 rotated g32; first 16 + window 256", I4G32, I4G32, sinks=16, window=256),
+    Rule("int4 engine: K and V int4 rotated g32 + zero point; first 16 + window 256", I4Z32, I4Z32, sinks=16,
+         window=256),
+    Rule("int4 engine: K int4 rotated g32, V g64; first 16 + window 256", I4G32, replace(I4G32, scale="group64"),
+         sinks=16, window=256),
+    Rule("int4 engine: K and V int4 rotated g16; first 16 + window 256", replace(I4G32, scale="group16"),
+         replace(I4G32, scale="group16"), sinks=16, window=256),
+    Rule("int4 engine: K and V int4 rotated g32 + zero point; no window", I4Z32, I4Z32),
+    Rule("int4 engine: K and V int4 unrotated g32; first 16 + window 256", replace(I4G32, rotate=False),
+         replace(I4G32, rotate=False), sinks=16, window=256),
 ]
 
 

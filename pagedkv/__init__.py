@@ -14,11 +14,12 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _moved, ops
 from ._C import AllocStatus, BlockManager, hash_block_tokens  # also registers torch.ops.pagedkv.*
-from .cache import (allocate_host_tier, allocate_kv_cache, allocate_mla_cache, block_bytes, kv_cache_groups,
-                    mla_block_bytes, num_blocks_for, num_mla_blocks_for)
+from .cache import (allocate_host_tier, allocate_int4_kv_cache, allocate_kv_cache, allocate_mla_cache, block_bytes,
+                    int4_block_bytes, int4_row_bytes, kv_cache_groups, mla_block_bytes, num_blocks_for,
+                    num_mla_blocks_for)
 
 _moved.install()
 __version__ = "0.1.0"
 __all__ = ["AllocStatus", "BlockManager", "hash_block_tokens", "ops", "allocate_kv_cache", "allocate_host_tier",
            "block_bytes", "kv_cache_groups", "num_blocks_for", "allocate_mla_cache", "mla_block_bytes",
-           "num_mla_blocks_for"]
+           "num_mla_blocks_for", "allocate_int4_kv_cache", "int4_block_bytes", "int4_row_bytes"]

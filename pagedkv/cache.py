@@ -6,18 +6,20 @@ import torch
 from .validation import check_int
 
 __all__ = ["allocate_kv_cache", "allocate_host_tier", "num_blocks_for", "block_bytes", "kv_cache_groups",
-           "allocate_mla_cache", "mla_block_bytes", "num_mla_blocks_for"]
+           "allocate_mla_cache", "mla_block_bytes", "num_mla_blocks_for", "int4_row_bytes", "allocate_int4_kv_cache",
+           "int4_block_bytes"]
 
 # What the ops accept (float8 caches store quantised KV: reshape_and_cache's k_scale / v_scale).
-_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+# uint8: int4 rows (reshape_and_cache_int4), whose last dimension is int4_row_bytes(head_dim, group_size).
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
 
 
 def _check_cache_geometry(dtype, **sizes) -> None:
     for name, v in sizes.items():
         check_int(name, v, minimum=1)
     if dtype not in _CACHE_DTYPES:
-        raise ValueError("dtype must be torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn or "
-                         f"torch.float8_e5m2, got {dtype}")
+        raise ValueError("dtype must be torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, "
+                         f"torch.float8_e5m2 or torch.uint8 (int4 rows), got {dtype}")
 
 
 def block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -132,3 +134,32 @@ def allocate_mla_cache(num_layers: int, num_blocks: int, block_size: int, kv_lor
     shape = (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)
     pin = pin_memory and torch.device(device).type == "cpu"
     return [torch.empty(shape, dtype=dtype, device=device, pin_memory=pin) for _ in range(num_layers)]
+
+
+def int4_row_bytes(head_dim: int, group_size: int) -> int:
+    """Bytes of one token's head in an int4 cache (pagedkv.ops.reshape_and_cache_int4): head_dim / 2 code
+    bytes, then an fp16 step and an fp16 minimum per group of group_size elements."""
+    check_int("head_dim", head_dim, minimum=1)
+    check_int("group_size", group_size, minimum=2)
+    if group_size % 2 or head_dim % group_size:
+        raise ValueError(f"group_size must be even and divide head_dim, got {group_size} and {head_dim}")
+    return head_dim // 2 + 4 * (head_dim // group_size)
+
+
+def int4_block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, group_size: int) -> int:
+    """Bytes one physical block of int4 caches costs across all layers, keys and values together."""
+    check_int("num_layers", num_layers, minimum=1)
+    check_int("block_size", block_size, minimum=1)
+    check_int("num_kv_heads", num_kv_heads, minimum=1)
+    return 2 * num_layers * block_size * num_kv_heads * int4_row_bytes(head_dim, group_size)
+
+
+def allocate_int4_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                           group_size: int, *, device="cpu", pin_memory: bool = False
+                           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer a (key_cache, value_cache) pair of uint8 [num_blocks, block_size, num_kv_heads, row_bytes]
+    int4 caches, zeroed (every byte-moving op, copy_blocks, swap_blocks and the tiers, moves them as bytes)."""
+    row = int4_row_bytes(head_dim, group_size)
+    shape = (num_blocks, block_size, num_kv_heads, row)
+    return [tuple(torch.zeros(shape, dtype=torch.uint8, device=device, pin_memory=pin_memory) for _ in range(2))
+            for _ in range(num_layers)]

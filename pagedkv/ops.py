@@ -16,7 +16,8 @@ from . import _C  # noqa: F401  (registers torch.ops.pagedkv.*)
 
 __all__ = ["reshape_and_cache", "paged_attention", "paged_attention_with_lse", "copy_blocks", "swap_blocks",
            "offload_blocks", "load_blocks", "cpu_attention_isa", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
-           "concat_and_cache_mla", "paged_attention_mla", "paged_attention_mla_with_lse"]
+           "concat_and_cache_mla", "paged_attention_mla", "paged_attention_mla_with_lse",
+           "reshape_and_cache_int4", "paged_attention_int4", "paged_attention_int4_with_lse", "int4_kv_dequantize"]
 
 _ops = torch.ops.pagedkv
 
@@ -497,3 +498,82 @@ def _paged_attention_mla_with_lse_fake(query, kv_cache, block_tables, seq_lens, 
     shape = _paged_attention_mla_shape("paged_attention_mla_with_lse", query, kv_cache, block_tables, seq_lens,
                                        query_start_loc, kv_lora_rank)
     return query.new_empty(shape), query.new_empty(shape[:2], dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# int4 KV: uint8 caches [num_blocks, block_size, num_kv_heads, head_dim // 2 + 4 * (head_dim // group_size)].
+# A row holds head_dim 4-bit codes (element 2i in the low nibble of byte i), then per group of group_size
+# elements its fp16 step and fp16 minimum; element x of a group reads back as code * step + minimum, where
+# step = fp16((max - min) / 15), minimum = fp16(min) and code = clamp(round_half_even((x - minimum) / step), 0, 15).
+
+
+def reshape_and_cache_int4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, slot_mapping: torch.Tensor, group_size: int) -> None:
+    """Quantises this step's keys and values ``[T, num_kv_heads, head_dim]`` (float32 / float16 / bfloat16,
+    any strides) into their slots of two int4 caches (uint8, rows as above; any block, token and head strides,
+    rows contiguous), in place. ``group_size`` is even and divides ``head_dim``. Slots as
+    :func:`reshape_and_cache` takes them (negative: padding, skipped)."""
+    _ops.reshape_and_cache_int4(key, value, key_cache, value_cache, slot_mapping, group_size)
+
+
+def paged_attention_int4(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         scale: float, group_size: int, *, max_seq_len: int = -1, sliding_window: int = -1,
+                         softcap: float = 0.0) -> torch.Tensor:
+    """:func:`paged_attention` over int4 caches written by :func:`reshape_and_cache_int4` with the same
+    ``group_size``: each visible key and value row is read back as ``code * step + minimum`` in float32;
+    queries and output in query's dtype (GQA, sliding window and softcap as there)."""
+    return _ops.paged_attention_int4(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                                     group_size, max_seq_len=max_seq_len, sliding_window=sliding_window,
+                                     softcap=softcap)
+
+
+def paged_attention_int4_with_lse(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                  query_start_loc: torch.Tensor, scale: float, group_size: int, *,
+                                  max_seq_len: int = -1, sliding_window: int = -1,
+                                  softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention_int4` and each row's natural-log log-sum-exp ``[T, num_q_heads]`` float32
+    (as :func:`paged_attention_with_lse`), so partial attentions over disjoint keys merge exactly."""
+    return _ops.paged_attention_int4_with_lse(query, key_cache, value_cache, block_tables, seq_lens,
+                                              query_start_loc, scale, group_size, max_seq_len=max_seq_len,
+                                              sliding_window=sliding_window, softcap=softcap)
+
+
+def int4_kv_dequantize(rows: torch.Tensor, group_size: int) -> torch.Tensor:
+    """int4 rows ``[..., row_bytes]`` (uint8) -> their float32 values ``[..., head_dim]`` (plain torch)."""
+    head_dim = 2 * rows.shape[-1] * group_size // (group_size + 8)     # row_bytes = D / 2 + 4 D / group_size
+    groups = head_dim // group_size
+    codes = rows[..., :head_dim // 2]
+    codes = torch.stack((codes & 0xF, codes >> 4), dim=-1).flatten(-2).float()
+    meta = rows[..., head_dim // 2:].contiguous().view(torch.float16).float().unflatten(-1, (groups, 2))
+    step, low = meta[..., :1], meta[..., 1:]
+    return (codes.unflatten(-1, (groups, group_size)) * step + low).flatten(-2)
+
+
+def _int4_fake_checks(op, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc):
+    _check_not_mixed_with_meta(op, query=query, key_cache=key_cache, value_cache=value_cache,
+                               block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
+
+
+@torch.library.register_fake("pagedkv::reshape_and_cache_int4")
+def _reshape_and_cache_int4_fake(key, value, key_cache, value_cache, slot_mapping, group_size):
+    _check_not_mixed_with_meta("reshape_and_cache_int4", key=key, value=value, key_cache=key_cache,
+                               value_cache=value_cache, slot_mapping=slot_mapping)
+    _check_not_the_same_tensor("reshape_and_cache_int4", "value_cache", value_cache, "key_cache", key_cache)
+    return None
+
+
+@torch.library.register_fake("pagedkv::paged_attention_int4")
+def _paged_attention_int4_fake(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                               group_size, *, max_seq_len=-1, sliding_window=-1, softcap=0.0):
+    _int4_fake_checks("paged_attention_int4", query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    return query.new_empty(query.shape)
+
+
+@torch.library.register_fake("pagedkv::paged_attention_int4_with_lse")
+def _paged_attention_int4_with_lse_fake(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                        scale, group_size, *, max_seq_len=-1, sliding_window=-1, softcap=0.0):
+    _int4_fake_checks("paged_attention_int4_with_lse", query, key_cache, value_cache, block_tables, seq_lens,
+                      query_start_loc)
+    return query.new_empty(query.shape), query.new_empty(query.shape[:2], dtype=torch.float32)

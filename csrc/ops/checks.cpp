@@ -92,6 +92,30 @@ void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, con
   }
 }
 
+int64_t check_attention_metadata(const at::Tensor& query, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                 const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                                 double softcap) {
+  check_index_tensor(block_tables, "block_tables", at::kInt, 2);
+  check_index_tensor(seq_lens, "seq_lens", at::kInt, 1);
+  check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1);
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables has ", block_tables.size(0),
+              " rows but seq_lens has ", num_seqs, " sequences");
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc must have num_seqs + 1 = ", num_seqs + 1,
+              " entries, got ", query_start_loc.size(0));
+  // The kernels compute in fp32: the values must survive the cast.
+  TORCH_CHECK(std::isfinite(static_cast<float>(scale)) && static_cast<float>(scale) > 0.f,
+              "scale must be a finite number > 0 (as a float32), got ", scale);
+  TORCH_CHECK(softcap == 0.0 || (std::isfinite(static_cast<float>(softcap)) && static_cast<float>(softcap) > 0.f),
+              "softcap must be a finite number >= 0 (0 disables it), got ", softcap);
+  TORCH_CHECK(sliding_window > 0 || sliding_window == -1, "sliding_window must be positive or -1 (disabled), got ",
+              sliding_window);
+  check_same_device(block_tables, "block_tables", query, "query");
+  check_same_device(seq_lens, "seq_lens", query, "query");
+  check_same_device(query_start_loc, "query_start_loc", query, "query");
+  return num_seqs;
+}
+
 AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -117,26 +141,10 @@ AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& 
   const int64_t num_kv_heads = key_cache.size(2);
   TORCH_CHECK(query.size(1) > 0 && query.size(1) % num_kv_heads == 0, "query num_q_heads ", query.size(1),
               " must be a positive multiple of key_cache num_kv_heads ", num_kv_heads);
-  check_index_tensor(block_tables, "block_tables", at::kInt, 2);
-  check_index_tensor(seq_lens, "seq_lens", at::kInt, 1);
-  check_index_tensor(query_start_loc, "query_start_loc", at::kInt, 1);
-  const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables has ", block_tables.size(0),
-              " rows but seq_lens has ", num_seqs, " sequences");
-  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc must have num_seqs + 1 = ", num_seqs + 1,
-              " entries, got ", query_start_loc.size(0));
-  // The kernels compute in fp32: the values must survive the cast.
-  TORCH_CHECK(std::isfinite(static_cast<float>(scale)) && static_cast<float>(scale) > 0.f,
-              "scale must be a finite number > 0 (as a float32), got ", scale);
-  TORCH_CHECK(softcap == 0.0 || (std::isfinite(static_cast<float>(softcap)) && static_cast<float>(softcap) > 0.f),
-              "softcap must be a finite number >= 0 (0 disables it), got ", softcap);
-  TORCH_CHECK(sliding_window > 0 || sliding_window == -1, "sliding_window must be positive or -1 (disabled), got ",
-              sliding_window);
+  const int64_t num_seqs =
+      check_attention_metadata(query, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap);
   check_same_device(key_cache, "key_cache", query, "query");
   check_same_device(value_cache, "value_cache", query, "query");
-  check_same_device(block_tables, "block_tables", query, "query");
-  check_same_device(seq_lens, "seq_lens", query, "query");
-  check_same_device(query_start_loc, "query_start_loc", query, "query");
   check_kv_cache_views(key_cache, value_cache);
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == query.size(1),

@@ -40,6 +40,12 @@ void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, con
 // or query); an error when the cache is not float8.
 void check_kv_scale(const std::optional<at::Tensor>& scale, const char* name, const at::Tensor& cache,
                     const at::Tensor& ref, const char* ref_name = "key");
+// The metadata of a paged attention call against query [T, Hq, D] (block_tables [B, M], seq_lens [B] and
+// query_start_loc [B + 1] int32 on query's device; scale, sliding_window and softcap as paged_attention takes
+// them); returns B. Shapes, dtypes and devices only.
+int64_t check_attention_metadata(const at::Tensor& query, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                 const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                                 double softcap);
 // The caches have query's dtype, or both one float8 dtype (then k_scale / v_scale may be given).
 AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& block_tables,

@@ -22,11 +22,13 @@ void check_same_device(const at::Tensor& t, const std::string& name, const at::T
               "; all tensors must be on the same device");
 }
 
-void check_cache_shape_and_dtype(const at::Tensor& cache, const std::string& name) {
+void check_cache_shape_and_dtype(const at::Tensor& cache, const std::string& name, bool bytes_ok) {
   TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
               cache.sizes());
-  TORCH_CHECK(is_supported_float(cache.scalar_type()) || is_fp8(cache.scalar_type()), name,
-              " must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ", cache.scalar_type());
+  TORCH_CHECK(is_supported_float(cache.scalar_type()) || is_fp8(cache.scalar_type()) ||
+                  (bytes_ok && cache.scalar_type() == at::kByte),
+              name, " must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2",
+              bytes_ok ? " (or uint8: int4 rows)" : "", ", got ", cache.scalar_type());
   // A dimension of size 0 would leave a block with no bytes but a nonzero stride: copies from null.
   TORCH_CHECK(cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, name,
               " must have positive block_size, num_kv_heads and head_dim, got shape ", cache.sizes());
@@ -100,9 +102,9 @@ void check_no_internal_overlap(const at::Tensor& t, const std::string& name,
   }
 }
 
-// The cache of copy_blocks: one contiguous tensor.
+// The cache of copy_blocks and the host tier: one contiguous tensor, moved as bytes (int4 rows included).
 void check_cache(const at::Tensor& cache, const std::string& name) {
-  check_cache_shape_and_dtype(cache, name);
+  check_cache_shape_and_dtype(cache, name, /*bytes_ok=*/true);
   TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous, got strides ", cache.strides(), " for shape ",
               cache.sizes(), " (reshape_and_cache and paged_attention take strided cache views, copy_blocks "
               "does not)");

@@ -15,7 +15,8 @@ namespace pagedkv {
 bool is_supported_float(at::ScalarType t);
 void check_float_dtype(const at::Tensor& t, const std::string& name);
 void check_same_device(const at::Tensor& t, const std::string& name, const at::Tensor& ref, const char* ref_name);
-void check_cache_shape_and_dtype(const at::Tensor& cache, const std::string& name);
+// bytes_ok: uint8 caches (int4 rows: reshape_and_cache_int4) are accepted too, by the ops that move bytes.
+void check_cache_shape_and_dtype(const at::Tensor& cache, const std::string& name, bool bytes_ok = false);
 void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim);
 std::pair<uintptr_t, uintptr_t> memory_span(const at::Tensor& t);
 ByteView byte_view(const at::Tensor& t);

@@ -353,7 +353,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0           # drafts per step and sequence (speculative="ngram")
     prompt_lookup_min: int = 1                # n-gram sizes the lookup tries, longest first
     prompt_lookup_max: int = 3
-    kv_cache_dtype: str = "auto"              # "auto" (the model's dtype), "fp8_e4m3", "fp8_e5m2"
+    kv_cache_dtype: str = "auto"              # "auto" (the model's dtype), "fp8_e4m3", "fp8_e5m2", "int4"
     kv_scale: str | float = "rotated"         # float8 KV: "rotated" (per-head rotation, then "dynamic"),
                                               # "dynamic" (per layer and KV head), or a fixed scale
     kv_recent_tokens: int = 256               # float8 KV: each query's latest N tokens read in the model's

@@ -9,7 +9,7 @@ from pagedkv.ops import load_blocks, offload_blocks
 
 from ..config import EngineConfig
 from .cpu_linear import pack_wide_linears
-from ..kv.quant import attach_kv_scales, kv_cache_dtype
+from ..kv.quant import attach_kv_scales, kv_cache_dtype, kv_cache_width
 from ..kv.recent import LayerRecentKV, RecentPool
 from ..models.layers import AttentionMetadata, KVGroupInputs
 from ..models.llama import LlamaForCausalLM
@@ -25,7 +25,7 @@ def num_cache_tensors(model: LlamaForCausalLM) -> int:
     return max(model.config.layer_cache_slots) + 1
 
 
-def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, width: int = 0) -> int:
     """Bytes of one block id across all cache tensors: keys and values, or the latent rows of an MLA model."""
     cfg = model.config
     if cfg.latent_cache is not None:
@@ -33,7 +33,12 @@ def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.
         return mla_block_bytes(num_layers=num_cache_tensors(model), block_size=block_size, kv_lora_rank=kv_lora_rank,
                                qk_rope_head_dim=rope_dim, dtype=dtype)
     return block_bytes(num_layers=num_cache_tensors(model), block_size=block_size, num_kv_heads=cfg.num_kv_heads,
-                       head_dim=cfg.head_dim, dtype=dtype)
+                       head_dim=width or cfg.head_dim, dtype=dtype)
+
+
+def _cache_width(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    """The cache tensors' last dimension (head_dim, or an int4 row's bytes)."""
+    return kv_cache_width(config.kv_cache_dtype, model.config.head_dim)
 
 
 RECENT_POOL_SHARE = 4     # the recent pool takes at most 1 / RECENT_POOL_SHARE of the KV budget
@@ -115,7 +120,8 @@ def host_tier_size(model: LlamaForCausalLM, config: EngineConfig, tp=None) -> in
     if not config.host_cache_bytes:
         return 0
     block_bytes = kv_cache_block_bytes(model, config.block_size,
-                                       kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype))
+                                       kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype),
+                                       _cache_width(model, config))
     if config.host_cache_bytes < block_bytes:
         raise ValueError(f"host_cache_bytes={config.host_cache_bytes} holds no KV block ({block_bytes} bytes "
                          "each); raise it, or pass 0 for no host tier")
@@ -129,7 +135,8 @@ def disk_tier_size(model: LlamaForCausalLM, config: EngineConfig) -> int:
     if not config.disk_cache_bytes:
         return 0
     block_bytes = kv_cache_block_bytes(model, config.block_size,
-                                       kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype))
+                                       kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype),
+                                       _cache_width(model, config))
     stride = DiskStore.record_stride(block_bytes, config.block_size)
     if config.disk_cache_bytes < stride:
         raise ValueError(f"disk_cache_bytes={config.disk_cache_bytes} holds no KV block ({stride} bytes each with "
@@ -142,7 +149,8 @@ def _num_blocks_for_budget(model: LlamaForCausalLM, config: EngineConfig) -> int
     # (num_layers * block_size * (kv_lora_rank + qk_rope_head_dim) * itemsize): the same division, and the
     # same block manager (block_size tokens per block, one KV group).
     block_bytes = kv_cache_block_bytes(model, config.block_size,
-                                       kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype))
+                                       kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype),
+                                       _cache_width(model, config))
     budget, what = _kv_budget(config)
     recent = recent_pool_bytes(model, config)
     if recent:      # the float8 rule's full-precision window comes out of the same budget
@@ -165,6 +173,7 @@ class ModelRunner:
         self.block_size = config.block_size
         dtype = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
         self.kv_scales = attach_kv_scales(model, config.kv_cache_dtype, config.kv_scale, self.device)
+        self.cache_width = _cache_width(model, config)
         self.kv_caches = self._allocate(num_blocks, self.device, dtype)
         self.cpu_kv_caches = self._allocate(num_cpu_blocks, torch.device("cpu"), dtype,
                                             pin=self.device.type == "cuda") if num_cpu_blocks else []
@@ -199,7 +208,7 @@ class ModelRunner:
             return torch.empty((num_host_blocks, num_cache_tensors(self.model), self.block_size, sum(cfg.latent_cache)),
                                dtype=dtype, pin_memory=pin)
         return allocate_host_tier(num_host_blocks, num_cache_tensors(self.model), self.block_size, cfg.num_kv_heads,
-                                  cfg.head_dim, dtype=dtype, pin_memory=pin)
+                                  self.cache_width, dtype=dtype, pin_memory=pin)
 
     def _allocate(self, num_blocks, device, dtype, pin=False):
         cfg = self.model.config
@@ -209,7 +218,7 @@ class ModelRunner:
                                                                kv_lora_rank, rope_dim, dtype=dtype, device=device,
                                                                pin_memory=pin)]
         return allocate_kv_cache(num_cache_tensors(self.model), num_blocks, self.block_size, cfg.num_kv_heads,
-                                 cfg.head_dim, dtype=dtype, device=device, pin_memory=pin)
+                                 self.cache_width, dtype=dtype, device=device, pin_memory=pin)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, bm: BlockManager) -> list[list[int]]:

@@ -1,5 +1,10 @@
-"""float8 KV cache in the engine: the cache dtype (`kv_cache_dtype`), each layer's K/V scales
-(`kv_scale`) and the prefix-cache salt they imply.
+"""Quantised KV caches in the engine (float8, int4): the cache dtype (`kv_cache_dtype`), each layer's K/V
+scales (`kv_scale`) and the prefix-cache salt they imply.
+
+``"int4"``: rows of ``pagedkv.ops.reshape_and_cache_int4`` with groups of INT4_GROUP_SIZE (a 4-bit code per
+element, an fp16 step and minimum per group; 0.31x of bf16's bytes at head_dim 64) under the rotated rule
+below (``kv_scale="rotated"``), no per-head scales; with the recent pool (kv.recent) it keeps 98% of fp32
+KV's top-1 tokens on SmolLM2-135M (docs/benchmarks.md).
 
 Scales are float32 tensors, one per KV head of the layer (of this rank's heads under tensor
 parallelism), filled in place and never replaced, so a captured or compiled graph holding them stays
@@ -25,7 +30,8 @@ import math
 
 import torch
 
-KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int4": torch.uint8}
+INT4_GROUP_SIZE = 32      # "int4": rows of pagedkv.ops.reshape_and_cache_int4, a step and a minimum per 32 elements
 DYNAMIC_MODES = ("rotated", "dynamic", "dynamic_tensor")
 DEFAULT_KV_SCALE = "rotated"
 HEADROOM = 2.0
@@ -55,6 +61,21 @@ def kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype
     return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
 
 
+def int4_group_size(head_dim: int) -> int:
+    """The int4 rows' group: INT4_GROUP_SIZE, or the largest power of two dividing a head_dim it does not."""
+    group = math.gcd(head_dim, INT4_GROUP_SIZE)
+    if group < 2:
+        raise ValueError(f"kv_cache_dtype='int4' needs an even head_dim, got {head_dim}")
+    return group
+
+
+def kv_cache_width(kv_cache_dtype_name: str, head_dim: int) -> int:
+    """The last dimension of the cache tensors: head_dim, or the bytes of an int4 row."""
+    if kv_cache_dtype_name == "int4":
+        return head_dim // 2 + 4 * (head_dim // int4_group_size(head_dim))
+    return head_dim
+
+
 def kv_rotation(head_dim: int) -> torch.Tensor:
     """The rotated rule's orthogonal [head_dim, head_dim] float32 matrix: the normalised Sylvester
     Hadamard matrix for a power of two (symmetric), else the Q of a QR of a normal matrix seeded 0."""
@@ -80,6 +101,10 @@ class LayerKvScales:
         self.v_scale = torch.full((num_kv_heads,), value, dtype=torch.float32, device=device)
         self.fixed = not isinstance(kv_scale, str)
         self.rotation = kv_rotation(head_dim).to(device) if kv_scale == "rotated" else None
+        # int4 rows carry their own per-group steps: the scales stay 1 and only the rotation applies
+        self.int4_group = int4_group_size(head_dim) if fp8 == torch.uint8 else 0
+        if self.int4_group:
+            self.fixed = True
 
     def rotate(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each [T, H, head_dim] tensor times the rotation (in its dtype); unchanged without one."""
@@ -91,7 +116,7 @@ class LayerKvScales:
         return out if self.rotation is None else out @ self.rotation.to(out.dtype).T
 
     def observe(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """key, value: [T, num_kv_heads, head_dim] of this step. Sets dynamic scales once."""
+        """key, value: [T, num_kv_heads, head_dim] of this step. Sets dynamic float8 scales once."""
         if self.fixed or key.shape[0] == 0:
             return
         limit = torch.finfo(self.fp8).max

@@ -272,28 +272,37 @@ class LayerRecentKV:
         self.key_cache, self.value_cache, self.window = key_cache, value_cache, window
 
     def attend(self, q, k, v, key_cache, value_cache, k_scale, v_scale, step: RecentStepInputs, scale: float,
-               softcap: float, sinks) -> torch.Tensor:
-        """q [T, H, D], k and v [T, Hkv, D] of this step (already written to the float8 cache) -> [T, H, D]."""
+               softcap: float, sinks, int4_group: int = 0) -> torch.Tensor:
+        """q [T, H, D], k and v [T, Hkv, D] of this step (already written to the float8 cache, or to the int4
+        one when int4_group is its group size) -> [T, H, D]."""
         hk, hv = self.key_cache, self.value_cache
         if step.warm_src.numel():
             heads, dim = hk.shape[2], hk.shape[3]
             for src_cache, dst_cache, s in ((key_cache, hk, k_scale), (value_cache, hv, v_scale)):
-                src = src_cache.view(-1, heads, dim).index_select(0, step.warm_src).float() * s.view(1, -1, 1)
+                rows = src_cache.view(-1, heads, src_cache.shape[3]).index_select(0, step.warm_src)
+                src = ops.int4_kv_dequantize(rows, int4_group) if int4_group else rows.float() * s.view(1, -1, 1)
                 dst_cache.view(-1, heads, dim).index_copy_(0, step.warm_dst, src.to(dst_cache.dtype))
         ops.reshape_and_cache(k, v, hk, hv, step.slots)
         parts = []
 
-        def part(rows, key_cache, value_cache, tables, lens, starts, **kw):
+        def part(rows, key_cache, value_cache, tables, lens, starts, int4=False, **kw):
             if lens.numel():
                 qp = q if rows is None else q.index_select(0, rows)
+                if int4:
+                    parts.append((rows, *ops.paged_attention_int4_with_lse(qp, key_cache, value_cache, tables, lens,
+                                                                           starts, scale, int4_group, softcap=softcap)))
+                    return
                 parts.append((rows, *ops.paged_attention_with_lse(qp, key_cache, value_cache, tables, lens, starts,
                                                                   scale, softcap=softcap, **kw)))
 
         part(step.first_rows, hk, hv, step.first_tables, step.first_lens, step.first_starts)
         part(step.window_rows, hk, hv, step.window_tables, step.window_lens, step.window_starts,
              sliding_window=self.window)
-        part(step.cold_rows, key_cache, value_cache, step.cold_tables, step.cold_lens, step.cold_starts,
-             k_scale=k_scale, v_scale=v_scale)
+        if int4_group:
+            part(step.cold_rows, key_cache, value_cache, step.cold_tables, step.cold_lens, step.cold_starts, int4=True)
+        else:
+            part(step.cold_rows, key_cache, value_cache, step.cold_tables, step.cold_lens, step.cold_starts,
+                 k_scale=k_scale, v_scale=v_scale)
         if sinks is not None:   # a learned sink (gpt-oss) is one more logit that carries no value
             parts.append((None, torch.zeros_like(q), sinks.float().expand(q.shape[0], -1)))
         return merge_parts(parts, q.shape, q.dtype)

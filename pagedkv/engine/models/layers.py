@@ -165,10 +165,22 @@ class Attention(nn.Module):
             q, k, v = quant.rotate(q, k, v)          # the rotated rule (else unchanged): q.k is kept
             quant.observe(k, v)                      # dynamic scales: set by the first prefill, then fixed
             k_scale, v_scale = quant.k_scale, quant.v_scale
-        torch.ops.pagedkv.reshape_and_cache(k, v, key_cache, value_cache, group.slot_mapping, k_scale, v_scale)
+        int4_group = quant.int4_group if quant is not None else 0
+        if int4_group:
+            torch.ops.pagedkv.reshape_and_cache_int4(k, v, key_cache, value_cache, group.slot_mapping, int4_group)
+        else:
+            torch.ops.pagedkv.reshape_and_cache(k, v, key_cache, value_cache, group.slot_mapping, k_scale, v_scale)
         if self.kv_recent is not None and meta.recent is not None:
             out = self.kv_recent.attend(q, k, v, key_cache, value_cache, k_scale, v_scale, meta.recent, self.scale,
-                                        self.softcap, self.sink_logits)
+                                        self.softcap, self.sink_logits, int4_group)
+        elif int4_group:
+            if self.sink_logits is not None:
+                raise NotImplementedError("kv_cache_dtype='int4' with attention sinks needs the recent pool "
+                                          "(kv_recent_tokens > 0 or kv_first_block)")
+            out = torch.ops.pagedkv.paged_attention_int4(q, key_cache, value_cache, group.block_tables,
+                                                         meta.seq_lens, meta.query_start_loc, self.scale, int4_group,
+                                                         max_seq_len=meta.max_seq_len,
+                                                         sliding_window=self.sliding_window, softcap=self.softcap)
         else:
             out = torch.ops.pagedkv.paged_attention(q, key_cache, value_cache, group.block_tables,
                                                     meta.seq_lens, meta.query_start_loc, self.scale,
