@@ -10,7 +10,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from engine_fixtures import save_tiny_llama  # noqa: E402
+from engine_fixtures import save_tiny_llama, save_tiny_model  # noqa: E402
 from pagedkv.engine import LLM, SamplingParams  # noqa: E402
 from pagedkv.engine.checkpoints.gguf import GGUFFile, permute_rope_rows, unpermute_rope_rows  # noqa: E402
 from pagedkv.engine.checkpoints.loader import open_checkpoint  # noqa: E402
@@ -18,6 +18,17 @@ from pagedkv.engine.checkpoints.loader import open_checkpoint  # noqa: E402
 LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+QK_NORM = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+# llama.cpp's converter (convert_hf_to_gguf.py), per architecture: its layer tensor names, whether it
+# interleaves q/k rows for its rope (LlamaModel does; Qwen3 and Gemma 3 run NEOX rope on Hugging Face's
+# order and keep it), what it adds to every *norm.weight (Gemma 3: 1, so that llama.cpp scales by the
+# weight alone where Gemma scales by 1 + weight).
+CONVERTER = {
+    "llama": (LAYER, True, 0.0),
+    "qwen3": ({**LAYER, **QK_NORM}, False, 0.0),
+    "gemma3": ({**LAYER, **QK_NORM, "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}, False, 1.0),
+}
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -42,9 +53,12 @@ def byte_level_vocab(size: int):
 
 def write_gguf(path, state: dict, cfg: dict, *, quant: dict | None = None, arch="llama", vocab=None,
                drop=(), extra_tensors=None, metadata_vocab=None):
-    """Writes the Hugging Face state dict `state` (config `cfg`) as llama.cpp would: tensor names, q/k
-    rows permuted for its rope, tensors of `quant` (gguf name -> type) quantised by the gguf package."""
+    """Writes the Hugging Face state dict `state` (config `cfg`) as llama.cpp's converter would for `arch`
+    (CONVERTER: tensor names, q/k rows permuted for its rope, norms shifted; metadata under `arch`.*),
+    tensors of `quant` (gguf name -> type) quantised by the gguf package. An `arch` outside CONVERTER is
+    written as llama."""
     quant = quant or {}
+    layer_names, permute, norm_shift = CONVERTER.get(arch, CONVERTER["llama"])
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -52,7 +66,14 @@ def write_gguf(path, state: dict, cfg: dict, *, quant: dict | None = None, arch=
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if "head_dim" in cfg and arch in ("qwen3", "gemma3"):       # the converter writes head_dim when the config has it
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+    if arch == "gemma3":       # the window; the local rope base and the layer pattern are llama.cpp's fixed ones
+        writer.add_sliding_window(cfg["sliding_window"])
     writer.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
     writer.add_vocab_size(metadata_vocab or cfg["vocab_size"])
     tokens, types, merges = vocab or byte_level_vocab(cfg["vocab_size"])
@@ -69,16 +90,18 @@ def write_gguf(path, state: dict, cfg: dict, *, quant: dict | None = None, arch=
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{LAYER[module]}.{kind}"
+            gname = f"blk.{layer}.{layer_names[module]}.{kind}"
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
         if gname in drop:
             continue
         w = tensor.float()
-        if ".attn_q." in gname:
+        if gname.endswith("norm.weight"):
+            w = w + norm_shift
+        if permute and ".attn_q." in gname:
             w = permute_rope_rows(w, cfg["num_attention_heads"])
-        elif ".attn_k." in gname:
+        elif permute and ".attn_k." in gname:
             w = permute_rope_rows(w, cfg["num_key_value_heads"])
         w = w.numpy()
         qtype = quant.get(gname)
@@ -167,6 +190,65 @@ def test_quantised_tensors_equal_the_gguf_dequantisation(tiny, tmp_path, qtype):
     if qtype != "BF16":
         assert not torch.equal(expected, state["model.layers.0.mlp.up_proj.weight"])   # it was quantised
     assert torch.allclose(expected, state["model.layers.0.mlp.up_proj.weight"], atol=0.1)
+
+
+def _twin(tmp_path, model_type, arch, **overrides):
+    """A tiny random `model_type` saved as safetensors and written as llama.cpp's converter writes `arch`."""
+    model = save_tiny_model(tmp_path, model_type, vocab_size=512, **overrides)
+    cfg = model.config.to_dict()
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(path, dict(model.state_dict()), cfg, arch=arch)
+    return model, path
+
+
+def _same_tokens(folder, path):
+    prompts = [[5, 17, 300, 42, 8], list(range(40, 75))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(folder).generate(prompts, params)]
+    assert [o.token_ids for o in LLM(path).generate(prompts, params)] == expected
+
+
+def test_qwen3_gguf_equals_its_safetensors_twin(tmp_path):
+    model, path = _twin(tmp_path, "qwen3", "qwen3")
+    ckpt = open_checkpoint(path)
+    assert ckpt.config.architecture == "Qwen3ForCausalLM" and ckpt.config.head_dim == 24
+    read = {name: r() for name, _, r in ckpt.tensors()}
+    state = model.state_dict()
+    assert read.keys() == {k for k in state if k != "lm_head.weight" or not model.config.tie_word_embeddings}
+    for name, tensor in read.items():
+        assert torch.equal(tensor, state[name]), name      # q/k rows as stored: no permutation to undo
+    assert any(".q_norm." in n for n in read) and any(".k_norm." in n for n in read)
+    _same_tokens(tmp_path, path)
+
+
+def test_gemma3_gguf_equals_its_safetensors_twin(tmp_path):
+    # llama.cpp scales Gemma 3's queries by head_dim ** -0.5 (27B aside): the twin's query_pre_attn_scalar
+    # is head_dim so that the GGUF file describes it.
+    model, path = _twin(tmp_path, "gemma3", "gemma3", query_pre_attn_scalar=16)
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.head_dim == 16 and cfg.query_pre_attn_scalar == 16
+    assert cfg.layer_windows == (8, 8, 8, 8, 8, None)
+    assert cfg.sliding_rope == (10000.0, None) and cfg.rope_theta == 1000000.0
+    assert cfg.hidden_act == "gelu_pytorch_tanh" and cfg.tie_word_embeddings is False
+    read = {name: r() for name, _, r in ckpt.tensors()}
+    state = model.state_dict()
+    assert read.keys() == state.keys()
+    for name, tensor in read.items():       # norms back to Gemma's (1 + weight) form: the converter's + 1 undone
+        assert torch.allclose(tensor, state[name], atol=1e-6), name
+    _same_tokens(tmp_path, path)
+
+
+def test_gemma3_norms_keep_the_converter_shift_unless_undone(tmp_path):
+    """The + 1 llama.cpp's converter adds to Gemma's norms must come off: a file written without it loads a
+    different model."""
+    model = save_tiny_model(tmp_path, "gemma3", vocab_size=512, query_pre_attn_scalar=16)
+    state = {k: (v - 1.0 if k.endswith("norm.weight") else v) for k, v in model.state_dict().items()}
+    path = tmp_path / "unshifted.gguf"
+    write_gguf(path, state, model.config.to_dict(), arch="gemma3")   # the writer's + 1 gives back the raw norms
+    prompts = [list(range(40, 75))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert LLM(path).generate(prompts, params)[0].token_ids != LLM(tmp_path).generate(prompts, params)[0].token_ids
 
 
 def test_tokenizer_and_template_from_the_metadata(tiny):

@@ -1,6 +1,7 @@
-"""GGUF checkpoints (llama.cpp's one-file format) of llama-architecture models: the config, the tokenizer
-and the chat template from the file's metadata, the weights dequantised by the `gguf` package under their
-Hugging Face names. Everything is checked before any weight is read, so a bad file fails fast and clearly."""
+"""GGUF checkpoints (llama.cpp's one-file format) of the architectures in GGUF_ARCHITECTURES (llama, qwen3,
+gemma3): the config, the tokenizer and the chat template from the file's metadata, the weights dequantised by
+the `gguf` package under their Hugging Face names, with what llama.cpp's converter changed undone. Everything
+is checked before any weight is read, so a bad file fails fast and clearly."""
 import os
 from dataclasses import dataclass
 
@@ -18,16 +19,47 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj"}
+QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma's four norms a layer: llama.cpp calls the one before the MLP ffn_norm.
+GEMMA_LAYER_NAMES = {**LAYER_NAMES, **QK_NORM_NAMES, "post_attention_norm": "post_attention_layernorm",
+                     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """What llama.cpp's converter (convert_hf_to_gguf.py) does to one architecture, so the loader can undo
+    it: the metadata keys are `<general.architecture>.*`."""
+    hf_architecture: str        # config.json's architectures[0]
+    model_type: str
+    layer_names: dict           # blk.N.<name> -> model.layers.N.<name>
+    permuted_rope: bool         # q/k rows interleaved per head (llama's converter; NEOX-rope models are not)
+    norm_shift: float = 0.0     # added to every *norm.weight (Gemma's norms scale by 1 + weight; llama.cpp's by weight)
+
+
+GGUF_ARCHITECTURES = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", LAYER_NAMES, permuted_rope=True),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", {**LAYER_NAMES, **QK_NORM_NAMES}, permuted_rope=False),
+    "gemma3": GGUFArchitecture("Gemma3ForCausalLM", "gemma3_text", GEMMA_LAYER_NAMES, permuted_rope=False,
+                               norm_shift=1.0),
+}
+# llama.cpp runs Gemma 3's sliding-window layers with this rope base unless the file names one
+# (gemma3.rope.freq_base_swa), and every sixth layer full unless gemma3.attention.sliding_window_pattern says.
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_PATTERN = 6
+GEMMA3_27B_LAYERS = 62      # llama.cpp scales Gemma 3 27B's queries by (hidden / heads) ** -0.5, others by head_dim's
 
 # Pre-tokenizer splits by `tokenizer.ggml.pre`, as llama.cpp applies them before the byte-level BPE.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZER_SPLITS = {
     "default": [_GPT2_SPLIT], "gpt2": [_GPT2_SPLIT],
     # Every digit its own piece first (SmolLM's own tokenizer.json: Digits(individual_digits=True)).
     "smollm": [r"\p{N}", _GPT2_SPLIT], "starcoder": [r"\p{N}", _GPT2_SPLIT], "refact": [r"\p{N}", _GPT2_SPLIT],
     "llama-bpe": [_LLAMA3_SPLIT], "llama3": [_LLAMA3_SPLIT], "llama-v3": [_LLAMA3_SPLIT],
+    "qwen2": [_QWEN2_SPLIT],     # Qwen 2 and 3: llama 3's split with single digits
 }
 CONTROL_TOKEN, USER_DEFINED_TOKEN = 3, 4     # tokenizer.ggml.token_type values
 
@@ -69,15 +101,17 @@ class GGUFFile:
             self.metadata[key] = field if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
                                                   "tokenizer.ggml.token_type") else field.contents()
         arch = self.metadata.get("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"{self.path}: general.architecture is {arch!r}; pagedkv reads llama-architecture "
-                             f"GGUF files (Llama, Mistral, SmolLM, TinyLlama, ... as llama.cpp tags them)")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"{self.path}: general.architecture is {arch!r}; pagedkv reads GGUF files of "
+                             f"{', '.join(GGUF_ARCHITECTURES)} (llama covers Llama, Mistral, SmolLM, TinyLlama, "
+                             f"... as llama.cpp tags them)")
+        self.arch_name, self.arch = arch, GGUF_ARCHITECTURES[arch]
         self.config = self._config()
         self.tensors = self._tensors(size)
 
     # ---- metadata ----------------------------------------------------------------------------------
     def _get(self, key: str, default=None, required: bool = True):
-        full = f"llama.{key}"
+        full = f"{self.arch_name}.{key}"
         if full in self.metadata:
             return self.metadata[full]
         if required and default is None:
@@ -87,30 +121,31 @@ class GGUFFile:
     def _config(self) -> dict:
         num_heads = self._get("attention.head_count")
         if isinstance(num_heads, list):
-            raise ValueError(f"{self.path}: llama.attention.head_count varies per layer; not supported")
+            raise ValueError(f"{self.path}: {self.arch_name}.attention.head_count varies per layer; not supported")
         hidden = self._get("embedding_length")
         head_dim = self._get("attention.key_length", hidden // num_heads, required=False)
         rope_dim = self._get("rope.dimension_count", head_dim, required=False)
         if rope_dim != head_dim:
-            raise ValueError(f"{self.path}: llama.rope.dimension_count={rope_dim} rotates part of each "
+            raise ValueError(f"{self.path}: {self.arch_name}.rope.dimension_count={rope_dim} rotates part of each "
                              f"{head_dim}-wide head; pagedkv rotates whole heads")
         if self._get("attention.value_length", head_dim, required=False) != head_dim:
-            raise ValueError(f"{self.path}: llama.attention.value_length differs from key_length; not supported")
-        if "llama.expert_count" in self.metadata and self.metadata["llama.expert_count"]:
-            raise ValueError(f"{self.path}: a mixture-of-experts model (llama.expert_count="
-                             f"{self.metadata['llama.expert_count']}); not supported")
+            raise ValueError(f"{self.path}: {self.arch_name}.attention.value_length differs from key_length; not supported")
+        experts = self._get("expert_count", 0, required=False)
+        if experts:
+            raise ValueError(f"{self.path}: a mixture-of-experts model ({self.arch_name}.expert_count="
+                             f"{experts}); not supported")
         scaling = self._get("rope.scaling.type", "none", required=False)
         rope = {}
         if scaling == "linear":
             rope = {"rope_scaling": {"rope_type": "linear", "factor": float(self._get("rope.scaling.factor"))}}
         elif scaling not in ("none", None):
-            raise ValueError(f"{self.path}: llama.rope.scaling.type={scaling!r} is not supported (none, linear are)")
+            raise ValueError(f"{self.path}: {self.arch_name}.rope.scaling.type={scaling!r} is not supported (none, linear are)")
         tokens = self.metadata.get("tokenizer.ggml.tokens")
         vocab = self._get("vocab_size", len(tokens.data) if tokens is not None else None)
         eos = [self.metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                if k in self.metadata]
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        config = {
+            "architectures": [self.arch.hf_architecture], "model_type": self.arch.model_type,
             "num_hidden_layers": self._get("block_count"), "hidden_size": hidden,
             "intermediate_size": self._get("feed_forward_length"), "num_attention_heads": num_heads,
             "num_key_value_heads": self._get("attention.head_count_kv", num_heads, required=False),
@@ -120,6 +155,34 @@ class GGUFFile:
             "rope_theta": float(self._get("rope.freq_base", 10000.0, required=False)),
             "eos_token_id": sorted(set(eos)), "torch_dtype": "float32", **rope,
         }
+        if self.arch_name == "gemma3":
+            config.update(self._gemma3_config(config))
+        return config
+
+    def _gemma3_config(self, config: dict) -> dict:
+        """Gemma 3's windows, local rope, attention scale and softcaps, as llama.cpp reads them."""
+        layers = config["num_hidden_layers"]
+        out = {"query_pre_attn_scalar": (config["hidden_size"] // config["num_attention_heads"]
+                                         if layers == GEMMA3_27B_LAYERS else config["head_dim"]),
+               "rope_local_base_freq": float(self._get("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE,
+                                                       required=False)),
+               "final_logit_softcapping": self._get("final_logit_softcapping", 0, required=False) or None,
+               "attn_logit_softcapping": self._get("attn_logit_softcapping", 0, required=False) or None}
+        window = self._get("attention.sliding_window", 0, required=False)
+        out["sliding_window"] = window or None
+        pattern = self._get("attention.sliding_window_pattern", GEMMA3_PATTERN, required=False)
+        if isinstance(pattern, list):         # per layer: True for a sliding-window layer
+            if len(pattern) != layers:
+                raise ValueError(f"{self.path}: gemma3.attention.sliding_window_pattern lists {len(pattern)} "
+                                 f"layers, the file has {layers}")
+            sliding = [bool(p) for p in pattern]
+        elif isinstance(pattern, int) and pattern >= 1:   # every pattern-th layer full, as llama.cpp's swa pattern
+            sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+        else:
+            raise ValueError(f"{self.path}: gemma3.attention.sliding_window_pattern={pattern!r} is neither a "
+                             f"positive integer nor a list of booleans")
+        out["layer_types"] = ["sliding_attention" if s and window else "full_attention" for s in sliding]
+        return out
 
     def _tensors(self, file_size: int) -> dict:
         cfg = self.config
@@ -132,9 +195,10 @@ class GGUFFile:
             if t.data_offset + t.n_bytes > file_size:
                 raise ValueError(f"{self.path} is truncated: tensor {t.name!r} ends at byte "
                                  f"{t.data_offset + t.n_bytes}, the file has {file_size}")
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.arch.layer_names)
             if name is None:
-                raise ValueError(f"{self.path}: tensor {t.name!r} is not part of a llama model this engine runs")
+                raise ValueError(f"{self.path}: tensor {t.name!r} is not part of a {self.arch_name} model "
+                                 f"this engine runs")
             if name in tensors:
                 raise ValueError(f"{self.path}: tensor {t.name!r} appears twice")
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))   # GGUF lists dimensions innermost first
@@ -153,13 +217,18 @@ class GGUFFile:
     # ---- weights -----------------------------------------------------------------------------------
     def read(self, name: str) -> torch.Tensor:
         """The tensor `name` (Hugging Face name) in float32, Hugging Face layout: dequantised by the gguf
-        package, and for q_proj / k_proj with llama.cpp's rope row order undone."""
+        package, for q_proj / k_proj with llama.cpp's rope row order undone (llama), for norms with the
+        converter's shift taken off (Gemma)."""
         from gguf.quants import dequantize
 
         info = self.tensors[name]
         t = info.tensor
         values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(info.shape)
         weight = torch.from_numpy(np.array(values))       # a copy: the map stays read-only
+        if self.arch.norm_shift and name.endswith("norm.weight"):
+            weight -= self.arch.norm_shift
+        if not self.arch.permuted_rope:
+            return weight
         if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
             weight = unpermute_rope_rows(weight, self.config["num_attention_heads"])
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
@@ -225,16 +294,17 @@ class GGUFFile:
         return tok
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name, or None for one a llama model does not have."""
+def hf_name(gguf_name: str, layer_names: dict = LAYER_NAMES) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name, or None for one the architecture (its
+    `layer_names`) does not have."""
     stem, _, kind = gguf_name.rpartition(".")
     if kind not in ("weight", "bias"):
         return None
     if stem in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[stem]}.{kind}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{LAYER_NAMES[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{int(parts[1])}.{layer_names[parts[2]]}.{kind}"
     return None
 
 
