@@ -28,7 +28,28 @@ CONVERTER = {
     "qwen3": ({**LAYER, **QK_NORM}, False, 0.0),
     "gemma3": ({**LAYER, **QK_NORM, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}, False, 1.0),
+    "gpt-oss": ({**LAYER, "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}, False, 0.0),
 }
+
+
+def gpt_oss_experts(layer: str, rest: str, tensor: torch.Tensor, fuse: bool = False) -> dict:
+    """gpt-oss's sinks and experts as llama.cpp's converter writes them: sinks as attn_sinks.weight; the
+    interleaved gate_up_proj [E, hidden, 2 * inter] transposed and split into its even (gate) and odd (up)
+    rows, ffn_gate_exps / ffn_up_exps [E, inter, hidden] (stacked, gate first, as ffn_gate_up_exps when
+    `fuse`), their bias likewise; down_proj transposed to [E, hidden, inter]."""
+    blk = f"blk.{layer}"
+    if rest == "self_attn.sinks":
+        return {f"{blk}.attn_sinks.weight": tensor}
+    if rest == "mlp.experts.down_proj":
+        return {f"{blk}.ffn_down_exps.weight": tensor.transpose(-1, -2)}
+    if rest == "mlp.experts.down_proj_bias":
+        return {f"{blk}.ffn_down_exps.bias": tensor}
+    kind = "bias" if rest.endswith("_bias") else "weight"
+    w = tensor if kind == "bias" else tensor.transpose(-1, -2)
+    gate, up = w[:, ::2], w[:, 1::2]
+    if fuse:
+        return {f"{blk}.ffn_gate_up_exps.{kind}": torch.cat((gate, up), dim=1)}
+    return {f"{blk}.ffn_gate_exps.{kind}": gate, f"{blk}.ffn_up_exps.{kind}": up}
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -52,7 +73,7 @@ def byte_level_vocab(size: int):
 
 
 def write_gguf(path, state: dict, cfg: dict, *, quant: dict | None = None, arch="llama", vocab=None,
-               drop=(), extra_tensors=None, metadata_vocab=None):
+               drop=(), extra_tensors=None, metadata_vocab=None, fuse_gate_up=False):
     """Writes the Hugging Face state dict `state` (config `cfg`) as llama.cpp's converter would for `arch`
     (CONVERTER: tensor names, q/k rows permuted for its rope, norms shifted; metadata under `arch`.*),
     tensors of `quant` (gguf name -> type) quantised by the gguf package. An `arch` outside CONVERTER is
@@ -69,11 +90,21 @@ def write_gguf(path, state: dict, cfg: dict, *, quant: dict | None = None, arch=
     rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)
     writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if "head_dim" in cfg and arch in ("qwen3", "gemma3"):       # the converter writes head_dim when the config has it
+    if "head_dim" in cfg and arch in ("qwen3", "gemma3", "gpt-oss"):       # the converter writes head_dim when the config has it
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
     if arch == "gemma3":       # the window; the local rope base and the layer pattern are llama.cpp's fixed ones
         writer.add_sliding_window(cfg["sliding_window"])
+    if arch == "gpt-oss":      # experts, window (the pattern is llama.cpp's fixed every other layer), YaRN
+        writer.add_sliding_window(cfg["sliding_window"])
+        writer.add_expert_count(cfg["num_local_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["intermediate_size"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     writer.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
     writer.add_vocab_size(metadata_vocab or cfg["vocab_size"])
     tokens, types, merges = vocab or byte_level_vocab(cfg["vocab_size"])
@@ -86,14 +117,19 @@ def write_gguf(path, state: dict, cfg: dict, *, quant: dict | None = None, arch=
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_add_bos_token(False)
     writer.add_chat_template(TEMPLATE)
+    converted = {}
     for name, tensor in state.items():
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
+            if arch == "gpt-oss" and (rest.startswith("mlp.experts.") or rest == "self_attn.sinks"):
+                converted.update(gpt_oss_experts(layer, rest, tensor, fuse_gate_up))
+                continue
             module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{layer_names[module]}.{kind}"
+            converted[f"blk.{layer}.{layer_names[module]}.{kind}"] = tensor
         else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
+            converted[{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                       "lm_head.weight": "output.weight"}[name]] = tensor
+    for gname, tensor in converted.items():
         if gname in drop:
             continue
         w = tensor.float()
@@ -249,6 +285,51 @@ def test_gemma3_norms_keep_the_converter_shift_unless_undone(tmp_path):
     prompts = [list(range(40, 75))]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     assert LLM(path).generate(prompts, params)[0].token_ids != LLM(tmp_path).generate(prompts, params)[0].token_ids
+
+
+@pytest.mark.parametrize("fuse_gate_up", [False, True])
+def test_gpt_oss_gguf_equals_its_safetensors_twin(tmp_path, fuse_gate_up):
+    model = save_tiny_model(tmp_path, "gpt_oss", vocab_size=512)
+    cfg = model.config.to_dict()
+    path = tmp_path / "gpt-oss.gguf"
+    write_gguf(path, dict(model.state_dict()), cfg, arch="gpt-oss", fuse_gate_up=fuse_gate_up)
+    ckpt = open_checkpoint(path)
+    c = ckpt.config
+    assert c.architecture == "GptOssForCausalLM" and c.attention_bias and c.head_dim == 16
+    assert c.layer_windows == (8, None, 8, None)
+    assert c.rope_scaling["rope_type"] == "yarn" and c.rope_scaling["factor"] == 8.0 and c.rope_theta == 150000.0
+    assert c.extra["num_local_experts"] == 4 and c.extra["num_experts_per_tok"] == 2
+    read = {name: r() for name, _, r in ckpt.tensors()}
+    state = model.state_dict()
+    assert read.keys() == {k for k in state if k != "lm_head.weight" or not model.config.tie_word_embeddings}
+    for name, tensor in read.items():       # experts interleaved and transposed back, sinks by name
+        assert torch.equal(tensor, state[name]), name
+    _same_tokens(tmp_path, path)
+
+
+def test_gpt_oss_mxfp4_experts_equal_the_gguf_dequantisation(tmp_path):
+    model = save_tiny_model(tmp_path, "gpt_oss", vocab_size=512)
+    state = model.state_dict()
+    path = tmp_path / "mxfp4.gguf"
+    mx = gguf.GGMLQuantizationType.MXFP4
+    write_gguf(path, dict(state), model.config.to_dict(), arch="gpt-oss",
+               quant={f"blk.0.ffn_{p}_exps.weight": mx for p in ("gate", "up", "down")})
+    stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    assert stored["blk.0.ffn_gate_exps.weight"].tensor_type == mx
+
+    def deq(name):
+        t = stored[name]
+        return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(
+            *reversed(t.shape.tolist()))
+    read = {name: r() for name, _, r in open_checkpoint(path).tensors()}
+    gate_up = read["model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(gate_up[..., ::2], deq("blk.0.ffn_gate_exps.weight").transpose(1, 2))
+    assert torch.equal(gate_up[..., 1::2], deq("blk.0.ffn_up_exps.weight").transpose(1, 2))
+    down = read["model.layers.0.mlp.experts.down_proj"]
+    assert torch.equal(down, deq("blk.0.ffn_down_exps.weight").transpose(1, 2))
+    assert not torch.equal(down, state["model.layers.0.mlp.experts.down_proj"])     # it was quantised
+    assert torch.allclose(down, state["model.layers.0.mlp.experts.down_proj"], atol=0.5, rtol=0.3)
+    LLM(path).generate([[5, 17, 300]], SamplingParams(max_tokens=4, ignore_eos=True))   # it runs
 
 
 def test_tokenizer_and_template_from_the_metadata(tiny):

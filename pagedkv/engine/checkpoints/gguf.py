@@ -3,7 +3,7 @@ gemma3): the config, the tokenizer and the chat template from the file's metadat
 the `gguf` package under their Hugging Face names, with what llama.cpp's converter changed undone. Everything
 is checked before any weight is read, so a bad file fails fast and clearly."""
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -11,7 +11,7 @@ import torch
 # The tensor types this loader reads: floats and the llama.cpp block quantisations the `gguf` package
 # dequantises (numpy), each turned into the engine's dtype.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 
 # llama.cpp's tensor names -> Hugging Face's (blk.N.* -> model.layers.N.*).
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -23,6 +23,24 @@ QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_
 # Gemma's four norms a layer: llama.cpp calls the one before the MLP ffn_norm.
 GEMMA_LAYER_NAMES = {**LAYER_NAMES, **QK_NORM_NAMES, "post_attention_norm": "post_attention_layernorm",
                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# gpt-oss: the router is ffn_gate_inp, the norm after attention post_attention_norm.
+GPT_OSS_LAYER_NAMES = {**{k: v for k, v in LAYER_NAMES.items() if not k.startswith("ffn_")},
+                       "post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"}
+# gpt-oss's tensors whose Hugging Face form is not the stored one: "<name>.<kind>" -> (Hugging Face leaf, layout).
+# The converter splits the experts' interleaved gate_up_proj [E, hidden, 2 * inter] (gate the even columns)
+# into ffn_gate_exps and ffn_up_exps [E, inter, hidden] (or stacks them, gate first, as ffn_gate_up_exps) and
+# stores down_proj [E, inter, hidden] transposed; `read` puts them back.
+GPT_OSS_TENSORS = {
+    "attn_sinks.weight": ("self_attn.sinks", "plain"),
+    "ffn_down_exps.weight": ("mlp.experts.down_proj", "transpose"),
+    "ffn_down_exps.bias": ("mlp.experts.down_proj_bias", "plain"),
+    "ffn_gate_exps.weight": ("mlp.experts.gate_up_proj", "gate"),
+    "ffn_up_exps.weight": ("mlp.experts.gate_up_proj", "up"),
+    "ffn_gate_exps.bias": ("mlp.experts.gate_up_proj_bias", "gate"),
+    "ffn_up_exps.bias": ("mlp.experts.gate_up_proj_bias", "up"),
+    "ffn_gate_up_exps.weight": ("mlp.experts.gate_up_proj", "gate_up"),
+    "ffn_gate_up_exps.bias": ("mlp.experts.gate_up_proj_bias", "gate_up"),
+}
 
 
 @dataclass(frozen=True)
@@ -34,6 +52,7 @@ class GGUFArchitecture:
     layer_names: dict           # blk.N.<name> -> model.layers.N.<name>
     permuted_rope: bool         # q/k rows interleaved per head (llama's converter; NEOX-rope models are not)
     norm_shift: float = 0.0     # added to every *norm.weight (Gemma's norms scale by 1 + weight; llama.cpp's by weight)
+    layer_tensors: dict = field(default_factory=dict)   # "<name>.<kind>" -> (leaf, layout) stored in another form
 
 
 GGUF_ARCHITECTURES = {
@@ -41,6 +60,8 @@ GGUF_ARCHITECTURES = {
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", {**LAYER_NAMES, **QK_NORM_NAMES}, permuted_rope=False),
     "gemma3": GGUFArchitecture("Gemma3ForCausalLM", "gemma3_text", GEMMA_LAYER_NAMES, permuted_rope=False,
                                norm_shift=1.0),
+    "gpt-oss": GGUFArchitecture("GptOssForCausalLM", "gpt_oss", GPT_OSS_LAYER_NAMES, permuted_rope=False,
+                                layer_tensors=GPT_OSS_TENSORS),
 }
 # llama.cpp runs Gemma 3's sliding-window layers with this rope base unless the file names one
 # (gemma3.rope.freq_base_swa), and every sixth layer full unless gemma3.attention.sliding_window_pattern says.
@@ -74,7 +95,9 @@ class TensorInfo:
     name: str                 # the Hugging Face name the engine's loader expects
     shape: tuple              # Hugging Face order: [out, in]
     qtype: str
-    tensor: object            # the gguf ReaderTensor (memory-mapped)
+    tensor: object            # the gguf ReaderTensor (memory-mapped); a gate/up pair's gate half
+    layout: str = "plain"     # how read() makes the Hugging Face tensor: plain, transpose, gate + up, gate_up
+    up: object = None         # a gate/up pair's up half
 
 
 class GGUFFile:
@@ -131,13 +154,20 @@ class GGUFFile:
         if self._get("attention.value_length", head_dim, required=False) != head_dim:
             raise ValueError(f"{self.path}: {self.arch_name}.attention.value_length differs from key_length; not supported")
         experts = self._get("expert_count", 0, required=False)
-        if experts:
+        if experts and self.arch_name != "gpt-oss":
             raise ValueError(f"{self.path}: a mixture-of-experts model ({self.arch_name}.expert_count="
                              f"{experts}); not supported")
         scaling = self._get("rope.scaling.type", "none", required=False)
         rope = {}
         if scaling == "linear":
             rope = {"rope_scaling": {"rope_type": "linear", "factor": float(self._get("rope.scaling.factor"))}}
+        elif scaling == "yarn" and self.arch_name == "gpt-oss":
+            rope = {"rope_scaling": {
+                "rope_type": "yarn", "factor": float(self._get("rope.scaling.factor")),
+                "original_max_position_embeddings": self._get("rope.scaling.original_context_length"),
+                "beta_fast": float(self._get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
+                "beta_slow": float(self._get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
+                "truncate": False}}        # gpt-oss's own config: the correction range is not rounded
         elif scaling not in ("none", None):
             raise ValueError(f"{self.path}: {self.arch_name}.rope.scaling.type={scaling!r} is not supported (none, linear are)")
         tokens = self.metadata.get("tokenizer.ggml.tokens")
@@ -157,7 +187,20 @@ class GGUFFile:
         }
         if self.arch_name == "gemma3":
             config.update(self._gemma3_config(config))
+        elif self.arch_name == "gpt-oss":
+            config.update(self._gpt_oss_config(config))
         return config
+
+    def _gpt_oss_config(self, config: dict) -> dict:
+        """gpt-oss's experts and window (every other layer windowed, the first among them, as llama.cpp and
+        transformers alike), its rope under rope_parameters (the key its config reads)."""
+        scaling = config.pop("rope_scaling", None) or {"rope_type": "default"}
+        return {"num_local_experts": self._get("expert_count"),
+                "num_experts_per_tok": self._get("expert_used_count"),
+                "intermediate_size": self._get("expert_feed_forward_length", config["intermediate_size"],
+                                               required=False),
+                "sliding_window": self._get("attention.sliding_window"),
+                "rope_parameters": {**scaling, "rope_theta": config["rope_theta"]}}
 
     def _gemma3_config(self, config: dict) -> dict:
         """Gemma 3's windows, local rope, attention scale and softcaps, as llama.cpp reads them."""
@@ -186,7 +229,7 @@ class GGUFFile:
 
     def _tensors(self, file_size: int) -> dict:
         cfg = self.config
-        tensors = {}
+        tensors, halves = {}, {}
         for t in self.reader.tensors:
             qtype = t.tensor_type.name
             if qtype not in SUPPORTED_TYPES:
@@ -195,14 +238,31 @@ class GGUFFile:
             if t.data_offset + t.n_bytes > file_size:
                 raise ValueError(f"{self.path} is truncated: tensor {t.name!r} ends at byte "
                                  f"{t.data_offset + t.n_bytes}, the file has {file_size}")
-            name = hf_name(t.name, self.arch.layer_names)
+            name, layout = hf_name(t.name, self.arch.layer_names, self.arch.layer_tensors)
             if name is None:
                 raise ValueError(f"{self.path}: tensor {t.name!r} is not part of a {self.arch_name} model "
                                  f"this engine runs")
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))   # GGUF lists dimensions innermost first
+            if layout == "up":
+                halves.setdefault(name, [None, None])[1] = (t, shape)
+                continue
+            if layout == "gate":
+                halves.setdefault(name, [None, None])[0] = (t, shape)
+                continue
             if name in tensors:
                 raise ValueError(f"{self.path}: tensor {t.name!r} appears twice")
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))   # GGUF lists dimensions innermost first
-            tensors[name] = TensorInfo(t.name, name, shape, qtype, t)
+            tensors[name] = TensorInfo(t.name, name, hf_shape(shape, layout), qtype, t, layout)
+        for name, (gate, up) in halves.items():
+            if gate is None or up is None:
+                have = (gate or up)[0].name
+                raise ValueError(f"{self.path}: tensor {have!r} has no {'up' if up is None else 'gate'} half")
+            if gate[1] != up[1]:
+                raise ValueError(f"{self.path}: tensors {gate[0].name!r} {list(gate[1])} and {up[0].name!r} "
+                                 f"{list(up[1])} differ in shape")
+            if name in tensors:
+                raise ValueError(f"{self.path}: tensor {gate[0].name!r} appears twice (split and stacked)")
+            tensors[name] = TensorInfo(gate[0].name, name, hf_shape(gate[1], "gate"), gate[0].tensor_type.name,
+                                       gate[0], "gate", up[0])
         embed = tensors.get("model.embed_tokens.weight")
         if embed is None:
             raise ValueError(f"{self.path}: no token_embd.weight tensor")
@@ -222,9 +282,19 @@ class GGUFFile:
         from gguf.quants import dequantize
 
         info = self.tensors[name]
-        t = info.tensor
-        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(info.shape)
-        weight = torch.from_numpy(np.array(values))       # a copy: the map stays read-only
+
+        def values(t):
+            stored = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            return torch.from_numpy(np.array(stored.reshape(shape)))    # a copy: the map stays read-only
+
+        weight = values(info.tensor)
+        if info.layout == "transpose":
+            return weight.transpose(-1, -2).contiguous()
+        if info.layout in ("gate", "gate_up"):
+            gate, up = (weight, values(info.up)) if info.layout == "gate" else weight.chunk(2, dim=1)
+            pairs = torch.stack((gate, up), dim=2).flatten(1, 2)       # rows gate 0, up 0, gate 1, ...
+            return pairs.transpose(1, 2).contiguous() if pairs.dim() == 3 else pairs
         if self.arch.norm_shift and name.endswith("norm.weight"):
             weight -= self.arch.norm_shift
         if not self.arch.permuted_rope:
@@ -294,18 +364,35 @@ class GGUFFile:
         return tok
 
 
-def hf_name(gguf_name: str, layer_names: dict = LAYER_NAMES) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name, or None for one the architecture (its
-    `layer_names`) does not have."""
+def hf_name(gguf_name: str, layer_names: dict = LAYER_NAMES, layer_tensors: dict | None = None):
+    """(Hugging Face name, layout) of a llama.cpp tensor name, or (None, None) for one the architecture (its
+    `layer_names`, and `layer_tensors` stored in another form) does not have."""
     stem, _, kind = gguf_name.rpartition(".")
     if kind not in ("weight", "bias"):
-        return None
+        return None, None
     if stem in GLOBAL_NAMES:
-        return f"{GLOBAL_NAMES[stem]}.{kind}"
+        return f"{GLOBAL_NAMES[stem]}.{kind}", "plain"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
-        return f"model.layers.{int(parts[1])}.{layer_names[parts[2]]}.{kind}"
-    return None
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None, None
+    prefix = f"model.layers.{int(parts[1])}"
+    if f"{parts[2]}.{kind}" in (layer_tensors or {}):
+        leaf, layout = layer_tensors[f"{parts[2]}.{kind}"]
+        return f"{prefix}.{leaf}", layout
+    if parts[2] in layer_names:
+        return f"{prefix}.{layer_names[parts[2]]}.{kind}", "plain"
+    return None, None
+
+
+def hf_shape(stored: tuple, layout: str) -> tuple:
+    """The Hugging Face shape of a tensor stored as `stored` (Hugging Face order) in `layout`."""
+    if layout == "transpose":
+        return (*stored[:-2], stored[-1], stored[-2])
+    if layout == "gate":              # one half [E, inter(, hidden)] of [E, hidden, 2 * inter] / [E, 2 * inter]
+        return (stored[0], stored[2], 2 * stored[1]) if len(stored) == 3 else (stored[0], 2 * stored[1])
+    if layout == "gate_up":           # [E, 2 * inter(, hidden)]
+        return (stored[0], stored[2], stored[1]) if len(stored) == 3 else stored
+    return stored
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
