@@ -29,7 +29,68 @@ CONVERTER = {
     "gemma3": ({**LAYER, **QK_NORM, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}, False, 1.0),
     "gpt-oss": ({**LAYER, "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}, False, 0.0),
+    "deepseek2": ({**LAYER, "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+                   "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+                   "self_attn.kv_a_layernorm": "attn_kv_a_norm", "mlp.gate": "ffn_gate_inp",
+                   "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+                   "mlp.shared_experts.down_proj": "ffn_down_shexp"}, False, 0.0),
 }
+
+
+def deepseek2_tensors(state: dict, cfg: dict) -> dict:
+    """DeepSeek V3's experts and kv_b_proj as llama.cpp's converter writes them (from the checkpoint's
+    per-expert tensors): each projection's experts stacked, ffn_{gate,up,down}_exps [E, ...]; kv_b_proj
+    split per head into attn_k_b (key rows, transposed: [H, kv_lora_rank, nope]) and attn_v_b
+    ([H, v, kv_lora_rank]); the router's correction bias as exp_probs_b.bias. Returns the remaining
+    Hugging Face tensors and the converted ones under their GGUF names."""
+    rest, out, experts = {}, {}, {}
+    heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    for name, tensor in state.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name:                 # model.layers.L.mlp.experts.I.P.weight
+            experts.setdefault((parts[2], parts[6]), {})[int(parts[5])] = tensor
+        elif name.endswith("kv_b_proj.weight"):
+            k_b, v_b = tensor.view(heads, nope + v, -1).split([nope, v], dim=1)
+            out[f"blk.{parts[2]}.attn_k_b.weight"] = k_b.transpose(1, 2)
+            out[f"blk.{parts[2]}.attn_v_b.weight"] = v_b
+        elif name.endswith("e_score_correction_bias"):
+            out[f"blk.{parts[2]}.exp_probs_b.bias"] = tensor
+        else:
+            rest[name] = tensor
+    for (layer, proj), stack in experts.items():
+        out[f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight"] = torch.stack([stack[i] for i in sorted(stack)])
+    return rest, out
+
+
+def write_deepseek2_metadata(writer, cfg: dict) -> None:
+    """deepseek2.* as the converter writes them: the latent attention as MQA (one KV head, keys
+    kv_lora_rank + rope wide, values kv_lora_rank), the per-head sizes under *_mla, experts and routing,
+    YaRN with yarn_log_multiplier = 0.1 * mscale_all_dim."""
+    rope = cfg["rope_parameters"]
+    r, rope_dim = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    writer.add_head_count_kv(1)
+    writer.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    writer.add_q_lora_rank(cfg["q_lora_rank"])
+    writer.add_kv_lora_rank(r)
+    writer.add_key_length(r + rope_dim)
+    writer.add_value_length(r)
+    writer.add_key_length_mla(cfg["qk_nope_head_dim"] + rope_dim)
+    writer.add_value_length_mla(cfg["v_head_dim"])
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    writer.add_expert_count(cfg["n_routed_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_expert_shared_count(cfg["n_shared_experts"])
+    writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg["norm_topk_prob"]:
+        writer.add_expert_weights_norm(True)
+    writer.add_expert_group_count(cfg["n_group"])
+    writer.add_expert_group_used_count(cfg["topk_group"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_rope_dimension_count(rope_dim)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
 def gpt_oss_experts(layer: str, rest: str, tensor: torch.Tensor, fuse: bool = False) -> dict:
@@ -86,7 +147,10 @@ def write_gguf(path, state: dict, cfg: dict, *, quant: dict | None = None, arch=
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    if arch == "deepseek2":
+        write_deepseek2_metadata(writer, cfg)
+    else:
+        writer.add_head_count_kv(cfg["num_key_value_heads"])
     rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)
     writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -118,6 +182,8 @@ def write_gguf(path, state: dict, cfg: dict, *, quant: dict | None = None, arch=
     writer.add_add_bos_token(False)
     writer.add_chat_template(TEMPLATE)
     converted = {}
+    if arch == "deepseek2":
+        state, converted = deepseek2_tensors(state, cfg)
     for name, tensor in state.items():
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
@@ -330,6 +396,40 @@ def test_gpt_oss_mxfp4_experts_equal_the_gguf_dequantisation(tmp_path):
     assert not torch.equal(down, state["model.layers.0.mlp.experts.down_proj"])     # it was quantised
     assert torch.allclose(down, state["model.layers.0.mlp.experts.down_proj"], atol=0.5, rtol=0.3)
     LLM(path).generate([[5, 17, 300]], SamplingParams(max_tokens=4, ignore_eos=True))   # it runs
+
+
+def test_deepseek2_gguf_equals_its_safetensors_twin(tmp_path):
+    # llama.cpp's deepseek2 keeps one YaRN mscale (yarn_log_multiplier): the twin's mscale equals its mscale_all_dim.
+    rope = dict(rope_type="yarn", factor=8.0, beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707,
+                original_max_position_embeddings=64, rope_theta=10000.0)
+    model = save_tiny_model(tmp_path, "deepseek_v3", vocab_size=512, rope_parameters=rope)
+    from safetensors.torch import load_file
+    state = load_file(str(tmp_path / "model.safetensors"))      # what the converter reads: experts one by one
+    path = tmp_path / "deepseek2.gguf"
+    write_gguf(path, state, model.config.to_dict(), arch="deepseek2")
+    ckpt = open_checkpoint(path)
+    c = ckpt.config
+    assert c.architecture == "DeepseekV3ForCausalLM" and c.latent_cache == (32, 8) and c.num_kv_heads == 4
+    assert c.extra["qk_nope_head_dim"] == 16 and c.extra["v_head_dim"] == 12 and c.extra["q_lora_rank"] == 48
+    assert c.extra["first_k_dense_replace"] == 1 and c.extra["n_group"] == 4 and c.extra["topk_group"] == 2
+    assert c.rope_scaling["mscale"] == c.rope_scaling["mscale_all_dim"] == 0.707
+    read = {name: r() for name, _, r in ckpt.tensors()}
+    assert read.keys() == state.keys()
+    for name, tensor in state.items():        # kv_b_proj rebuilt from k_b / v_b, experts out of their stacks
+        assert torch.equal(read[name], tensor), name
+    _same_tokens(tmp_path, path)
+
+
+def test_deepseek2_with_softmax_routing_is_refused(tmp_path):
+    """DeepSeek V2's softmax routing (expert_gating_func 1) is not the engine's; the file names the field."""
+    model = save_tiny_model(tmp_path, "deepseek_v3", vocab_size=512)
+    from safetensors.torch import load_file
+    path = tmp_path / "softmax.gguf"
+    write_gguf(path, load_file(str(tmp_path / "model.safetensors")), model.config.to_dict(), arch="deepseek2")
+    field = gguf.GGUFReader(str(path), "r+").fields["deepseek2.expert_gating_func"]
+    field.parts[-1][0] = int(gguf.ExpertGatingFuncType.SOFTMAX)       # written through the map
+    with pytest.raises(ValueError, match="expert_gating_func=1"):
+        open_checkpoint(path)
 
 
 def test_tokenizer_and_template_from_the_metadata(tiny):

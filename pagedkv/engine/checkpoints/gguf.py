@@ -42,6 +42,29 @@ GPT_OSS_TENSORS = {
     "ffn_gate_up_exps.bias": ("mlp.experts.gate_up_proj_bias", "gate_up"),
 }
 
+# DeepSeek V3 (llama.cpp's deepseek2): multi-head latent attention, dense leading layers, routed + shared experts.
+DEEPSEEK2_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+# The converter stacks the routed experts ([E, ...], one tensor per projection) and, for llama.cpp's absorbed
+# attention, splits kv_b_proj per head into k_b (the key rows, transposed: [H, kv_lora_rank, nope]) and v_b
+# ([H, v, kv_lora_rank]); `read` takes expert i out of its stack and puts kv_b_proj back together.
+DEEPSEEK2_TENSORS = {
+    "ffn_gate_exps.weight": ("mlp.experts.{}.gate_proj.weight", "expert"),
+    "ffn_up_exps.weight": ("mlp.experts.{}.up_proj.weight", "expert"),
+    "ffn_down_exps.weight": ("mlp.experts.{}.down_proj.weight", "expert"),
+    "exp_probs_b.bias": ("mlp.gate.e_score_correction_bias", "plain"),
+    "attn_k_b.weight": ("self_attn.kv_b_proj.weight", "gate"),
+    "attn_v_b.weight": ("self_attn.kv_b_proj.weight", "up"),
+}
+SIGMOID_GATING = 2        # {arch}.expert_gating_func: 1 softmax, 2 sigmoid
+YARN_LOG_MUL_PER_MSCALE = 0.1    # the converter writes rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim
+
 
 @dataclass(frozen=True)
 class GGUFArchitecture:
@@ -62,6 +85,8 @@ GGUF_ARCHITECTURES = {
                                norm_shift=1.0),
     "gpt-oss": GGUFArchitecture("GptOssForCausalLM", "gpt_oss", GPT_OSS_LAYER_NAMES, permuted_rope=False,
                                 layer_tensors=GPT_OSS_TENSORS),
+    "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", DEEPSEEK2_LAYER_NAMES, permuted_rope=False,
+                                  layer_tensors=DEEPSEEK2_TENSORS),
 }
 # llama.cpp runs Gemma 3's sliding-window layers with this rope base unless the file names one
 # (gemma3.rope.freq_base_swa), and every sixth layer full unless gemma3.attention.sliding_window_pattern says.
@@ -97,7 +122,8 @@ class TensorInfo:
     qtype: str
     tensor: object            # the gguf ReaderTensor (memory-mapped); a gate/up pair's gate half
     layout: str = "plain"     # how read() makes the Hugging Face tensor: plain, transpose, gate + up, gate_up
-    up: object = None         # a gate/up pair's up half
+    up: object = None         # a gate/up pair's up half (deepseek2's kv_b: k_b, then v_b)
+    index: int = 0            # an expert's place in its stack
 
 
 class GGUFFile:
@@ -129,6 +155,7 @@ class GGUFFile:
                              f"{', '.join(GGUF_ARCHITECTURES)} (llama covers Llama, Mistral, SmolLM, TinyLlama, "
                              f"... as llama.cpp tags them)")
         self.arch_name, self.arch = arch, GGUF_ARCHITECTURES[arch]
+        self._stack = None          # (ReaderTensor, its values): the expert stack read last
         self.config = self._config()
         self.tensors = self._tensors(size)
 
@@ -142,6 +169,8 @@ class GGUFFile:
         return default
 
     def _config(self) -> dict:
+        if self.arch_name == "deepseek2":
+            return self._deepseek2_config()
         num_heads = self._get("attention.head_count")
         if isinstance(num_heads, list):
             raise ValueError(f"{self.path}: {self.arch_name}.attention.head_count varies per layer; not supported")
@@ -189,6 +218,68 @@ class GGUFFile:
             config.update(self._gemma3_config(config))
         elif self.arch_name == "gpt-oss":
             config.update(self._gpt_oss_config(config))
+        return config
+
+    def _common_config(self, num_heads: int) -> dict:
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        eos = [self.metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+               if k in self.metadata]
+        return {
+            "architectures": [self.arch.hf_architecture], "model_type": self.arch.model_type,
+            "num_hidden_layers": self._get("block_count"), "hidden_size": self._get("embedding_length"),
+            "intermediate_size": self._get("feed_forward_length"), "num_attention_heads": num_heads,
+            "vocab_size": self._get("vocab_size", len(tokens.data) if tokens is not None else None),
+            "max_position_embeddings": self._get("context_length", 2048, required=False),
+            "rms_norm_eps": float(self._get("attention.layer_norm_rms_epsilon", 1e-6, required=False)),
+            "eos_token_id": sorted(set(eos)), "torch_dtype": "float32",
+        }
+
+    def _deepseek2_config(self) -> dict:
+        """DeepSeek V3's config from deepseek2.* metadata. The converter writes the latent attention as
+        llama.cpp's MQA (head_count_kv 1, key_length kv_lora_rank + rope) and the per-head sizes under
+        key_length_mla / value_length_mla; files without those carry the per-head sizes in key_length /
+        value_length."""
+        num_heads = self._get("attention.head_count")
+        if isinstance(num_heads, list):
+            raise ValueError(f"{self.path}: deepseek2.attention.head_count varies per layer; not supported")
+        config = self._common_config(num_heads)
+        gating = self._get("expert_gating_func", SIGMOID_GATING, required=False)
+        if gating != SIGMOID_GATING:
+            raise ValueError(f"{self.path}: deepseek2.expert_gating_func={gating} (softmax: DeepSeek V2's routing); "
+                             f"pagedkv runs DeepSeek V3's sigmoid routing only")
+        rope_dim = self._get("rope.dimension_count")
+        if "deepseek2.attention.key_length_mla" in self.metadata:
+            qk_dim, v_dim = self._get("attention.key_length_mla"), self._get("attention.value_length_mla")
+        else:
+            qk_dim, v_dim = self._get("attention.key_length"), self._get("attention.value_length")
+        theta = float(self._get("rope.freq_base", 10000.0, required=False))
+        rope = {"rope_type": "default", "rope_theta": theta}
+        scaling = self._get("rope.scaling.type", "none", required=False)
+        if scaling == "yarn":
+            log_mul = self._get("rope.scaling.yarn_log_multiplier", 0.0, required=False)
+            mscale = round(log_mul / YARN_LOG_MUL_PER_MSCALE, 6)     # llama.cpp's one mscale: both of transformers'
+            rope = {"rope_type": "yarn", "rope_theta": theta, "factor": float(self._get("rope.scaling.factor")),
+                    "original_max_position_embeddings": self._get("rope.scaling.original_context_length"),
+                    "beta_fast": float(self._get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
+                    "beta_slow": float(self._get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
+                    "mscale": mscale, "mscale_all_dim": mscale}
+        elif scaling not in ("none", None):
+            raise ValueError(f"{self.path}: deepseek2.rope.scaling.type={scaling!r} is not supported (none, yarn are)")
+        config.update({
+            "num_key_value_heads": num_heads, "kv_lora_rank": self._get("attention.kv_lora_rank"),
+            "q_lora_rank": self._get("attention.q_lora_rank", 0, required=False) or None,
+            "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": qk_dim - rope_dim, "v_head_dim": v_dim,
+            "n_routed_experts": self._get("expert_count"), "num_experts_per_tok": self._get("expert_used_count"),
+            "moe_intermediate_size": self._get("expert_feed_forward_length"),
+            "n_shared_experts": self._get("expert_shared_count", 0, required=False),
+            "first_k_dense_replace": self._get("leading_dense_block_count", 0, required=False),
+            "routed_scaling_factor": float(self._get("expert_weights_scale", 1.0, required=False)),
+            "norm_topk_prob": bool(self._get("expert_weights_norm", False, required=False)),
+            "n_group": self._get("expert_group_count", 1, required=False),
+            "topk_group": self._get("expert_group_used_count", 1, required=False),
+            "rope_interleave": True,      # llama.cpp's deepseek2 rope turns adjacent pairs, as DeepSeek's weights
+            "rope_parameters": rope,
+        })
         return config
 
     def _gpt_oss_config(self, config: dict) -> dict:
@@ -243,6 +334,10 @@ class GGUFFile:
                 raise ValueError(f"{self.path}: tensor {t.name!r} is not part of a {self.arch_name} model "
                                  f"this engine runs")
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))   # GGUF lists dimensions innermost first
+            if layout == "expert":      # one tensor per expert, each a view of the stack
+                for i in range(shape[0]):
+                    tensors[name.format(i)] = TensorInfo(t.name, name.format(i), shape[1:], qtype, t, layout, index=i)
+                continue
             if layout == "up":
                 halves.setdefault(name, [None, None])[1] = (t, shape)
                 continue
@@ -256,13 +351,14 @@ class GGUFFile:
             if gate is None or up is None:
                 have = (gate or up)[0].name
                 raise ValueError(f"{self.path}: tensor {have!r} has no {'up' if up is None else 'gate'} half")
-            if gate[1] != up[1]:
+            if gate[1] != up[1] and self.arch_name != "deepseek2":
                 raise ValueError(f"{self.path}: tensors {gate[0].name!r} {list(gate[1])} and {up[0].name!r} "
                                  f"{list(up[1])} differ in shape")
             if name in tensors:
                 raise ValueError(f"{self.path}: tensor {gate[0].name!r} appears twice (split and stacked)")
-            tensors[name] = TensorInfo(gate[0].name, name, hf_shape(gate[1], "gate"), gate[0].tensor_type.name,
-                                       gate[0], "gate", up[0])
+            layout = "kv_b" if self.arch_name == "deepseek2" else "gate"
+            shape = kv_b_shape(gate[1], up[1]) if layout == "kv_b" else hf_shape(gate[1], "gate")
+            tensors[name] = TensorInfo(gate[0].name, name, shape, gate[0].tensor_type.name, gate[0], layout, up[0])
         embed = tensors.get("model.embed_tokens.weight")
         if embed is None:
             raise ValueError(f"{self.path}: no token_embd.weight tensor")
@@ -284,11 +380,20 @@ class GGUFFile:
         info = self.tensors[name]
 
         def values(t):
+            if self._stack is not None and self._stack[0] is t:     # the experts of one stack, read in turn
+                return self._stack[1]
             stored = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             return torch.from_numpy(np.array(stored.reshape(shape)))    # a copy: the map stays read-only
 
         weight = values(info.tensor)
+        if info.layout == "expert":
+            self._stack = (info.tensor, weight)
+            return weight[info.index].clone()
+        self._stack = None
+        if info.layout == "kv_b":          # k_b [H, rank, nope] and v_b [H, v, rank] -> [H * (nope + v), rank]
+            k_b, v_b = weight.transpose(1, 2), values(info.up)
+            return torch.cat((k_b, v_b), dim=1).reshape(info.shape).contiguous()
         if info.layout == "transpose":
             return weight.transpose(-1, -2).contiguous()
         if info.layout in ("gate", "gate_up"):
@@ -382,6 +487,11 @@ def hf_name(gguf_name: str, layer_names: dict = LAYER_NAMES, layer_tensors: dict
     if parts[2] in layer_names:
         return f"{prefix}.{layer_names[parts[2]]}.{kind}", "plain"
     return None, None
+
+
+def kv_b_shape(k_b: tuple, v_b: tuple) -> tuple:
+    """kv_b_proj's shape [H * (nope + v), rank] from k_b [H, rank, nope] and v_b [H, v, rank]."""
+    return (k_b[0] * (k_b[2] + v_b[1]), k_b[1])
 
 
 def hf_shape(stored: tuple, layout: str) -> tuple:
