@@ -58,7 +58,8 @@ def deepseek2_tensors(state: dict, cfg: dict) -> dict:
         else:
             rest[name] = tensor
     for (layer, proj), stack in experts.items():
-        out[f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight"] = torch.stack([stack[i] for i in sorted(stack)])
+        gname = f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight"
+        out[gname] = torch.stack([stack[i] for i in sorted(stack)])
     return rest, out
 
 
@@ -154,7 +155,7 @@ def write_gguf(path, state: dict, cfg: dict, *, quant: dict | None = None, arch=
     rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)
     writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if "head_dim" in cfg and arch in ("qwen3", "gemma3", "gpt-oss"):       # the converter writes head_dim when the config has it
+    if "head_dim" in cfg and arch in ("qwen3", "gemma3", "gpt-oss"):    # the converter writes the config's head_dim
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
     if arch == "gemma3":       # the window; the local rope base and the layer pattern are llama.cpp's fixed ones

@@ -1,7 +1,7 @@
 """GGUF checkpoints (llama.cpp's one-file format) of the architectures in GGUF_ARCHITECTURES (llama, qwen3,
-gemma3): the config, the tokenizer and the chat template from the file's metadata, the weights dequantised by
-the `gguf` package under their Hugging Face names, with what llama.cpp's converter changed undone. Everything
-is checked before any weight is read, so a bad file fails fast and clearly."""
+gemma3, gpt-oss, deepseek2): the config, the tokenizer and the chat template from the file's metadata, the
+weights dequantised by the `gguf` package under their Hugging Face names, with what llama.cpp's converter
+changed undone. Everything is checked before any weight is read, so a bad file fails fast and clearly."""
 import os
 from dataclasses import dataclass, field
 
@@ -178,10 +178,11 @@ class GGUFFile:
         head_dim = self._get("attention.key_length", hidden // num_heads, required=False)
         rope_dim = self._get("rope.dimension_count", head_dim, required=False)
         if rope_dim != head_dim:
-            raise ValueError(f"{self.path}: {self.arch_name}.rope.dimension_count={rope_dim} rotates part of each "
-                             f"{head_dim}-wide head; pagedkv rotates whole heads")
+            raise ValueError(f"{self.path}: {self.arch_name}.rope.dimension_count={rope_dim} rotates part of "
+                             f"each {head_dim}-wide head; pagedkv rotates whole heads")
         if self._get("attention.value_length", head_dim, required=False) != head_dim:
-            raise ValueError(f"{self.path}: {self.arch_name}.attention.value_length differs from key_length; not supported")
+            raise ValueError(f"{self.path}: {self.arch_name}.attention.value_length differs from key_length; "
+                             f"not supported")
         experts = self._get("expert_count", 0, required=False)
         if experts and self.arch_name != "gpt-oss":
             raise ValueError(f"{self.path}: a mixture-of-experts model ({self.arch_name}.expert_count="
@@ -198,21 +199,13 @@ class GGUFFile:
                 "beta_slow": float(self._get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
                 "truncate": False}}        # gpt-oss's own config: the correction range is not rounded
         elif scaling not in ("none", None):
-            raise ValueError(f"{self.path}: {self.arch_name}.rope.scaling.type={scaling!r} is not supported (none, linear are)")
-        tokens = self.metadata.get("tokenizer.ggml.tokens")
-        vocab = self._get("vocab_size", len(tokens.data) if tokens is not None else None)
-        eos = [self.metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-               if k in self.metadata]
+            raise ValueError(f"{self.path}: {self.arch_name}.rope.scaling.type={scaling!r} is not supported "
+                             f"(none, linear are{', yarn' if self.arch_name == 'gpt-oss' else ''})")
         config = {
-            "architectures": [self.arch.hf_architecture], "model_type": self.arch.model_type,
-            "num_hidden_layers": self._get("block_count"), "hidden_size": hidden,
-            "intermediate_size": self._get("feed_forward_length"), "num_attention_heads": num_heads,
+            **self._common_config(num_heads, eps=1e-5),
             "num_key_value_heads": self._get("attention.head_count_kv", num_heads, required=False),
-            "head_dim": head_dim, "vocab_size": vocab,
-            "max_position_embeddings": self._get("context_length", 2048, required=False),
-            "rms_norm_eps": float(self._get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
+            "head_dim": head_dim, **rope,
             "rope_theta": float(self._get("rope.freq_base", 10000.0, required=False)),
-            "eos_token_id": sorted(set(eos)), "torch_dtype": "float32", **rope,
         }
         if self.arch_name == "gemma3":
             config.update(self._gemma3_config(config))
@@ -220,7 +213,8 @@ class GGUFFile:
             config.update(self._gpt_oss_config(config))
         return config
 
-    def _common_config(self, num_heads: int) -> dict:
+    def _common_config(self, num_heads: int, eps: float) -> dict:
+        """The fields every architecture reads alike; `eps` the norm epsilon when the file names none."""
         tokens = self.metadata.get("tokenizer.ggml.tokens")
         eos = [self.metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                if k in self.metadata]
@@ -230,7 +224,7 @@ class GGUFFile:
             "intermediate_size": self._get("feed_forward_length"), "num_attention_heads": num_heads,
             "vocab_size": self._get("vocab_size", len(tokens.data) if tokens is not None else None),
             "max_position_embeddings": self._get("context_length", 2048, required=False),
-            "rms_norm_eps": float(self._get("attention.layer_norm_rms_epsilon", 1e-6, required=False)),
+            "rms_norm_eps": float(self._get("attention.layer_norm_rms_epsilon", eps, required=False)),
             "eos_token_id": sorted(set(eos)), "torch_dtype": "float32",
         }
 
@@ -242,11 +236,11 @@ class GGUFFile:
         num_heads = self._get("attention.head_count")
         if isinstance(num_heads, list):
             raise ValueError(f"{self.path}: deepseek2.attention.head_count varies per layer; not supported")
-        config = self._common_config(num_heads)
+        config = self._common_config(num_heads, eps=1e-6)
         gating = self._get("expert_gating_func", SIGMOID_GATING, required=False)
         if gating != SIGMOID_GATING:
-            raise ValueError(f"{self.path}: deepseek2.expert_gating_func={gating} (softmax: DeepSeek V2's routing); "
-                             f"pagedkv runs DeepSeek V3's sigmoid routing only")
+            raise ValueError(f"{self.path}: deepseek2.expert_gating_func={gating} (softmax: DeepSeek V2's "
+                             f"routing); pagedkv runs DeepSeek V3's sigmoid routing only")
         rope_dim = self._get("rope.dimension_count")
         if "deepseek2.attention.key_length_mla" in self.metadata:
             qk_dim, v_dim = self._get("attention.key_length_mla"), self._get("attention.value_length_mla")
