@@ -509,3 +509,12 @@ def test_the_file_is_checked_before_weights_are_read(tmp_path, tiny, monkeypatch
     with pytest.raises(ValueError):
         LLM(path)
     assert calls == []
+
+
+def test_the_qwen2_pre_tokenizer_splits_digits_one_by_one(tiny):
+    """Qwen 2 / 3 files name `tokenizer.ggml.pre` qwen2: llama 3's split, with each digit its own piece."""
+    _, path, _, _ = tiny
+    f = GGUFFile(path)
+    f.metadata["tokenizer.ggml.pre"] = "qwen2"
+    pieces = [p for p, _ in f.tokenizer().pre_tokenizer.pre_tokenize_str("the 2024 heat's")]
+    assert pieces == ["the", "Ġ", "2", "0", "2", "4", "Ġheat", "'s"]
