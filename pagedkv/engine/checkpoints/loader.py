@@ -1,5 +1,5 @@
 """Loads a checkpoint into the model its architecture names (models.registry): a Hugging Face folder (config.json +
-*.safetensors, sharded or not) or a llama-architecture GGUF file (gguf.py). Every tensor must be one the
+*.safetensors, sharded or not) or a GGUF file (gguf.py: llama, qwen3, gemma3, gpt-oss, deepseek2). Every tensor must be one the
 model has, with exactly its shape, and every weight must be there."""
 import glob
 import json
