@@ -420,8 +420,7 @@ def test_deepseek_v3_without_q_lora(tmp_path):
 
 
 @pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
-@pytest.mark.parametrize("setting, field", [(dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
-                                            (dict(tensor_parallel_size=2), "tensor_parallel_size")])
+@pytest.mark.parametrize("setting, field", [(dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype")])
 def test_deepseek_v3_refuses_what_the_latent_cache_cannot_take(tiny, setting, field):
     _, path, _, _ = tiny
     with pytest.raises(ValueError, match=field):
