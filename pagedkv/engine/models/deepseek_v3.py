@@ -16,7 +16,6 @@ from torch.nn import functional as F
 from pagedkv import ops
 
 from ..config import ModelConfig
-from ..tp.shard import ZERO, split
 from .layers import MLP, DecoderLayer, RMSNorm, yarn_mscale
 from .llama import LlamaForCausalLM, LlamaModel
 
@@ -79,7 +78,14 @@ def expert_columns(n: MLANumbers, shard) -> tuple[range, range]:
         return range(n.inter), range(shared)
     if n.inter < shard.size:
         raise ValueError(f"tensor_parallel_size={shard.size} exceeds moe_intermediate_size={n.inter}")
-    return split(n.inter, shard.size, shard.rank), split(shared, shard.size, shard.rank)
+    return _split(n.inter, shard.size, shard.rank), _split(shared, shard.size, shard.rank)
+
+
+def _split(n: int, size: int, rank: int) -> range:
+    """Rank's contiguous part of range(n), as tp.shard.split cuts the MLP (models do not import tp)."""
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
 
 
 def softmax_scale(cfg: ModelConfig, qk_head_dim: int) -> float:
@@ -273,8 +279,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             return by_heads(0, n.nope_dim + n.rope_dim)
         if module == "kv_b_proj":                          # [heads * (nope + v), kv_lora_rank]
             return by_heads(0, n.nope_dim + n.v_dim)
-        if module == "o_proj":                             # [hidden, heads * v]; its bias added once
-            return (None if shard.rank == 0 else ZERO) if is_bias else by_heads(1, n.v_dim)
+        if module == "o_proj" and not is_bias:            # [hidden, heads * v]; the Llama rule adds its bias once
+            return by_heads(1, n.v_dim)
         if len(parts) > 4 and parts[3] == "mlp" and parts[4] in ("experts", "shared_experts"):
             inter, shared = expert_columns(n, shard)
             columns, full = (inter, n.inter) if parts[4] == "experts" else (shared, n.inter * n.shared)
