@@ -408,15 +408,18 @@ def test_latent_pool_holds_more_tokens_per_byte(tiny):
     assert [o.token_ids for o in llm.generate(prompts[:2], GREEDY)] == expected[:2]
 
 
-def test_deepseek_v3_without_q_lora(tmp_path):
-    """q_lora_rank null: one q_proj in place of q_a_proj, its norm and q_b_proj."""
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_deepseek_v3_without_q_lora(tmp_path, tensor_parallel_size):
+    """q_lora_rank null: one q_proj in place of q_a_proj, its norm and q_b_proj (under TP=2 split by query
+    heads of qk_nope_head_dim + qk_rope_head_dim rows)."""
     model = save_tiny_model(tmp_path, "deepseek_v3", seed=1, q_lora_rank=None)
     assert model.model.layers[0].self_attn.q_proj is not None
     prompts = shared_prefix_prompts(model.config.vocab_size, seed=1, per_system=2)[:4]
     expected = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
-    llm = LLM(tmp_path, block_size=4)
-    assert hasattr(llm.model.model.layers[0].self_attn, "q_proj")
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    with LLM(tmp_path, block_size=4, tensor_parallel_size=tensor_parallel_size) as llm:
+        attention = llm.model.model.layers[0].self_attn
+        assert attention.q_proj.weight.shape[0] == 4 // tensor_parallel_size * (16 + 8)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
 @pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
