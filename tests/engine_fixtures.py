@@ -76,6 +76,8 @@ def build_tiny_model(model_type="llama", seed=0, **overrides):
                     param.normal_(0.0, 2.0)
                 elif param_name.endswith("proj_bias"):      # gpt-oss's expert biases (zeros at init)
                     param.normal_(0.0, 0.5)
+                elif model_type == "deepseek_v3" and param_name.endswith("proj.bias"):   # attention_bias=True
+                    param.normal_(0.0, 0.5)
             for buffer_name, buffer in model.named_buffers():
                 if buffer_name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.3)

@@ -300,18 +300,21 @@ def test_reduced_precision_follows_transformers(tiny):
 @pytest.mark.parametrize("setting", [dict(num_blocks=64), dict(num_blocks=46, num_cpu_blocks=32,
                                                                   max_num_batched_tokens=13)],
                          ids=["roomy", "swap-chunked"])
-@pytest.mark.parametrize("model_type", ["gemma2", "gemma3", "qwen3", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3", "qwen3", "gpt_oss", "deepseek_v3"])
 def test_tensor_parallel(tmp_path, setting, model_type):
     """TP=2 (gloo): each rank holds one of the two KV heads of every layer (the QK norms' weights, one per
     head_dim, are replicated; gpt-oss's sinks follow the query heads, and each rank holds half of every
     expert's columns); the step message carries the windowed group's slots and block tables beside the full
-    group's, and swaps move both."""
+    group's, and swaps move both. DeepSeek V3 (with random attention biases): each rank holds two of the four
+    query heads and the whole latent in its own latent cache, half of every expert's columns and of the
+    shared expert's, and o_proj's bias is added once."""
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = save_tiny_model(tmp_path, model_type)
-        if model_type == "qwen3" and "num_cpu_blocks" in setting:     # one KV group: half the pool must swap
-            setting = dict(setting, num_blocks=20)
+        overrides = dict(attention_bias=True) if model_type == "deepseek_v3" else {}
+        model = save_tiny_model(tmp_path, model_type, **overrides)
+        if model_type in ("qwen3", "deepseek_v3") and "num_cpu_blocks" in setting:   # one KV group: half the
+            setting = dict(setting, num_blocks=20)                                   # pool must swap
         prompts = shared_prefix_prompts(model.config.vocab_size, per_system=2)
         expected = [hf_greedy(model, p, 12) for p in prompts]
         with LLM(tmp_path, block_size=4, tensor_parallel_size=2, **setting) as llm:
@@ -405,20 +408,22 @@ def test_latent_pool_holds_more_tokens_per_byte(tiny):
     assert [o.token_ids for o in llm.generate(prompts[:2], GREEDY)] == expected[:2]
 
 
-def test_deepseek_v3_without_q_lora(tmp_path):
-    """q_lora_rank null: one q_proj in place of q_a_proj, its norm and q_b_proj."""
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_deepseek_v3_without_q_lora(tmp_path, tensor_parallel_size):
+    """q_lora_rank null: one q_proj in place of q_a_proj, its norm and q_b_proj (under TP=2 split by query
+    heads of qk_nope_head_dim + qk_rope_head_dim rows)."""
     model = save_tiny_model(tmp_path, "deepseek_v3", seed=1, q_lora_rank=None)
     assert model.model.layers[0].self_attn.q_proj is not None
     prompts = shared_prefix_prompts(model.config.vocab_size, seed=1, per_system=2)[:4]
     expected = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
-    llm = LLM(tmp_path, block_size=4)
-    assert hasattr(llm.model.model.layers[0].self_attn, "q_proj")
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    with LLM(tmp_path, block_size=4, tensor_parallel_size=tensor_parallel_size) as llm:
+        attention = llm.model.model.layers[0].self_attn
+        assert attention.q_proj.weight.shape[0] == 4 // tensor_parallel_size * (16 + 8)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
 @pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
-@pytest.mark.parametrize("setting, field", [(dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
-                                            (dict(tensor_parallel_size=2), "tensor_parallel_size")])
+@pytest.mark.parametrize("setting, field", [(dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype")])
 def test_deepseek_v3_refuses_what_the_latent_cache_cannot_take(tiny, setting, field):
     _, path, _, _ = tiny
     with pytest.raises(ValueError, match=field):

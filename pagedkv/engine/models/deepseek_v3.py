@@ -2,7 +2,11 @@
 normalised latent and the rope key, read in absorbed form (kv_b_proj folded into the query and the output),
 and a mixture of experts after the first `first_k_dense_replace` dense layers: sigmoid scores, group-limited
 top-k routing with the score correction bias, and shared experts beside the routed ones. The experts are plain
-torch: the KV cache, not the GEMMs, is this library's product."""
+torch: the KV cache, not the GEMMs, is this library's product. Under tensor parallelism each rank holds its
+query heads (their rows of q_proj / q_b_proj and kv_b_proj, their columns of o_proj, whose bias rank 0 adds),
+the whole latent path (q_a_proj, kv_a_proj_with_mqa and their norms: every rank writes the same latent into
+its own cache), its columns of every expert and of the shared experts, and the whole router; the attention's
+and the experts' outputs are summed over ranks."""
 import re
 
 import torch
@@ -66,6 +70,24 @@ class MLANumbers:
         self.norm_topk_prob = extra["norm_topk_prob"]
 
 
+def expert_columns(n: MLANumbers, shard) -> tuple[range, range]:
+    """The columns of each routed expert (of moe_intermediate_size) and of the shared experts (of
+    moe_intermediate_size * n_shared_experts) that `shard` holds; all of them without tensor parallelism."""
+    shared = n.inter * n.shared
+    if shard is None:
+        return range(n.inter), range(shared)
+    if n.inter < shard.size:
+        raise ValueError(f"tensor_parallel_size={shard.size} exceeds moe_intermediate_size={n.inter}")
+    return _split(n.inter, shard.size, shard.rank), _split(shared, shard.size, shard.rank)
+
+
+def _split(n: int, size: int, rank: int) -> range:
+    """Rank's contiguous part of range(n), as tp.shard.split cuts the MLP (models do not import tp)."""
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
 def softmax_scale(cfg: ModelConfig, qk_head_dim: int) -> float:
     """qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared (transformers'
     yarn_apply_mscale: the scale of every dimension, where the rope's attention factor scales only the rope's)."""
@@ -91,10 +113,9 @@ class MLAttention(nn.Module):
     latent rows, and W_UV (kv_b_proj's value rows) turns its output into values."""
 
     def __init__(self, cfg: ModelConfig, layer: int, tp=None):
+        """tp: cfg then holds this rank's query heads; the latent projections are whole."""
         super().__init__()
-        if tp is not None:
-            raise ValueError("DeepSeek V3: tensor_parallel_size > 1 is not supported (its latent attention and "
-                             "experts are not sharded)")
+        self.tp = tp
         n = self.numbers = MLANumbers(cfg)
         self.num_heads, hidden, bias = cfg.num_heads, cfg.hidden_size, cfg.attention_bias
         self.qk_head_dim = n.nope_dim + n.rope_dim
@@ -157,7 +178,8 @@ class MLAttention(nn.Module):
         out = ops.paged_attention_mla(query, latent_cache, group.block_tables, meta.seq_lens, meta.query_start_loc,
                                       self.scale, n.kv_lora_rank)
         values = torch.bmm(out.transpose(0, 1), self.w_uv_t).transpose(0, 1)        # [T, H, v]
-        return self.o_proj.forward(values.reshape(-1, heads * n.v_dim))
+        out = self.o_proj.forward(values.reshape(-1, heads * n.v_dim))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class ExpertMLP(nn.Module):
@@ -206,11 +228,13 @@ class Router(nn.Module):
 
 
 class DeepseekV3MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, n: MLANumbers):
+    def __init__(self, cfg: ModelConfig, n: MLANumbers, tp=None):
         super().__init__()
+        self.tp = tp     # tensor parallel: this rank's columns of each expert, the router whole
+        inter, shared = expert_columns(n, None if tp is None else tp.shard)
         self.gate = Router(cfg, n)
-        self.experts = nn.ModuleList(ExpertMLP(cfg.hidden_size, n.inter) for _ in range(n.experts))
-        self.shared_experts = ExpertMLP(cfg.hidden_size, n.inter * n.shared)
+        self.experts = nn.ModuleList(ExpertMLP(cfg.hidden_size, len(inter)) for _ in range(n.experts))
+        self.shared_experts = ExpertMLP(cfg.hidden_size, len(shared))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         chosen, weights = self.gate.forward(x)                                       # [T, k] each
@@ -219,7 +243,8 @@ class DeepseekV3MoE(nn.Module):
             tokens, slot = torch.where(chosen == expert)
             y = self.experts[expert].forward(x[tokens]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y.to(out.dtype))
-        return out + self.shared_experts.forward(x)
+        out = out + self.shared_experts.forward(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DeepseekV3DecoderLayer(DecoderLayer):
@@ -231,7 +256,7 @@ class DeepseekV3DecoderLayer(DecoderLayer):
         self.self_attn = MLAttention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         n = self.self_attn.numbers
-        self.mlp = MLP(cfg) if layer < n.first_k_dense else DeepseekV3MoE(cfg, n)
+        self.mlp = MLP(cfg, tp) if layer < n.first_k_dense else DeepseekV3MoE(cfg, n, tp)
 
 
 class DeepseekV3Model(LlamaModel):
@@ -241,6 +266,26 @@ class DeepseekV3Model(LlamaModel):
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     model_class = DeepseekV3Model
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}   # the dense MLPs'
+
+    def tensor_piece(self, name: str, full_config: ModelConfig):
+        shard, n = self.tp.shard, MLANumbers(full_config)
+        q, num_heads = shard.q_heads(full_config), full_config.num_heads
+        parts = name.split(".")
+        module, is_bias = parts[-2], parts[-1] == "bias"
+
+        def by_heads(dim, width):                          # `width` rows (or columns) a query head
+            return dim, range(q.start * width, q.stop * width), num_heads * width
+        if module in ("q_proj", "q_b_proj"):              # [heads * (nope + rope), ...]
+            return by_heads(0, n.nope_dim + n.rope_dim)
+        if module == "kv_b_proj":                          # [heads * (nope + v), kv_lora_rank]
+            return by_heads(0, n.nope_dim + n.v_dim)
+        if module == "o_proj" and not is_bias:            # [hidden, heads * v]; the Llama rule adds its bias once
+            return by_heads(1, n.v_dim)
+        if len(parts) > 4 and parts[3] == "mlp" and parts[4] in ("experts", "shared_experts"):
+            inter, shared = expert_columns(n, shard)
+            columns, full = (inter, n.inter) if parts[4] == "experts" else (shared, n.inter * n.shared)
+            return (0, columns, full) if module in ("gate_proj", "up_proj") else (1, columns, full)
+        return super().tensor_piece(name, full_config)
 
     def unused_checkpoint_tensor(self, name: str) -> bool:
         """The multi-token-prediction modules (layers num_hidden_layers ..., as transformers ignores them)."""

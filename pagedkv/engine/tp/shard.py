@@ -1,7 +1,8 @@
 """What each rank of a tensor-parallel group holds of a model (Megatron's sharding): pure geometry, no
 process group. QKV and gate/up are column-parallel (each rank holds Hq/N query heads, Hkv/N KV heads, or
 one KV head replicated over N/Hkv ranks when N > Hkv, and I/N of the MLP), o_proj and down are
-row-parallel, the embedding and the LM head vocabulary-parallel."""
+row-parallel, the embedding and the LM head vocabulary-parallel. An MLA model's latent (one row per token
+that every query head reads) is replicated: each rank holds Hq/N query heads and the whole latent."""
 import dataclasses
 
 from ..config import ModelConfig
@@ -26,7 +27,7 @@ class Shard:
         n, hq, hkv = self.size, cfg.num_heads, cfg.num_kv_heads
         if hq % n:
             raise ValueError(f"tensor_parallel_size={n} must divide num_attention_heads={hq}")
-        if hkv % n and n % hkv:
+        if cfg.latent_cache is None and hkv % n and n % hkv:
             raise ValueError(f"tensor_parallel_size={n} must divide num_key_value_heads={hkv} or be a multiple "
                              f"of it (KV heads are then replicated)")
         if cfg.intermediate_size < n:
@@ -37,6 +38,8 @@ class Shard:
         return range(self.rank * per, (self.rank + 1) * per)
 
     def kv_heads(self, cfg: ModelConfig) -> range:
+        if cfg.latent_cache is not None:      # MLA: num_key_value_heads sizes no cache; the latent is whole
+            return range(cfg.num_kv_heads)
         if self.size <= cfg.num_kv_heads:
             per = cfg.num_kv_heads // self.size
             return range(self.rank * per, (self.rank + 1) * per)
