@@ -267,25 +267,20 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     model_class = DeepseekV3Model
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}   # the dense MLPs'
 
-    def tensor_piece(self, name: str, full_config: ModelConfig):
-        shard, n = self.tp.shard, MLANumbers(full_config)
-        q, num_heads = shard.q_heads(full_config), full_config.num_heads
+    def tensor_parallel_rule(self, name: str):
+        n = MLANumbers(self.config)            # head widths and expert sizes: the same on every rank
         parts = name.split(".")
         module, is_bias = parts[-2], parts[-1] == "bias"
-
-        def by_heads(dim, width):                          # `width` rows (or columns) a query head
-            return dim, range(q.start * width, q.stop * width), num_heads * width
         if module in ("q_proj", "q_b_proj"):              # [heads * (nope + rope), ...]
-            return by_heads(0, n.nope_dim + n.rope_dim)
+            return 0, "q_heads", n.nope_dim + n.rope_dim
         if module == "kv_b_proj":                          # [heads * (nope + v), kv_lora_rank]
-            return by_heads(0, n.nope_dim + n.v_dim)
+            return 0, "q_heads", n.nope_dim + n.v_dim
         if module == "o_proj" and not is_bias:            # [hidden, heads * v]; the Llama rule adds its bias once
-            return by_heads(1, n.v_dim)
+            return 1, "q_heads", n.v_dim
         if len(parts) > 4 and parts[3] == "mlp" and parts[4] in ("experts", "shared_experts"):
-            inter, shared = expert_columns(n, shard)
-            columns, full = (inter, n.inter) if parts[4] == "experts" else (shared, n.inter * n.shared)
-            return (0, columns, full) if module in ("gate_proj", "up_proj") else (1, columns, full)
-        return super().tensor_piece(name, full_config)
+            columns = n.inter if parts[4] == "experts" else n.inter * n.shared     # split as expert_columns
+            return (0 if module in ("gate_proj", "up_proj") else 1), columns, 1
+        return None
 
     def unused_checkpoint_tensor(self, name: str) -> bool:
         """The multi-token-prediction modules (layers num_hidden_layers ..., as transformers ignores them)."""
