@@ -27,15 +27,22 @@ from pagedkv.demo.chat_workload import SMOLLM2_INSTALL, conversations, license_t
 from pagedkv.engine import LLM, SamplingParams  # noqa: E402
 from pagedkv.engine.checkpoints.loader import open_checkpoint  # noqa: E402
 
+PLAIN = dict(kv_recent_tokens=0, kv_first_block=False)     # every key read from the float8 cache
 CONFIGS = [
     ("fp32 weights, fp32 KV (reference)", dict(), None),
     ("fp32 weights, bf16 KV", dict(), torch.bfloat16),
     ("fp32 weights, fp16 KV", dict(), torch.float16),
-    ("fp32 weights, fp8 e4m3 KV, scale 1", dict(kv_cache_dtype="fp8_e4m3", kv_scale=1.0), None),
-    ("fp32 weights, fp8 e4m3 KV, dynamic per head", dict(kv_cache_dtype="fp8_e4m3", kv_scale="dynamic"), None),
-    ("fp32 weights, fp8 e4m3 KV, rotated (default)", dict(kv_cache_dtype="fp8_e4m3"), None),
-    ("fp32 weights, fp8 e5m2 KV, scale 1", dict(kv_cache_dtype="fp8_e5m2", kv_scale=1.0), None),
-    ("fp32 weights, fp8 e5m2 KV, dynamic per head", dict(kv_cache_dtype="fp8_e5m2", kv_scale="dynamic"), None),
+    ("fp32 weights, fp8 e4m3 KV, scale 1", dict(kv_cache_dtype="fp8_e4m3", kv_scale=1.0, **PLAIN), None),
+    ("fp32 weights, fp8 e4m3 KV, dynamic per head", dict(kv_cache_dtype="fp8_e4m3", kv_scale="dynamic", **PLAIN),
+     None),
+    ("fp32 weights, fp8 e4m3 KV, rotated", dict(kv_cache_dtype="fp8_e4m3", **PLAIN), None),
+    ("fp32 weights, fp8 e4m3 KV, rotated + recent 256 + first block (default)", dict(kv_cache_dtype="fp8_e4m3"),
+     None),
+    ("fp32 weights, fp8 e5m2 KV, scale 1", dict(kv_cache_dtype="fp8_e5m2", kv_scale=1.0, **PLAIN), None),
+    ("fp32 weights, fp8 e5m2 KV, dynamic per head", dict(kv_cache_dtype="fp8_e5m2", kv_scale="dynamic", **PLAIN),
+     None),
+    ("fp32 weights, fp8 e5m2 KV, rotated + recent 256 + first block (default)", dict(kv_cache_dtype="fp8_e5m2"),
+     None),
     ("bf16 weights, bf16 KV", dict(dtype="bfloat16"), None),
 ]
 

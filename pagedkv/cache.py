@@ -119,13 +119,16 @@ def num_mla_blocks_for(memory_bytes: int, *, num_layers: int, block_size: int, k
 
 
 def allocate_mla_cache(num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, qk_rope_head_dim: int,
-                       *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+                       *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                       pin_memory: bool = False) -> list[torch.Tensor]:
     """One latent cache per layer, ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``, contiguous
     and uninitialised (``ops.concat_and_cache_mla`` writes it, ``ops.paged_attention_mla`` reads it).
     ``swap_blocks`` moves its blocks as they are: ``swap_blocks(cache, cpu_cache, mapping)`` swaps, and
-    ``swap_blocks(cache, cache, bm.take_copies())`` makes the block manager's copy-on-write copies."""
+    ``swap_blocks(cache, cache, bm.take_copies())`` makes the block manager's copy-on-write copies.
+    ``pin_memory`` (CPU only) makes swaps with a GPU cache asynchronous."""
     _check_cache_geometry(dtype, num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
                           kv_lora_rank=kv_lora_rank)
     check_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
     shape = (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)
-    return [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    pin = pin_memory and torch.device(device).type == "cpu"
+    return [torch.empty(shape, dtype=dtype, device=device, pin_memory=pin) for _ in range(num_layers)]

@@ -1,5 +1,5 @@
 """Helpers for the engine tests: tiny random Hugging Face Llamas (and Mistrals, Gemma 2s, Qwen3s, Gemma 3s,
-gpt-oss) saved to disk, and their greedy output."""
+gpt-oss, DeepSeek V3s) saved to disk, and their greedy output."""
 import random
 
 import torch
@@ -35,6 +35,18 @@ TINY_GPT_OSS = dict(TINY, head_dim=16, sliding_window=8, num_hidden_layers=4, nu
                     rope_parameters=dict(rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                                          original_max_position_embeddings=64, rope_theta=150000.0))
 
+# DeepSeek V3: one dense layer then two MoE layers (eight experts in four groups, two groups kept, two experts a
+# token, one shared), q_lora_rank set, a latent of 32 beside a rope key of 8 (qk 16 + 8, v 12), YaRN rope over an
+# original context of 64 whose mscale and mscale_all_dim differ (so both the rope's factor and the softmax
+# scale's are on), random score correction biases.
+TINY_DEEPSEEK_V3 = dict(TINY, num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1,
+                        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                        n_group=4, topk_group=2, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                        rope_parameters=dict(rope_type="yarn", factor=8.0, beta_fast=32, beta_slow=1, mscale=0.707,
+                                             mscale_all_dim=1.0, original_max_position_embeddings=64,
+                                             rope_theta=10000.0))
+
 
 def build_tiny_model(model_type="llama", seed=0, **overrides):
     """A random float32 Llama / Mistral / Gemma 2 / Qwen3 ForCausalLM in eval mode on CPU. The others
@@ -50,7 +62,8 @@ def build_tiny_model(model_type="llama", seed=0, **overrides):
                                    "gemma2": (TINY_GEMMA2, "Gemma2", "Gemma2"),
                                    "qwen3": (TINY_QWEN3, "Qwen3", "Qwen3"),
                                    "gemma3": (TINY_GEMMA3, "Gemma3Text", "Gemma3"),
-                                   "gpt_oss": (TINY_GPT_OSS, "GptOss", "GptOss")}[model_type]
+                                   "gpt_oss": (TINY_GPT_OSS, "GptOss", "GptOss"),
+                                   "deepseek_v3": (TINY_DEEPSEEK_V3, "DeepseekV3", "DeepseekV3")}[model_type]
         config = getattr(transformers, f"{config_name}Config")(**{**base, **overrides})
         config._attn_implementation = "eager"
         config._experts_implementation = "eager"    # the experts' reference loop (MoE models)
@@ -61,6 +74,9 @@ def build_tiny_model(model_type="llama", seed=0, **overrides):
                     param.normal_(0.0, 0.3)
                 elif param_name.endswith("sinks"):
                     param.normal_(0.0, 2.0)
+            for buffer_name, buffer in model.named_buffers():
+                if buffer_name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, 0.3)
     return model
 
 

@@ -1,9 +1,10 @@
-"""Mistral, Gemma 2, Qwen3, Gemma 3 and gpt-oss through the same engine as Llama (the registry keyed by config.json's
+"""Mistral, Gemma 2, Qwen3, Gemma 3, gpt-oss and DeepSeek V3 through the same engine as Llama (the registry keyed by config.json's
 `architectures`): greedy fp32 output equals transformers' eager attention token for token, with prompts
 plus generations several times the sliding window, prefix caching on and off, n > 1; each Gemma 2
 feature (window per layer type, attention and final softcaps, query_pre_attn_scalar, tied embeddings)
 changes the output and the engine follows transformers through the change; configs it cannot run
-exactly are refused naming the field."""
+exactly are refused naming the field. DeepSeek V3 runs on the latent cache (one tensor per layer), which holds
+several times the tokens per byte of a K/V cache of the same model."""
 import json
 import shutil
 
@@ -16,7 +17,8 @@ from pagedkv.engine.config import ARCHITECTURES, ModelConfig
 from pagedkv.engine.models.registry import model_class
 
 MAX_TOKENS = 24          # prompts of 38-56 tokens + 24: up to 10 windows of 8
-MODEL_TYPES = ["mistral", "gemma2", "qwen3", "gemma3", "gpt_oss"]
+MODEL_TYPES = ["mistral", "gemma2", "qwen3", "gemma3", "gpt_oss", "deepseek_v3"]
+PROMPTS_PER_SYSTEM = {"deepseek_v3": 4}      # 9 prompts; the others 7
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -26,7 +28,7 @@ def tiny(request, tmp_path_factory):
     """(model type, checkpoint dir, prompts with shared prefixes, transformers' greedy outputs)."""
     path = tmp_path_factory.mktemp(f"tiny_{request.param}")
     model = save_tiny_model(path, request.param)
-    prompts = shared_prefix_prompts(model.config.vocab_size)
+    prompts = shared_prefix_prompts(model.config.vocab_size, per_system=PROMPTS_PER_SYSTEM.get(request.param, 3))
     return request.param, path, prompts, [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
 
 
@@ -70,7 +72,7 @@ def test_the_registry_builds_each_architecture(tiny):
     cfg = llm.model_config
     assert ARCHITECTURES[cfg.architecture].model_type.removesuffix("_text") == model_type
     assert type(llm.model) is model_class(cfg.architecture)
-    windows = [layer.self_attn.sliding_window for layer in llm.model.model.layers]
+    windows = [getattr(layer.self_attn, "sliding_window", None) for layer in llm.model.model.layers]
     if model_type == "mistral":
         assert windows == [8] * cfg.num_layers
     elif model_type == "gemma3":    # transformers' default layer_types: five sliding, then one full
@@ -81,6 +83,12 @@ def test_the_registry_builds_each_architecture(tiny):
         assert windows == [8, -1] * (cfg.num_layers // 2)
         assert all(layer.self_attn.sink_logits.dtype == torch.float32 for layer in llm.model.model.layers)
         assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.extra["num_experts_per_tok"] == 2
+    elif model_type == "deepseek_v3":    # no window; a latent row of 32 + 8 per token and layer, experts after layer 0
+        assert cfg.latent_cache == (32, 8) and cfg.rope_scaling["rope_type"] == "yarn"
+        layers = llm.model.model.layers
+        assert [type(layer.mlp).__name__ for layer in layers] == ["MLP", "DeepseekV3MoE", "DeepseekV3MoE"]
+        assert [latent.shape[1:] for (latent,) in llm.runner.kv_caches] == [(4, 40)] * cfg.num_layers
+        assert windows == [None] * cfg.num_layers
     elif model_type == "qwen3":
         assert windows == [-1] * cfg.num_layers and cfg.head_dim == 24
         assert all(hasattr(layer.self_attn, "q_norm") for layer in llm.model.model.layers)
@@ -124,6 +132,10 @@ EDITS = {
                                                               "full_attention": {"rope_type": "default", "rope_theta": 100.0}}),
                "window 5": dict(sliding_window=5),
                "own layer types": dict(layer_types=["full_attention", "sliding_attention"] * 3)},
+    "deepseek_v3": {"rope not interleaved": dict(rope_interleave=False),
+                    "one group kept": dict(topk_group=1),
+                    "weights not normalised": dict(norm_topk_prob=False),
+                    "no yarn": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})},
     "gpt_oss": {"window 5": dict(sliding_window=5),
                 "own layer types": dict(layer_types=["full_attention", "sliding_attention"] * 2),
                 "one expert a token": dict(num_experts_per_tok=1),
@@ -145,7 +157,8 @@ def test_each_field_changes_the_output_and_the_engine_follows(tiny, tmp_path, ed
 
 
 @pytest.mark.parametrize("tiny, final_softcap", [("mistral", None), ("gemma2", 4.0), ("gemma2", None),
-                                                   ("qwen3", None), ("gemma3", None), ("gpt_oss", None)],
+                                                   ("qwen3", None), ("gemma3", None), ("gpt_oss", None),
+                                                   ("deepseek_v3", None)],
                          indirect=["tiny"])
 def test_logits_equal_transformers(tiny, tmp_path, final_softcap):
     """The last token's logits (which sampling uses) equal transformers': a greedy check cannot see the
@@ -204,6 +217,7 @@ def test_absent_fields_take_transformers_defaults():
 GEMMA2 = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=100, hidden_size=64,
               intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, head_dim=16)
 MISTRAL = dict(GEMMA2, architectures=["MistralForCausalLM"], model_type="mistral")
+DEEPSEEK_V3 = dict(GEMMA2, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
 BAD = [
     ("layer_types too short", dict(GEMMA2, layer_types=["full_attention"] * 3), "layer_types"),
     ("unknown layer type", dict(GEMMA2, layer_types=["full_attention", "chunked_attention"] * 2), "layer_types"),
@@ -220,8 +234,11 @@ BAD = [
     ("mistral softcap", dict(MISTRAL, attn_logit_softcapping=30.0), "attn_logit_softcapping"),
     ("type mismatch", dict(GEMMA2, model_type="mistral"), "model_type"),
     ("two architectures", dict(GEMMA2, architectures=["Gemma2ForCausalLM", "LlamaForCausalLM"]), "architectures"),
-    ("deepseek v3", dict(GEMMA2, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"),
-     "DeepseekV3ForCausalLM"),
+    ("deepseek v3 softmax scores", dict(DEEPSEEK_V3, scoring_func="softmax"), "scoring_func"),
+    ("deepseek v3 greedy top-k", dict(DEEPSEEK_V3, topk_method="greedy"), "topk_method"),
+    ("deepseek v3 fp8 weights", dict(DEEPSEEK_V3, quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    ("deepseek v3 no latent", dict(DEEPSEEK_V3, kv_lora_rank=None), "kv_lora_rank"),
+    ("deepseek v3 rope 0", dict(DEEPSEEK_V3, qk_rope_head_dim=0), "qk_rope_head_dim"),
     ("qwen3 sliding", dict(MISTRAL, architectures=["Qwen3ForCausalLM"], model_type="qwen3", sliding_window=None,
                            use_sliding_window=True), "use_sliding_window"),
 ]
@@ -365,3 +382,117 @@ def test_yarn_rope_is_transformers(rope):
     assert rope_attention_factor(cfg) == pytest.approx(want_factor, rel=1e-12)
     assert not torch.equal(rope_inv_freq(cfg), rope_inv_freq(ModelConfig.from_dict(
         dict(hf, architectures=["LlamaForCausalLM"], rope_parameters={"rope_theta": rope["rope_theta"]}))))
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+def test_latent_pool_holds_more_tokens_per_byte(tiny):
+    """The same kv_cache_bytes holds kv_lora_rank + qk_rope_head_dim elements per token and layer, where a K/V
+    cache of the same model (every head's key of qk_nope + qk_rope and value of v_head_dim) needs
+    num_heads * (16 + 8 + 12): 40 against 144, 3.6 times the tokens."""
+    import pagedkv
+
+    _, path, prompts, expected = tiny
+    budget = 1 << 20
+    llm = LLM(path, block_size=4, kv_cache_bytes=budget)
+    cfg = llm.model_config
+    per_block = pagedkv.mla_block_bytes(num_layers=3, block_size=4, kv_lora_rank=32, qk_rope_head_dim=8,
+                                        dtype=torch.float32)
+    assert per_block == 3 * 4 * 40 * 4 and llm.num_blocks == budget // per_block
+    assert all(len(slot) == 1 and slot[0].shape == (llm.num_blocks, 4, 40) for slot in llm.runner.kv_caches)
+    kv_block = 3 * 4 * cfg.num_heads * (16 + 8 + 12) * 4        # the K/V cache's bytes per block
+    assert llm.num_blocks >= 3.5 * (budget // kv_block)
+    assert [o.token_ids for o in llm.generate(prompts[:2], GREEDY)] == expected[:2]
+
+
+def test_deepseek_v3_without_q_lora(tmp_path):
+    """q_lora_rank null: one q_proj in place of q_a_proj, its norm and q_b_proj."""
+    model = save_tiny_model(tmp_path, "deepseek_v3", seed=1, q_lora_rank=None)
+    assert model.model.layers[0].self_attn.q_proj is not None
+    prompts = shared_prefix_prompts(model.config.vocab_size, seed=1, per_system=2)[:4]
+    expected = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    llm = LLM(tmp_path, block_size=4)
+    assert hasattr(llm.model.model.layers[0].self_attn, "q_proj")
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+@pytest.mark.parametrize("setting, field", [(dict(kv_cache_dtype="fp8_e4m3"), "kv_cache_dtype"),
+                                            (dict(tensor_parallel_size=2), "tensor_parallel_size")])
+def test_deepseek_v3_refuses_what_the_latent_cache_cannot_take(tiny, setting, field):
+    _, path, _, _ = tiny
+    with pytest.raises(ValueError, match=field):
+        LLM(path, block_size=4, **setting)
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+@pytest.mark.parametrize("fields, message", [(dict(n_group=3), "n_group"), (dict(topk_group=5), "topk_group"),
+                                             (dict(num_experts_per_tok=5), "num_experts_per_tok"),
+                                             (dict(qk_rope_head_dim=7), "qk_rope_head_dim")])
+def test_deepseek_v3_routing_it_cannot_run_is_refused(tiny, tmp_path, fields, message):
+    _, path, _, _ = tiny
+    with pytest.raises(ValueError, match=message):
+        LLM(edited_copy(path, tmp_path / "edited", **fields), block_size=4)
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+def test_deepseek_v3_skips_the_multi_token_prediction_layers(tiny, tmp_path):
+    """Layers past num_hidden_layers (DeepSeek V3's MTP module, model.layers.61 in the real checkpoint) are
+    not run, as in transformers; any other unknown tensor is still refused."""
+    from safetensors.torch import save_file
+
+    _, path, prompts, expected = tiny
+    copy = edited_copy(path, tmp_path / "mtp")
+    save_file({"model.layers.3.eh_proj.weight": torch.zeros(64, 128),
+               "model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(112, 32)}, copy / "mtp.safetensors")
+    assert [o.token_ids for o in LLM(copy, block_size=4).generate(prompts[:2], GREEDY)] == expected[:2]
+    save_file({"model.layers.0.mlp.extra.weight": torch.zeros(4)}, copy / "mtp.safetensors")
+    with pytest.raises(ValueError, match="model.layers.0.mlp.extra.weight"):
+        LLM(copy, block_size=4)
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+@pytest.mark.parametrize("disk", [False, True])
+def test_deepseek_v3_latent_blocks_through_the_host_and_disk_tiers(tiny, tmp_path, disk):
+    """A pool of 24 blocks (one sequence): each prompt's blocks are pushed out by the next ones, kept in the
+    host tier (or, through a small host tier, on disk), and brought back for the second round; the tokens stay
+    transformers'."""
+    _, path, prompts, expected = tiny
+    host_blocks = 8 if disk else 64
+    tiers = dict(host_cache_bytes=host_blocks * 3 * 4 * 40 * 4)     # latent blocks: 3 layers x 4 tokens x 40
+    if disk:
+        tiers.update(disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 20)
+    llm = LLM(path, block_size=4, num_blocks=24, max_num_batched_tokens=64, **tiers)
+    assert llm.runner.host_tier.shape == (host_blocks, 3, 4, 40)
+    for _ in range(2):
+        assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == expected
+    stats = llm.stats()
+    assert stats["offloaded_blocks"] > 0 and stats["loaded_blocks"] > 0 and stats["host_hit_blocks"] > 0, stats
+    assert stats["load_failures"] == 0 and stats["offload_failures"] == 0
+    if disk:
+        assert stats["disk_writes"] > 0 and stats["disk_reads"] > 0 and stats["disk_hit_blocks"] > 0, stats
+    llm.bm.check_invariants()
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+def test_deepseek_v3_latent_blocks_loaded_from_the_host_are_read(tiny, monkeypatch):
+    """Without the host-to-device copies the latent blocks a hit revives hold other tokens' rows: the tokens
+    change (so the test above sees the loaded bytes)."""
+    from pagedkv.engine.execution import model_runner
+
+    _, path, prompts, expected = tiny
+    llm = LLM(path, block_size=4, num_blocks=24, max_num_batched_tokens=64, host_cache_bytes=64 * 3 * 4 * 40 * 4)
+    assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == expected
+    monkeypatch.setattr(model_runner, "load_slots", lambda *args, **kwargs: None)
+    assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] != expected
+    assert llm.stats()["loaded_blocks"] > 0
+
+
+@pytest.mark.parametrize("tiny", ["deepseek_v3"], indirect=True)
+def test_deepseek_v3_speculative_drafts_on_the_latent_cache(tiny):
+    """Prompt-lookup drafts verified several tokens a sequence per step (rows of the latent cache written and
+    then rolled back where rejected): transformers' greedy tokens."""
+    _, path, prompts, expected = tiny
+    llm = LLM(path, block_size=4, speculative="ngram", num_speculative_tokens=3)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    stats = llm.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats

@@ -86,6 +86,8 @@ class ModelConfig:
                                            # their own (Gemma 3); None: every layer's rope is the one above
     extra: dict = field(default_factory=dict)   # the architecture's own config.json fields its model module
                                                 # reads (Architecture.extra: experts, routing, ...)
+    latent_cache: tuple | None = None      # MLA: (kv_lora_rank, qk_rope_head_dim), each layer's cache one latent
+                                           # row per token of their sum; None: a key and a value cache per layer
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window in tokens (a query sees itself and the window - 1 tokens before
@@ -149,7 +151,13 @@ class ModelConfig:
         if num_heads % num_kv_heads:
             raise ValueError(f"config.json: num_attention_heads={num_heads} is not a multiple of "
                              f"num_key_value_heads={num_kv_heads}")
-        head_dim = positive("head_dim", hf.get("head_dim") or hidden // num_heads)
+        latent_cache = None
+        if arch.latent_cache:      # MLA: rope turns the rope part of each head only (transformers' head_dim)
+            latent_cache = (positive("kv_lora_rank", hf.get("kv_lora_rank")),
+                            positive("qk_rope_head_dim", hf.get("qk_rope_head_dim")))
+            head_dim = latent_cache[1]
+        else:
+            head_dim = positive("head_dim", hf.get("head_dim") or hidden // num_heads)
         max_pos = positive("max_position_embeddings", hf.get("max_position_embeddings", 2048))
         if max_pos < 2:
             raise ValueError(f"config.json: max_position_embeddings must be >= 2, got {max_pos}")
@@ -191,6 +199,7 @@ class ModelConfig:
             layer_windows=_layer_windows(hf, arch, num_layers),
             sliding_rope=sliding_rope,
             extra={name: hf[name] for name in arch.extra if name in hf},
+            latent_cache=latent_cache,
             **_architecture_numbers(hf, arch),
             **flags,
         )
@@ -347,6 +356,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"              # "auto" (the model's dtype), "fp8_e4m3", "fp8_e5m2"
     kv_scale: str | float = "rotated"         # float8 KV: "rotated" (per-head rotation, then "dynamic"),
                                               # "dynamic" (per layer and KV head), or a fixed scale
+    kv_recent_tokens: int = 256               # float8 KV: each query's latest N tokens read in the model's
+    kv_first_block: bool = True               # dtype, and its sequence's first block (0 / False: off)
 
     def __post_init__(self):
         self.device = parse_device(self.device)
@@ -393,6 +404,8 @@ class EngineConfig:
             raise ValueError("distributed_backend='nccl' needs device='cuda'")
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
         self.kv_scale = check_kv_scale(self.kv_scale)
+        self.kv_recent_tokens = check_int("kv_recent_tokens", self.kv_recent_tokens, minimum=0, maximum=INT32_MAX)
+        self.kv_first_block = check_bool("kv_first_block", self.kv_first_block)
         (self.speculative, self.num_speculative_tokens, self.prompt_lookup_min,
          self.prompt_lookup_max) = check_speculative(self.speculative, self.num_speculative_tokens,
                                                      self.prompt_lookup_min, self.prompt_lookup_max)

@@ -166,6 +166,8 @@ def load_weights(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
             continue
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
+        if model.unused_checkpoint_tensor(name):
+            continue
         target, loaded_name = _target(model, params, name)
         piece = None if shard is None else shard.piece(name, full_config)
         expected = list(target.shape)

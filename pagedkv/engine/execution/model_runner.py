@@ -3,13 +3,14 @@ from the block manager, runs the model and samples the next tokens."""
 import torch
 
 from pagedkv import BlockManager
-from pagedkv.cache import allocate_host_tier, allocate_kv_cache, block_bytes
+from pagedkv.cache import allocate_host_tier, allocate_kv_cache, allocate_mla_cache, block_bytes, mla_block_bytes
 from pagedkv.disk_store import DiskStore
 from pagedkv.ops import load_blocks, offload_blocks
 
 from ..config import EngineConfig
 from .cpu_linear import pack_wide_linears
 from ..kv.quant import attach_kv_scales, kv_cache_dtype
+from ..kv.recent import LayerRecentKV, RecentPool
 from ..models.layers import AttentionMetadata, KVGroupInputs
 from ..models.llama import LlamaForCausalLM
 from ..checkpoints.loader import Checkpoint, load_model
@@ -19,16 +20,70 @@ from ..serving.speculative import accept_greedy, accept_sampled
 
 
 def num_cache_tensors(model: LlamaForCausalLM) -> int:
-    """KV cache tensors (pairs): one per layer, except that layer i of every KV group shares tensor i
-    (Gemma 2: num_layers / 2)."""
+    """KV cache slots: one per layer, except that layer i of every KV group shares slot i (Gemma 2:
+    num_layers / 2). A slot is a (key, value) pair of tensors, or a 1-tuple (latent,) for an MLA model."""
     return max(model.config.layer_cache_slots) + 1
 
 
 def kv_cache_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block id across all cache tensors, keys and values."""
+    """Bytes of one block id across all cache tensors: keys and values, or the latent rows of an MLA model."""
     cfg = model.config
+    if cfg.latent_cache is not None:
+        kv_lora_rank, rope_dim = cfg.latent_cache
+        return mla_block_bytes(num_layers=num_cache_tensors(model), block_size=block_size, kv_lora_rank=kv_lora_rank,
+                               qk_rope_head_dim=rope_dim, dtype=dtype)
     return block_bytes(num_layers=num_cache_tensors(model), block_size=block_size, num_kv_heads=cfg.num_kv_heads,
                        head_dim=cfg.head_dim, dtype=dtype)
+
+
+RECENT_POOL_SHARE = 4     # the recent pool takes at most 1 / RECENT_POOL_SHARE of the KV budget
+
+
+def _kv_budget(config: EngineConfig) -> tuple[int, str]:
+    if config.device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(config.device)[0] * config.gpu_memory_utilization)
+        return budget, f"gpu_memory_utilization={config.gpu_memory_utilization} of the free GPU memory ({budget} bytes)"
+    return config.kv_cache_bytes, f"kv_cache_bytes={config.kv_cache_bytes}"
+
+
+def _recent_block_bytes(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    cfg = model.config
+    layers = sum(1 for g in cfg.layer_groups if cfg.group_windows[g] is None)
+    return block_bytes(num_layers=layers, block_size=config.block_size, num_kv_heads=cfg.num_kv_heads,
+                       head_dim=cfg.head_dim, dtype=next(model.parameters()).dtype)
+
+
+def recent_pool_blocks(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    """Blocks of the float8 rule's recent pool (kv.recent): what max_num_seqs sequences and a full step
+    need, within a quarter of the KV budget (and at least one sequence's); 0 without a float8 cache, without
+    a full-attention KV group, or with kv_recent_tokens=0 and kv_first_block=False."""
+    if kv_cache_dtype(config.kv_cache_dtype, torch.float32) == torch.float32:
+        return 0
+    if not (config.kv_recent_tokens or config.kv_first_block) or None not in model.config.group_windows:
+        return 0
+    needed = RecentPool.blocks_needed(config.max_num_seqs, config.max_num_batched_tokens, config.block_size,
+                                      config.kv_recent_tokens)
+    one = RecentPool.blocks_needed(1, config.block_size, config.block_size, config.kv_recent_tokens)
+    share = _kv_budget(config)[0] // RECENT_POOL_SHARE // _recent_block_bytes(model, config)
+    return min(needed, max(one, share))
+
+
+def recent_pool_bytes(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    """Bytes of the recent pool: its blocks' keys and values in the model's dtype, in each layer of the
+    full-attention group."""
+    blocks = recent_pool_blocks(model, config)
+    return blocks and blocks * _recent_block_bytes(model, config)
+
+
+def check_cache_features(model: LlamaForCausalLM, config: EngineConfig) -> None:
+    """Refuses the engine features the model's cache format cannot take: the latent cache of an MLA model
+    has no float8 format."""
+    if model.config.latent_cache is None:
+        return
+    arch = model.config.architecture
+    if config.kv_cache_dtype != "auto":
+        raise ValueError(f"{arch}: kv_cache_dtype={config.kv_cache_dtype!r} is not supported (the latent cache is "
+                         "kept in the model's dtype); pass kv_cache_dtype='auto'")
 
 
 def load_rank_model(checkpoint: Checkpoint, config: EngineConfig, *, pack_cpu_weights: bool,
@@ -44,6 +99,7 @@ def load_rank_model(checkpoint: Checkpoint, config: EngineConfig, *, pack_cpu_we
 def pool_size(model: LlamaForCausalLM, config: EngineConfig, tp=None) -> int:
     """KV blocks in the pool: config.num_blocks, or what the memory budget holds (never more than every
     sequence at full length needs); under tensor parallelism the smallest rank's, so every rank has one."""
+    check_cache_features(model, config)
     num_blocks = config.num_blocks or _num_blocks_for_budget(model, config)
     return num_blocks if tp is None else tp.min_over_ranks(num_blocks)
 
@@ -81,12 +137,11 @@ def _num_blocks_for_budget(model: LlamaForCausalLM, config: EngineConfig) -> int
     # same block manager (block_size tokens per block, one KV group).
     block_bytes = kv_cache_block_bytes(model, config.block_size,
                                        kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype))
-    if config.device.type == "cuda":
-        budget = int(torch.cuda.mem_get_info(config.device)[0] * config.gpu_memory_utilization)
-        what = f"gpu_memory_utilization={config.gpu_memory_utilization} of the free GPU memory ({budget} bytes)"
-    else:
-        budget = config.kv_cache_bytes
-        what = f"kv_cache_bytes={budget}"
+    budget, what = _kv_budget(config)
+    recent = recent_pool_bytes(model, config)
+    if recent:      # the float8 rule's full-precision window comes out of the same budget
+        budget -= recent
+        what += f" less the float8 rule's recent pool ({recent} bytes: kv_recent_tokens, kv_first_block)"
     if budget < block_bytes:
         raise ValueError(f"{what} holds no KV block ({block_bytes} bytes each); raise it or pass num_blocks")
     # More is never used: every sequence at full length, admitted with its blocks in every KV group.
@@ -108,15 +163,44 @@ class ModelRunner:
                                             pin=self.device.type == "cuda") if num_cpu_blocks else []
         cfg = model.config
         # The prefix cache's host tier: block-major, so a demoted block moves as one region.
-        self.host_tier = (allocate_host_tier(num_host_blocks, num_cache_tensors(model), self.block_size,
-                                             cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
-                                             pin_memory=self.device.type == "cuda") if num_host_blocks else None)
+        self.host_tier = self._allocate_host_tier(num_host_blocks, dtype) if num_host_blocks else None
         self.layer_caches = [self.kv_caches[i] for i in model.config.layer_cache_slots]   # what layer i reads
         self.num_groups = len(model.config.group_windows)
+        self.recent, self.recent_group = self._attach_recent_pool(config), None
+        if self.recent is not None:
+            self.recent_group = model.config.group_windows.index(None)
         self.generator = torch.Generator(self.device).manual_seed(seed)
+
+    def _attach_recent_pool(self, config: EngineConfig) -> "RecentPool | None":
+        """The float8 rule's recent pool (kv.recent) and each full-attention layer's part of it."""
+        num = recent_pool_blocks(self.model, config)
+        if not num:
+            return None
+        cfg, dtype = self.model.config, next(self.model.parameters()).dtype
+        full = cfg.group_windows.index(None)
+        for layer in self.model.model.layers:
+            attn = layer.self_attn
+            if cfg.layer_groups[attn.layer_index] == full:
+                (k, v), = allocate_kv_cache(1, num, self.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype,
+                                            device=self.device)
+                attn.kv_recent = LayerRecentKV(k, v, config.kv_recent_tokens)
+        return RecentPool(num, self.block_size, config.kv_recent_tokens, config.kv_first_block, self.device)
+
+    def _allocate_host_tier(self, num_host_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+        cfg, pin = self.model.config, self.device.type == "cuda"
+        if cfg.latent_cache is not None:     # [num_host_blocks, num_layers, block_size, latent row]
+            return torch.empty((num_host_blocks, num_cache_tensors(self.model), self.block_size, sum(cfg.latent_cache)),
+                               dtype=dtype, pin_memory=pin)
+        return allocate_host_tier(num_host_blocks, num_cache_tensors(self.model), self.block_size, cfg.num_kv_heads,
+                                  cfg.head_dim, dtype=dtype, pin_memory=pin)
 
     def _allocate(self, num_blocks, device, dtype, pin=False):
         cfg = self.model.config
+        if cfg.latent_cache is not None:
+            kv_lora_rank, rope_dim = cfg.latent_cache
+            return [(latent,) for latent in allocate_mla_cache(num_cache_tensors(self.model), num_blocks, self.block_size,
+                                                               kv_lora_rank, rope_dim, dtype=dtype, device=device,
+                                                               pin_memory=pin)]
         return allocate_kv_cache(num_cache_tensors(self.model), num_blocks, self.block_size, cfg.num_kv_heads,
                                  cfg.head_dim, dtype=dtype, device=device, pin_memory=pin)
 
@@ -153,13 +237,17 @@ class ModelRunner:
                             ends: list[int]) -> AttentionMetadata:
         """The paged-attention inputs of a step whose sequence i has queries at positions [starts[i],
         ends[i]): one bm.attention_inputs call per KV group."""
-        dev, groups = self.device, []
+        dev, groups, recent = self.device, [], None
         for g in range(self.num_groups):
             slots, tables, seq_lens, query_start_loc = bm.attention_inputs(seq_ids, starts, ends, group=g)
             groups.append(KVGroupInputs(slots.to(dev, non_blocking=True), tables.to(dev, non_blocking=True)))
+            if g == self.recent_group:
+                first = self.block_size
+                recent = self.recent.prepare(seq_ids, starts, ends, tables,
+                                             first_tokens=lambda seq_id: bm.token_ids(seq_id)[:first])
         return AttentionMetadata(seq_lens=seq_lens.to(dev, non_blocking=True),
                                  query_start_loc=query_start_loc.to(dev, non_blocking=True),
-                                 max_seq_len=max(ends), groups=groups)
+                                 max_seq_len=max(ends), groups=groups, recent=recent)
 
     @torch.inference_mode()
     def move_blocks(self, moves: ScheduledBatch) -> None:
@@ -183,18 +271,22 @@ class ModelRunner:
                 for g, c in zip(gpu, cpu):
                     src, dst = (g, c) if to_cpu else (c, g)
                     torch.ops.pagedkv.swap_blocks(src, dst, pairs)
-        keys, values = [k for k, _ in self.kv_caches], [v for _, v in self.kv_caches]
         if len(moves.offloads):
-            offload_blocks(keys, values, self.host_tier, moves.offloads)
+            offload_slots(self.kv_caches, self.host_tier, moves.offloads)
         layer_loads = None
         if len(moves.loads):
             if defer_loads and not len(moves.copies):
                 layer_loads = LayerLoads(self.host_tier, self.kv_caches, moves.loads, self.model.config.layer_cache_slots)
             else:
-                load_blocks(self.host_tier, keys, values, moves.loads)
+                load_slots(self.host_tier, self.kv_caches, moves.loads)
         if len(moves.copies):
-            pairs = torch.as_tensor(moves.copies, dtype=torch.int64).view(-1, 2).to(self.device)
-            torch.ops.pagedkv.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], pairs)
+            pairs = torch.as_tensor(moves.copies, dtype=torch.int64).view(-1, 2)
+            if self.model.config.latent_cache is not None:     # one latent tensor per slot: moved within itself
+                for (latent,) in self.kv_caches:
+                    torch.ops.pagedkv.swap_blocks(latent, latent, pairs.cpu())
+            else:
+                torch.ops.pagedkv.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
+                                              pairs.to(self.device))
         return layer_loads
 
     def _prepare(self, batch: ScheduledBatch, bm: BlockManager):
@@ -259,6 +351,28 @@ class ModelRunner:
         return out
 
 
+def offload_slots(kv_caches, host_tier: torch.Tensor, mapping) -> None:
+    """(device block, host slot) pairs: whole blocks of every cache slot into the host tier (offload_blocks for
+    K/V pairs; an MLA model's latent tensors by indexing, one copy per layer)."""
+    if len(kv_caches[0]) == 2:
+        offload_blocks([k for k, _ in kv_caches], [v for _, v in kv_caches], host_tier, mapping)
+        return
+    pairs = torch.as_tensor(mapping, dtype=torch.int64).view(-1, 2).cpu()
+    for t, (latent,) in enumerate(kv_caches):
+        host_tier[pairs[:, 1], t] = latent[pairs[:, 0].to(latent.device)].cpu()
+
+
+def load_slots(host_tier: torch.Tensor, kv_caches, mapping, first_layer: int = 0) -> None:
+    """(host slot, device block) pairs: whole blocks from the host tier into the cache slots, the first of which
+    is the host tier's layer `first_layer`."""
+    if len(kv_caches[0]) == 2:
+        load_blocks(host_tier, [k for k, _ in kv_caches], [v for _, v in kv_caches], mapping, first_layer=first_layer)
+        return
+    pairs = torch.as_tensor(mapping, dtype=torch.int64).view(-1, 2).cpu()
+    for t, (latent,) in enumerate(kv_caches, first_layer):
+        latent[pairs[:, 1].to(latent.device)] = host_tier[pairs[:, 0], t].to(latent.device, non_blocking=True)
+
+
 class LayerLoads:
     """A step's host-tier loads, one layer at a time, so that the blocks of layer l + 1 arrive while layer l
     computes. On a GPU every layer's copy is queued at once on a side stream, with an event each, and the
@@ -282,8 +396,8 @@ class LayerLoads:
             stream.wait_stream(torch.cuda.current_stream(device))
             self.events = []
             with torch.cuda.stream(stream):
-                for t, (k, v) in enumerate(kv_caches):
-                    load_blocks(host_tier, [k], [v], self.mapping, first_layer=t)
+                for t in range(len(kv_caches)):
+                    load_slots(host_tier, [kv_caches[t]], self.mapping, first_layer=t)
                     event = torch.cuda.Event()
                     event.record(stream)
                     self.events.append(event)
@@ -301,6 +415,5 @@ class LayerLoads:
         if self.events is not None:
             torch.cuda.current_stream(self.kv_caches[t][0].device).wait_event(self.events[t])
         elif not self.loaded[t]:
-            k, v = self.kv_caches[t]
-            load_blocks(self.host_tier, [k], [v], self.mapping, first_layer=t)
+            load_slots(self.host_tier, [self.kv_caches[t]], self.mapping, first_layer=t)
             self.loaded[t] = True

@@ -31,14 +31,21 @@ def kv_fingerprint(llm, **extra) -> dict:
         # under other scales differ in their salted hash, so the per-block identity check rejects them
         "kv_scales": None if llm.config.kv_cache_dtype == "auto" else llm.config.kv_scale,
         "block_size": llm.config.block_size,
-        "cache_layout": f"NHD x{len(runner.kv_caches)} (K, V) [blocks, {key.shape[1]}, {key.shape[2]}, "
-                        f"{key.shape[3]}] contiguous",
+        "cache_layout": cache_layout(runner.kv_caches),
         "tp_shard": [0, 1] if llm.tp is None else [llm.tp.rank, llm.tp.size],
         "hash_algo": llm.bm.hash_algo,
         "salt_scheme": SALT_SCHEME,
     }
     fields.update(extra)
     return fields
+
+
+def cache_layout(kv_caches) -> str:
+    """The cache tensors' layout: K/V pairs (NHD), or MLA's one latent tensor per layer."""
+    first = kv_caches[0][0]
+    kind = "NHD" if len(kv_caches[0]) == 2 else "MLA latent"
+    return (f"{kind} x{len(kv_caches)} ({'K, V' if kind == 'NHD' else 'latent'}) "
+            f"[blocks, {', '.join(str(d) for d in first.shape[1:])}] contiguous")
 
 
 def fingerprint_digest(fields: dict) -> str:

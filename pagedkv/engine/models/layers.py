@@ -32,6 +32,7 @@ class AttentionMetadata:
     logits_indices: torch.Tensor | None = None   # [R] int64: the tokens whose hidden states are returned
                                                  # (None: each sequence's last token)
     layer_loads: Any = None        # the step's host-tier loads, waited for layer by layer (model_runner.LayerLoads)
+    recent: Any = None             # the float8 rule's recent-pool inputs of the step (kv.recent.RecentStepInputs)
 
 
 class RMSNorm(nn.Module):
@@ -142,6 +143,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.kv_scales = None   # float8 KV cache: this layer's kv_quant.LayerKvScales (set by the runner)
+        self.kv_recent = None   # and its full-precision recent tokens: kv.recent.LayerRecentKV (the runner's)
+        self.layer_index = layer
 
     def project(self, positions, x, rope):
         """This step's queries and keys ([T, H + Hkv, D], rotated) and values ([T, Hkv, D]): what a model
@@ -163,11 +166,15 @@ class Attention(nn.Module):
             quant.observe(k, v)                      # dynamic scales: set by the first prefill, then fixed
             k_scale, v_scale = quant.k_scale, quant.v_scale
         torch.ops.pagedkv.reshape_and_cache(k, v, key_cache, value_cache, group.slot_mapping, k_scale, v_scale)
-        out = torch.ops.pagedkv.paged_attention(q, key_cache, value_cache, group.block_tables,
-                                                meta.seq_lens, meta.query_start_loc, self.scale,
-                                                max_seq_len=meta.max_seq_len, sliding_window=self.sliding_window,
-                                                softcap=self.softcap, k_scale=k_scale, v_scale=v_scale,
-                                                sinks=self.sink_logits)
+        if self.kv_recent is not None and meta.recent is not None:
+            out = self.kv_recent.attend(q, k, v, key_cache, value_cache, k_scale, v_scale, meta.recent, self.scale,
+                                        self.softcap, self.sink_logits)
+        else:
+            out = torch.ops.pagedkv.paged_attention(q, key_cache, value_cache, group.block_tables,
+                                                    meta.seq_lens, meta.query_start_loc, self.scale,
+                                                    max_seq_len=meta.max_seq_len,
+                                                    sliding_window=self.sliding_window, softcap=self.softcap,
+                                                    k_scale=k_scale, v_scale=v_scale, sinks=self.sink_logits)
         if quant is not None:
             out = quant.unrotate(out)
         out = self.o_proj.forward(out.reshape(-1, self.q_size))

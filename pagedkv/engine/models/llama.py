@@ -61,6 +61,10 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def unused_checkpoint_tensor(self, name: str) -> bool:
+        """A checkpoint tensor the model does not run and the loader skips (DeepSeek V3's MTP layers)."""
+        return False
+
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of the last token of every sequence: [B, hidden]."""
         return self.model(input_ids, positions, kv_caches, meta)

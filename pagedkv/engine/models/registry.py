@@ -24,6 +24,7 @@ class Architecture:
     activation: str = "silu"        # the MLP gate's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
     global_every: int = 2           # without layer_types: every global_every-th layer is full attention
     extra: frozenset = frozenset()  # fields passed on as ModelConfig.extra, checked by the model module
+    latent_cache: bool = False      # MLA: one latent cache row per token and layer (ModelConfig.latent_cache)
 
 
 # Gemma 2 and 3: the fields with the only value the engine runs, and the fields it reads.
@@ -33,9 +34,17 @@ GEMMA_FIXED = {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_atte
 GEMMA_READ = frozenset({"sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
                         "final_logit_softcapping"})
 
+# DeepSeek V3's fields the engine reads, with transformers' DeepseekV3Config defaults.
+DEEPSEEK_V3_DEFAULTS = {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                        "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+                        "moe_intermediate_size": 2048, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+                        "norm_topk_prob": True, "first_k_dense_replace": 3, "rope_interleave": True,
+                        "max_position_embeddings": 4096, "rope_theta": 10000.0}
+
 # The model registry, keyed by config.json's `architectures`. Mistral is Llama with every layer windowed;
 # Gemma 2 alternates windowed and full layers; Gemma 3 has five windowed layers per full one, with a rope
-# of their own; gpt-oss alternates 128-token windowed layers and full ones, with attention sinks and experts.
+# of their own; gpt-oss alternates 128-token windowed layers and full ones, with attention sinks and experts;
+# DeepSeek V3 has multi-head latent attention (one latent cache row per token) and routed plus shared experts.
 ARCHITECTURES = {
     "LlamaForCausalLM": Architecture("llama", "llama.LlamaForCausalLM", MATHS_FIELDS, {}),
     "MistralForCausalLM": Architecture(
@@ -67,6 +76,12 @@ ARCHITECTURES = {
                              "truncate": False, "original_max_position_embeddings": 4096}},
         frozenset({"sliding_window", "layer_types"}),
         extra=frozenset({"num_local_experts", "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"})),
+    "DeepseekV3ForCausalLM": Architecture(
+        "deepseek_v3", "deepseek_v3.DeepseekV3ForCausalLM",
+        {**MATHS_FIELDS, "scoring_func": "sigmoid",
+         "topk_method": "noaux_tc", "moe_layer_freq": 1, "pretraining_tp": 1},
+        DEEPSEEK_V3_DEFAULTS, extra=frozenset(DEEPSEEK_V3_DEFAULTS) - {"max_position_embeddings", "rope_theta"},
+        latent_cache=True),
 }
 
 

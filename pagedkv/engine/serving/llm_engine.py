@@ -47,7 +47,7 @@ class LLM:
                  kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "",
                  kv_events_include_token_ids: bool = True, metrics_port: int | None = None,
                  metrics_addr: str = "127.0.0.1", cpu_threads: int | str = "auto", kv_cache_dtype: str = "auto",
-                 kv_scale: str | float = "rotated"):
+                 kv_scale: str | float = "rotated", kv_recent_tokens: int = 256, kv_first_block: bool = True):
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError(f"model_path must be a str or os.PathLike (a checkpoint directory), got {model_path!r}")
         self.config = EngineConfig(device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
@@ -60,7 +60,8 @@ class LLM:
                                    tensor_parallel_size=tensor_parallel_size, distributed_backend=distributed_backend,
                                    speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                                    prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
-                                   kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale)
+                                   kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale,
+                                   kv_recent_tokens=kv_recent_tokens, kv_first_block=kv_first_block)
         if cpu_threads != "auto":
             try:
                 cpu_threads = check_int("cpu_threads", cpu_threads, minimum=1)

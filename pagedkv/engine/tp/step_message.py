@@ -5,6 +5,7 @@ import dataclasses
 
 import torch
 
+from ..kv.recent import from_wire, to_wire
 from ..models.layers import AttentionMetadata, KVGroupInputs
 
 # What a field is on the wire (its dataclass metadata).
@@ -38,6 +39,7 @@ class StepMessage:
     max_seq_len: int = _field(INT, default=0)
     slot_mappings: list = _field(TENSOR_LIST, default_factory=list)  # per KV group: [T] int64
     block_tables: list = _field(TENSOR_LIST, default_factory=list)   # per KV group: [B, M_g] int32
+    recent: list = _field(TENSOR_LIST, default_factory=list)         # the float8 rule's (kv.recent.to_wire)
 
     @classmethod
     def of(cls, moves, step=None) -> "StepMessage":
@@ -50,7 +52,7 @@ class StepMessage:
         return cls(**moves, input_ids=input_ids, positions=positions, seq_lens=meta.seq_lens,
                    query_start_loc=meta.query_start_loc, logits_indices=meta.logits_indices,
                    max_seq_len=meta.max_seq_len, slot_mappings=[g.slot_mapping for g in meta.groups],
-                   block_tables=[g.block_tables for g in meta.groups])
+                   block_tables=[g.block_tables for g in meta.groups], recent=to_wire(meta.recent))
 
     def step(self):
         """The runner's (input_ids, positions, AttentionMetadata), or None when the step moves blocks only."""
@@ -58,7 +60,8 @@ class StepMessage:
             return None
         meta = AttentionMetadata(seq_lens=self.seq_lens, query_start_loc=self.query_start_loc,
                                  max_seq_len=self.max_seq_len, logits_indices=self.logits_indices,
-                                 groups=[KVGroupInputs(s, t) for s, t in zip(self.slot_mappings, self.block_tables)])
+                                 groups=[KVGroupInputs(s, t) for s, t in zip(self.slot_mappings, self.block_tables)],
+                                 recent=from_wire(self.recent))
         return self.input_ids, self.positions, meta
 
     def pack(self) -> torch.Tensor:
