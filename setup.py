@@ -21,6 +21,15 @@ import torch  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
 
+def _torch_requirement():
+    """The torch releases this build works with: the building torch's release series. The extension uses
+    torch's C++ API, whose ABI holds only within one release (2.14.0 and 2.14.1 yes, 2.13 or 2.15 no), so a
+    looser range would let pip keep a torch the wheel cannot import under. It never pins a patch or a
+    build variant (+cpu, +cu130), so pip keeps the user's torch whenever it is of that series."""
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return f"torch>={major}.{minor},<{major}.{minor + 1}"
+
+
 def _rel(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
@@ -128,7 +137,7 @@ setup(
     ext_modules=[_extension()] + ([_cuda_extension()] if _want_cuda() else []),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.11",
-    install_requires=["torch>=2.11", "tqdm"],
+    install_requires=[_torch_requirement(), "tqdm"],
     extras_require={"engine": ["safetensors", "tokenizers", "matplotlib", "gguf", "jinja2"],
                     "events": ["pyzmq", "msgspec"],          # LLM(kv_events_endpoint=...)
                     "metrics": ["prometheus_client"],        # LLM(metrics_port=...)

@@ -19,5 +19,10 @@ def load_cuda_kernels():
     path = cuda_kernels_path()
     if torch.version.cuda is None or path is None:
         return False
-    torch.ops.load_library(path)
+    try:
+        torch.ops.load_library(path)
+    except OSError as e:  # e.g. a wheel built for CUDA 13 under a torch built for CUDA 12: another libcudart
+        raise ImportError(f"pagedkv's CUDA kernels ({os.path.basename(path)}) do not load under this torch "
+                          f"({torch.__version__}, CUDA {torch.version.cuda}); build pagedkv against it "
+                          f"(pip install --no-build-isolation .): {e}") from e
     return True
