@@ -128,6 +128,11 @@ def _cuda_extension():
     )
 
 
+if not _want_cuda():
+    # An in-place build without the CUDA kernels leaves none behind from an earlier one: pagedkv would load it.
+    for stale in glob.glob(os.path.join(ROOT, "pagedkv", "_C_cuda*.so")):
+        os.remove(stale)
+
 setup(
     name="pagedkv",
     version="0.1.0",

@@ -69,13 +69,15 @@ if "$py" -m zipfile -l "$repaired" | grep -q '\.libs/'; then
 fi
 say "auditwheel repair, torch's libraries excluded, vendors nothing: $(basename "$repaired")"
 
-# 3. Fresh venvs: install, import from site-packages, run the tests from a copy of tests/ outside the checkout.
+# 3. Fresh venvs: install, import from site-packages, run the tests from a copy of tests/ outside the checkout
+# (less the fuzz test, which runs scripts/fuzz_block_manager.py, a file of the checkout, not of the wheel).
 cp -r "$root/tests" "$work/tests"
 run_tests() {  # venv, what it is
   local venv=$1
   (cd "$work" && "$venv/bin/python" -c "import pagedkv, torch, sys; assert 'site-packages' in pagedkv.__file__, pagedkv.__file__; \
 print('wheel-check:', '$2', 'torch', torch.__version__, 'pagedkv from', pagedkv.__file__, 'CUDA kernels loaded:', pagedkv._C.built_with_cuda)")
   (cd "$work" && "$venv/bin/python" -m pytest -o addopts="" -q -p no:cacheprovider -W ignore::DeprecationWarning \
+     --deselect tests/test_block_manager_inputs.py::test_short_fuzz_run_passes \
      "${TESTS[@]/#/tests/}" 2>&1 | tail -n 3 | sed "s/^/wheel-check: [$2] /")
 }
 
