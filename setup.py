@@ -1,7 +1,8 @@
-"""Builds pagedkv._C: the block manager (csrc/core + csrc/bindings*.cpp) and the torch ops (csrc/ops).
-
-CUDA sources are added when torch has CUDA and a CUDA toolkit is found (set CUDA_HOME), unless
-PAGEDKV_CUDA=0. The default arch list covers sm_80 and sm_90 (override with TORCH_CUDA_ARCH_LIST).
+"""Builds pagedkv._C: the block manager (csrc/core + csrc/bindings*.cpp), the torch ops' schemas and CPU
+kernels (csrc/ops), and, when torch has CUDA and a CUDA toolkit is found (set CUDA_HOME) unless
+PAGEDKV_CUDA=0, pagedkv._C_cuda: the CUDA kernels (csrc/ops/cuda), which pagedkv loads only under a torch
+with CUDA, so _C itself never needs libc10_cuda or libcudart. The default arch list covers sm_80 and sm_90
+(override with TORCH_CUDA_ARCH_LIST).
 """
 import glob
 import os
@@ -18,6 +19,15 @@ if _cuda_home:
 
 import torch  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
+
+
+def _torch_requirement():
+    """The torch releases this build works with: the building torch's release series. The extension uses
+    torch's C++ API, whose ABI holds only within one release (2.14.0 and 2.14.1 yes, 2.13 or 2.15 no), so a
+    looser range would let pip keep a torch the wheel cannot import under. It never pins a patch or a
+    build variant (+cpu, +cu130), so pip keeps the user's torch whenever it is of that series."""
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return f"torch>={major}.{minor},<{major}.{minor + 1}"
 
 
 def _rel(pattern):
@@ -53,12 +63,28 @@ def _core_unity():
     the compiler inline across them. The GoogleTest build (CMake) compiles the parts one by one."""
     text = "".join(f'#include "{os.path.relpath(p, "csrc")}"\n' for p in _rel("csrc/core/*.cpp"))
     path = os.path.join("build", "unity", "core.cpp")
+    _write_if_changed(path, text)
+    return [path]
+
+
+def _cuda_op_checks():
+    """The argument checks the CUDA kernels share with the CPU ones, for pagedkv._C_cuda: one stub per file
+    in build/cuda_checks that includes it, so its object does not overwrite the one _C links (the two
+    libraries compile with different flags)."""
+    paths = []
+    for name in ("checks", "tensor_checks", "view_overlap", "mla"):
+        path = os.path.join("build", "cuda_checks", f"{name}.cpp")
+        _write_if_changed(path, f'#include "ops/{name}.cpp"\n')
+        paths.append(path)
+    return paths
+
+
+def _write_if_changed(path, text):
     full = os.path.join(ROOT, path)
     os.makedirs(os.path.dirname(full), exist_ok=True)
     if not os.path.exists(full) or open(full).read() != text:  # unchanged: no rebuild
         with open(full, "w") as f:
             f.write(text)
-    return [path]
 
 
 def _extension():
@@ -84,14 +110,28 @@ def _extension():
         define_macros=define_macros,
         libraries=libraries,
     )
-    if _want_cuda():
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-        sources += _rel("csrc/ops/cuda/*.cu")
-        define_macros.append(("PAGEDKV_WITH_CUDA", "1"))
-        nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
-        return cpp_extension.CUDAExtension(sources=sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
     return cpp_extension.CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
 
+
+def _cuda_extension():
+    """pagedkv._C_cuda: TORCH_LIBRARY_IMPL(pagedkv, CUDA) for the schemas _C defines; no Python module
+    (loaded with torch.ops.load_library). --no-undefined: every symbol it needs is in it or in torch."""
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+    return cpp_extension.CUDAExtension(
+        name="pagedkv._C_cuda",
+        sources=_rel("csrc/ops/cuda/*.cu") + _cuda_op_checks(),
+        include_dirs=_include_dirs(),
+        define_macros=[("PAGEDKV_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": ["-O3", "-fvisibility=hidden"], "nvcc": nvcc},
+        extra_link_args=["-Wl,--no-undefined"],
+    )
+
+
+if not _want_cuda():
+    # An in-place build without the CUDA kernels leaves none behind from an earlier one: pagedkv would load it.
+    for stale in glob.glob(os.path.join(ROOT, "pagedkv", "_C_cuda*.so")):
+        os.remove(stale)
 
 setup(
     name="pagedkv",
@@ -99,10 +139,10 @@ setup(
     description="Paged KV cache for LLM inference: C++ block manager with exact prefix caching, CPU/CUDA kernels",
     packages=find_packages(include=["pagedkv", "pagedkv.*"]),
     package_data={"pagedkv": ["py.typed", "_C.pyi"]},     # PEP 561: the native module's types
-    ext_modules=[_extension()],
+    ext_modules=[_extension()] + ([_cuda_extension()] if _want_cuda() else []),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.11",
-    install_requires=["torch>=2.11", "tqdm"],
+    install_requires=[_torch_requirement(), "tqdm"],
     extras_require={"engine": ["safetensors", "tokenizers", "matplotlib", "gguf", "jinja2"],
                     "events": ["pyzmq", "msgspec"],          # LLM(kv_events_endpoint=...)
                     "metrics": ["prometheus_client"],        # LLM(metrics_port=...)

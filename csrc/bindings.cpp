@@ -21,11 +21,6 @@ void bind_block_manager(py::module_& m);  // bindings_block_manager.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pagedkv native module: block manager and paged KV ops";
-#ifdef PAGEDKV_WITH_CUDA
-  m.attr("built_with_cuda") = true;
-#else
-  m.attr("built_with_cuda") = false;
-#endif
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {

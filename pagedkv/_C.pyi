@@ -97,7 +97,7 @@ class _pybind11_type(type):
     """The metaclass pybind11 gives the classes it binds (pybind11_builtins.pybind11_type)."""
 
 
-built_with_cuda: bool   # whether this build compiled the CUDA kernels (PAGEDKV_CUDA)
+built_with_cuda: bool   # whether the CUDA kernels (pagedkv/_C_cuda, PAGEDKV_CUDA) were built and loaded
 
 
 def hash_block_tokens(token_ids: _Ints, parent_hash: SupportsIndex | None = None, *, algo: _HashAlgo = "xxh64",

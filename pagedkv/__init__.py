@@ -12,12 +12,14 @@
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _moved, ops
+from . import _C, _moved, ops
 from ._C import AllocStatus, BlockManager, hash_block_tokens  # also registers torch.ops.pagedkv.*
+from ._cuda_kernels import load_cuda_kernels
 from .cache import (allocate_host_tier, allocate_int4_kv_cache, allocate_kv_cache, allocate_mla_cache, block_bytes,
                     int4_block_bytes, int4_row_bytes, kv_cache_groups, mla_block_bytes, num_blocks_for,
                     num_mla_blocks_for)
 
+_C.built_with_cuda = load_cuda_kernels()
 _moved.install()
 __version__ = "0.1.0"
 __all__ = ["AllocStatus", "BlockManager", "hash_block_tokens", "ops", "allocate_kv_cache", "allocate_host_tier",

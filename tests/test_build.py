@@ -1,11 +1,17 @@
 """The build itself: CUDA kernels are compiled in whenever the toolkit was there and the build asked for
-them (make test does), and every op has a kernel for each backend it was built for."""
+them (make test does), every op has a kernel for each backend it was built for, and the CUDA kernels are a
+library of their own (pagedkv/_C_cuda), so that a CPU-only torch never loads a CUDA library."""
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import pagedkv
+from pagedkv._cuda_kernels import cuda_kernels_path
 
 OPS = ["reshape_and_cache", "paged_attention", "paged_attention_with_lse", "copy_blocks", "swap_blocks",
        "concat_and_cache_mla", "paged_attention_mla", "paged_attention_mla_with_lse",
@@ -34,3 +40,59 @@ def cuda_build_requested():
 def test_cuda_kernels_compiled_in(op):
     assert pagedkv._C.built_with_cuda
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"pagedkv::{op}", "CUDA")
+
+
+# The libraries of torch's CUDA build and of the CUDA toolkit (file names, as in NEEDED and /proc/self/maps).
+CUDA_LIBRARIES = ("libc10_cuda", "libcudart", "libtorch_cuda", "libcuda.so", "libnvrtc", "libcublas")
+
+
+def needed(path):
+    """The shared libraries an ELF file names as NEEDED (readelf -d)."""
+    out = subprocess.run(["readelf", "-d", path], check=True, capture_output=True, text=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+
+
+def cuda_names(names):
+    return [n for n in names if os.path.basename(n).startswith(CUDA_LIBRARIES)]
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="needs readelf (binutils)")
+def test_block_manager_module_needs_no_cuda_library():
+    """pagedkv._C (block manager, op schemas, CPU kernels) imports under a CPU-only torch, whatever the build."""
+    names = needed(pagedkv._C.__file__)
+    assert "libc10.so" in names, names          # the parse found the list
+    assert cuda_names(names) == [], names
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="needs readelf (binutils)")
+@pytest.mark.skipif(cuda_kernels_path() is None, reason="this build has no CUDA kernels")
+def test_cuda_kernels_are_a_library_of_their_own():
+    names = needed(cuda_kernels_path())
+    assert "libc10_cuda.so" in names and any(n.startswith("libcudart") for n in names), names
+    assert os.path.dirname(cuda_kernels_path()) == os.path.dirname(pagedkv._C.__file__)
+
+
+CPU_RUN = """
+import torch, pagedkv
+key = torch.randn(5, 2, 8)
+kc, vc = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+torch.ops.pagedkv.reshape_and_cache(key, key, kc, vc, torch.arange(5))
+out = torch.ops.pagedkv.paged_attention(
+    torch.randn(1, 2, 8), kc, vc, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
+    torch.tensor([0, 1], dtype=torch.int32), 0.35)
+assert torch.isfinite(out).all() and torch.equal(kc.view(16, 2, 8)[:5], key)
+print(pagedkv._C.built_with_cuda)
+print(open("/proc/self/maps").read())
+"""
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch")
+def test_cpu_only_torch_never_loads_a_cuda_library():
+    """Under a CPU-only torch, importing pagedkv and running its ops on CPU maps no CUDA library, whether
+    or not the build compiled the CUDA kernels."""
+    out = subprocess.run([sys.executable, "-c", CPU_RUN], check=True, capture_output=True, text=True).stdout
+    built_with_cuda, maps = out.split("\n", 1)
+    assert built_with_cuda == "False"
+    mapped = {line.split()[-1] for line in maps.splitlines() if "/" in line}
+    assert any(os.path.basename(p).startswith("_C.") for p in mapped), "pagedkv._C is not mapped"
+    assert cuda_names(mapped) == [] and not any("_C_cuda" in p for p in mapped), sorted(mapped)

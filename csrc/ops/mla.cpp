@@ -1,6 +1,6 @@
-// Schemas and argument checks of the MLA ops: concat_and_cache_mla (vLLM's op of that name: the latent and
+// Argument checks of the MLA ops: concat_and_cache_mla (vLLM's op of that name: the latent and
 // the rope key of each token into one latent cache row) and paged_attention_mla(_with_lse) (absorbed-form
-// attention over the latent cache). CPU kernels in mla_cpu.cpp, CUDA kernels in cuda/mla.cu.
+// attention over the latent cache). Schemas in ops.cpp, CPU kernels in mla_cpu.cpp, CUDA kernels in cuda/mla.cu.
 #include "ops/mla.h"
 
 #include <torch/library.h>
@@ -95,20 +95,3 @@ AttentionShape check_paged_attention_mla(const at::Tensor& query, const at::Tens
 }
 
 }  // namespace pagedkv
-
-TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
-  m.set_python_module("pagedkv.ops");
-  // vLLM's concat_and_cache_mla(kv_c, k_pe, kv_cache!, slot_mapping, kv_cache_dtype, scale), with the last
-  // two optional: "auto" reads the format off kv_cache's dtype; no scale on a float8 cache means 1.
-  m.def(
-      "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
-      "str kv_cache_dtype=\"auto\", Tensor? scale=None) -> ()");
-  m.def(
-      "paged_attention_mla(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, float scale, int kv_lora_rank, *, Tensor? kv_scale=None) "
-      "-> Tensor");
-  m.def(
-      "paged_attention_mla_with_lse(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, float scale, int kv_lora_rank, *, Tensor? kv_scale=None) "
-      "-> (Tensor, Tensor)");
-}

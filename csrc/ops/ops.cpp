@@ -172,6 +172,20 @@ TORCH_LIBRARY(pagedkv, m) {
   m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()");
   m.def("silu_and_mul(Tensor input) -> Tensor");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) x, Tensor cos_sin_cache) -> ()");
+  // MLA (mla.cpp, mla_cpu.cpp, cuda/mla.cu).
+  // vLLM's concat_and_cache_mla(kv_c, k_pe, kv_cache!, slot_mapping, kv_cache_dtype, scale), with the last
+  // two optional: "auto" reads the format off kv_cache's dtype; no scale on a float8 cache means 1.
+  m.def(
+      "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "str kv_cache_dtype=\"auto\", Tensor? scale=None) -> ()");
+  m.def(
+      "paged_attention_mla(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+      "Tensor query_start_loc, float scale, int kv_lora_rank, *, Tensor? kv_scale=None) "
+      "-> Tensor");
+  m.def(
+      "paged_attention_mla_with_lse(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+      "Tensor query_start_loc, float scale, int kv_lora_rank, *, Tensor? kv_scale=None) "
+      "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {

