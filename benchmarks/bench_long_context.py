@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench_real_model import latencies, profile_decode, run_hf_generate, stream_pagedkv  # noqa: E402
+from bench_real_model import cpu_name, latencies, profile_decode, real_model, run_hf_generate, stream_pagedkv  # noqa: E402
 
 PAGEDKV = {"pagedkv-fp32": ("float32", "auto"), "pagedkv-bf16": ("bfloat16", "auto"),
            "pagedkv-fp8": ("float32", "fp8_e4m3")}
@@ -284,14 +284,11 @@ def main() -> int:
 
     import torch
 
-    from pagedkv.demo.chat_workload import SMOLLM2_INSTALL, license_text, smollm2_path
-    from pagedkv.engine.checkpoints.loader import open_checkpoint
+    from pagedkv.demo.chat_workload import license_text
 
-    model = smollm2_path()
+    model, ckpt = real_model()
     if model is None:
-        print(f"needs the real model: {SMOLLM2_INSTALL}")
         return 0
-    ckpt = open_checkpoint(model)
     cfg, tokenizer = ckpt.file.config, ckpt.tokenizer()
     kv_token_elems = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]
     longest = max(args.long_len, args.doc_len + args.question_len, args.single_len) + args.max_tokens
@@ -309,8 +306,7 @@ def main() -> int:
     if any(e in LLAMA for e in engines) and llama is None:
         print("llama-cpp-python not found (LLAMA_VENV or /tmp/llama-venv): llama.cpp skipped")
         engines = [e for e in engines if e not in LLAMA]
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"machine: {cpu}, {len(os.sched_getaffinity(0))} CPUs, torch {torch.__version__}, {args.threads} "
+    print(f"machine: {cpu_name()}, {len(os.sched_getaffinity(0))} CPUs, torch {torch.__version__}, {args.threads} "
           f"threads per engine; {args.max_tokens} new tokens per sequence, best of {args.rounds} rounds")
     with tempfile.TemporaryDirectory() as tmp:
         gguf = {"Q4_1": model}

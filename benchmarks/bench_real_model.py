@@ -265,6 +265,23 @@ def run_worker(engine, model, prompts, max_tokens, dtype, tmp) -> dict:
         return json.load(f)
 
 
+def real_model():
+    """(the SmolLM2 GGUF path, its checkpoint), or (None, None) after saying how to install it."""
+    from pagedkv.demo.chat_workload import SMOLLM2_INSTALL, smollm2_path
+    from pagedkv.engine.checkpoints.loader import open_checkpoint
+
+    model = smollm2_path()
+    if model is None:
+        print(f"needs the real model: {SMOLLM2_INSTALL}")
+        return None, None
+    return model, open_checkpoint(model)
+
+
+def cpu_name() -> str:
+    return next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                platform.machine())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conversations", type=int, default=64)
@@ -284,14 +301,11 @@ def main() -> int:
 
     import torch
 
-    from pagedkv.demo.chat_workload import SMOLLM2_INSTALL, conversations, smollm2_path
-    from pagedkv.engine.checkpoints.loader import open_checkpoint
+    from pagedkv.demo.chat_workload import conversations
 
-    model = smollm2_path()
+    model, ckpt = real_model()
     if model is None:
-        print(f"needs the real model: {SMOLLM2_INSTALL}")
         return 0
-    ckpt = open_checkpoint(model)
     template, tokenizer = ckpt.chat_template(), ckpt.tokenizer()
     prompts = [tokenizer.encode(template.render(c), add_special_tokens=False).ids
                for c in conversations(args.conversations, args.system_prompts)]
@@ -303,8 +317,7 @@ def main() -> int:
     if "vllm" in engines and vllm_python() is None:
         print("vLLM venv not found (scripts/setup_vllm_venv.sh /work/vllm-venv): vLLM skipped")
         engines.remove("vllm")
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.machine())
+    cpu = cpu_name()
     print(f"machine: {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{len(prompts)} chats over {args.system_prompts} system prompts, prompts "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} new tokens each")
