@@ -72,7 +72,7 @@ def _cuda_op_checks():
     in build/cuda_checks that includes it, so its object does not overwrite the one _C links (the two
     libraries compile with different flags)."""
     paths = []
-    for name in ("checks", "tensor_checks", "view_overlap", "mla"):
+    for name in ("checks", "tensor_checks", "view_overlap", "mla", "int4"):
         path = os.path.join("build", "cuda_checks", f"{name}.cpp")
         _write_if_changed(path, f'#include "ops/{name}.cpp"\n')
         paths.append(path)

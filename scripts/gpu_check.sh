@@ -36,7 +36,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || true
 
 if step build 420 $PY setup.py build_ext --inplace; then
-  step pytest_cuda 300 $PY -m pytest tests/test_attention.py tests/test_cache_ops.py tests/test_op_compile.py tests/test_op_errors.py tests/test_fp8_attention.py tests/test_fp8_cache.py tests/test_layer_ops.py tests/test_host_tier_ops.py tests/test_engine.py tests/test_engine_host_tier.py -k cuda -q
+  step pytest_cuda 300 $PY -m pytest tests/test_attention.py tests/test_cache_ops.py tests/test_op_compile.py tests/test_op_errors.py tests/test_fp8_attention.py tests/test_fp8_cache.py tests/test_layer_ops.py tests/test_host_tier_ops.py tests/test_int4_kv.py tests/test_engine.py tests/test_engine_host_tier.py -k cuda -q
   step check_indices 120 env PAGEDKV_CHECK_INDICES=1 $PY -c "
 import torch, pagedkv
 from pagedkv import ops

@@ -91,3 +91,46 @@ def test_int4_blocks_come_back_from_the_host_tier(tmp_path):
     stats = tiered.stats()
     assert stats["loaded_blocks"] > 0 and stats["host_hit_blocks"] > 0 and stats["load_failures"] == 0
     tiered.bm.check_invariants()
+
+
+def test_int4_blocks_come_back_from_the_disk_tier(tmp_path):
+    """Prefixes pushed through the host tier to disk records and read back: the same tokens as the single-tier
+    int4 engine, every key read from the int4 cache."""
+    from test_engine_disk_tier import HOST_BLOCKS, check_nothing_held, engines
+    from test_engine_host_tier import conversations, run
+    from engine_fixtures import save_tiny_llama
+    from pagedkv.engine.execution.model_runner import kv_cache_block_bytes
+    model = save_tiny_llama(tmp_path / "model")
+    d = model.config.head_dim
+    probe = LLM(str(tmp_path / "model"), block_size=8, num_blocks=4, kv_cache_dtype="int4", **PLAIN)
+    per_block = kv_cache_block_bytes(probe.model, 8, torch.uint8, int4_row_bytes(d, int4_group_size(d)))
+    single, tiered = engines(str(tmp_path / "model"), per_block, tmp_path / "disk", kv_cache_dtype="int4", **PLAIN)
+    assert tiered.bm.num_host_blocks == HOST_BLOCKS
+    rounds = conversations(model.config.vocab_size, turns=4)
+    assert run(tiered, rounds) == run(single, rounds)
+    t = tiered.stats()
+    assert t["disk_writes"] > 0 and t["disk_reads"] > 0 and t["disk_hit_blocks"] > 0, t
+    assert t["disk_read_failures"] == 0 and t["disk_write_failures"] == 0
+    check_nothing_held(tiered)
+
+
+@pytest.mark.parametrize("rule", ["default", "plain"])
+def test_tp2_int4_each_rank_its_heads(tiny, rule):
+    path, prompts, _ = tiny
+    kwargs = PLAIN if rule == "plain" else {}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = LLM(path, block_size=8, kv_cache_dtype="int4", **kwargs)
+        want = greedy_outputs(single, prompts)
+        with LLM(path, block_size=8, kv_cache_dtype="int4", tensor_parallel_size=2, **kwargs) as llm:
+            got = greedy_outputs(llm, prompts)
+            assert [len(g) for g in got] == [MAX_TOKENS] * len(prompts)
+            (k, v), (k1, v1) = llm.runner.kv_caches[0], single.runner.kv_caches[0]
+            assert k.dtype == torch.uint8 and k.shape[-1] == k1.shape[-1]
+            assert k.shape[2] * 2 == k1.shape[2], "each rank caches half of the KV heads"
+            same = sum(x == y for s, t in zip(got, want) for x, y in zip(s, t)) / sum(len(s) for s in got)
+            assert same >= 0.75, f"greedy agreement with the single-rank int4 engine {same:.2f}"
+            assert llm.stats()["used_blocks"] == 0
+    finally:
+        torch.set_num_threads(previous)

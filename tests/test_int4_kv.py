@@ -120,6 +120,25 @@ def test_attention_matches_float64_over_dequantised_rows(case, dtype, with_lse):
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a CUDA GPU (emulated: tests/cuda_emu)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_kernels_match_the_cpu_ones(dtype):
+    """The same bytes from reshape_and_cache_int4 on both backends (int32 and int64 slots), and attention within
+    the dtype's tolerance of the CPU kernel's over them."""
+    c = make_case(7, num_seqs=3, hq=8, hkv=2, d=128, group=32, bs=16, dtype=dtype, q_lens=[1, 9, 1], ctx=[300, 40, 7])
+    kc, vc = torch.full_like(c["kc"], 0xFF).cuda(), torch.full_like(c["vc"], 0xFF).cuda()
+    for slot_dtype in (torch.int64, torch.int32):
+        ops.reshape_and_cache_int4(c["k"].cuda(), c["v"].cuda(), kc, vc, c["slots"].to("cuda", slot_dtype), 32)
+        assert torch.equal(kc.cpu(), c["kc"]) and torch.equal(vc.cpu(), c["vc"])
+    args = (c["block_tables"], c["seq_lens"], c["qsl"], 0.1, 32)
+    want, want_lse = ops.paged_attention_int4_with_lse(c["q"], c["kc"], c["vc"], *args, sliding_window=50)
+    got, got_lse = ops.paged_attention_int4_with_lse(c["q"].cuda(), kc, vc, *(t.cuda() for t in args[:3]), *args[3:],
+                                                     sliding_window=50)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got_lse.cpu(), want_lse, atol=1e-4, rtol=1e-4)
+
+
 def test_int4_attention_is_close_to_full_precision():
     """The format's error, not only the kernel's: random keys and values over 300 positions."""
     c = make_case(3, num_seqs=1, hq=4, hkv=2, d=64, group=32, bs=16, dtype=torch.float32, q_lens=[1], ctx=[300])
@@ -192,3 +211,60 @@ def test_bad_arguments_raise():
         ops.paged_attention_int4(q[:, :3], kc, vc, bt, sl, qsl, 0.1, 32)
     with pytest.raises(RuntimeError, match="seq_lens"):
         ops.paged_attention_int4(q, kc, vc, bt, sl + 1000, qsl, 0.1, 32)
+
+
+HOSTILE = [
+    # (call, expected outcome: an exception type or "ok")
+    ("ops.reshape_and_cache_int4(k.numpy(), v, kc, vc, slots, 32)", "RuntimeError"),  # the dispatcher refuses
+    ("ops.reshape_and_cache_int4(k, v, kc, vc, slots.float(), 32)", "RuntimeError"),
+    ("ops.reshape_and_cache_int4(k, v, kc, vc, slots, 2**62)", "RuntimeError"),
+    ("ops.reshape_and_cache_int4(k, v, kc, vc, slots, -32)", "RuntimeError"),
+    ("ops.reshape_and_cache_int4(k, v, kc, vc, slots, 0)", "RuntimeError"),
+    ("ops.reshape_and_cache_int4(k, v, kc, kc, slots, 32)", "RuntimeError"),                  # K and V alias
+    ("ops.reshape_and_cache_int4(k, v, kc.as_strided(kc.shape, (0, 0, 0, 1)), vc, slots, 32)", "RuntimeError"),
+    ("ops.reshape_and_cache_int4(k, v, kc.to('meta'), vc, slots, 32)", "RuntimeError"),
+    ("ops.reshape_and_cache_int4(k, v, kc, vc, torch.full_like(slots, -2**63), 32)", "ok"),   # all padding
+    ("ops.reshape_and_cache_int4(k * float('nan'), v * float('inf'), kc, vc, slots, 32)", "ok"),
+    ("ops.paged_attention_int4(q, kc, vc, bt, sl, qsl, 0.1, 32)", "ok"),                      # random rows: legal
+    ("ops.paged_attention_int4(q, kc, vc, bt, sl, qsl, float('nan'), 32)", "RuntimeError"),
+    ("ops.paged_attention_int4(q, kc, vc, bt.fill_(2**31 - 1), sl, qsl, 0.1, 32)", "RuntimeError"),
+    ("ops.paged_attention_int4(q, kc, vc, bt, sl.fill_(-5), qsl, 0.1, 32)", "RuntimeError"),
+    ("ops.paged_attention_int4(q, kc, vc, bt, sl, qsl, 0.1, 32, sliding_window=0)", "RuntimeError"),
+    ("ops.paged_attention_int4(q, kc, vc, bt, sl, qsl, 0.1, 32, softcap=-1.0)", "RuntimeError"),
+    ("ops.paged_attention_int4(q.double(), kc, vc, bt, sl, qsl, 0.1, 32)", "RuntimeError"),
+]
+
+
+@pytest.mark.parametrize("call,expected", HOSTILE, ids=[c for c, _ in HOSTILE])
+def test_hostile_calls_raise_and_change_nothing(call, expected):
+    """Each in its own process: a clear exception (or a run where the input is legal), never an abort; a
+    refused write leaves every cache byte as it was."""
+    import os
+    import subprocess
+    import sys
+    code = f"""
+import torch
+from pagedkv import ops
+torch.manual_seed(0)
+kc = torch.randint(0, 256, (4, 16, 2, 40), dtype=torch.uint8)
+vc = torch.randint(0, 256, (4, 16, 2, 40), dtype=torch.uint8)
+before = (kc.clone(), vc.clone())
+k, v = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+slots = torch.tensor([0, 17, 5])
+q = torch.randn(1, 4, 64)
+bt, sl, qsl = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([18], dtype=torch.int32), \\
+    torch.tensor([0, 1], dtype=torch.int32)
+try:
+    {call}
+except (TypeError, RuntimeError, ValueError) as e:
+    assert str(e), "an exception with no message"
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]), "a refused call wrote the cache"
+    print("raised", type(e).__name__)
+else:
+    print("raised ok")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"raised {expected}" in done.stdout, done.stdout + done.stderr

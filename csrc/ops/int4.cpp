@@ -90,6 +90,7 @@ AttentionShape check_paged_attention_int4(const at::Tensor& query, const at::Ten
 
 }  // namespace pagedkv
 
+#if !defined(PAGEDKV_WITH_CUDA)  // pagedkv._C_cuda compiles these checks too; the schemas live in _C
 TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
   m.set_python_module("pagedkv.ops");
   m.def(
@@ -104,3 +105,4 @@ TORCH_LIBRARY_FRAGMENT(pagedkv, m) {
       "Tensor seq_lens, Tensor query_start_loc, float scale, int group_size, *, int max_seq_len=-1, "
       "int sliding_window=-1, float softcap=0.0) -> (Tensor, Tensor)");
 }
+#endif

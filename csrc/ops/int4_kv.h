@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "ops/paged_kv.h"
+
 namespace pagedkv {
 
 constexpr int kInt4Levels = 15;           // codes 0..15: 15 steps from a group's minimum to its maximum
@@ -48,6 +50,17 @@ C10_HOST_DEVICE inline int int4_code(const uint8_t* row, int64_t d) {
   return (row[d >> 1] >> ((d & 1) * 4)) & 0xf;
 }
 
+// Elements 2c and 2c + 1 of a row (code byte c), read back.
+struct Int4Pair {
+  float first, second;
+};
+
+C10_HOST_DEVICE inline Int4Pair int4_decode_pair(const uint8_t* row, int64_t head_dim, int64_t group_size, int64_t c) {
+  const Int4Group g = int4_group(row, head_dim, 2 * c / group_size);
+  const int byte = row[c];
+  return {static_cast<float>(byte & 0xf) * g.step + g.lo, static_cast<float>(byte >> 4) * g.step + g.lo};
+}
+
 // Quantises one group of g elements (x(i) gives element i as float) into the row: codes of elements
 // [first, first + g), the group's step and minimum. Non-finite inputs store unspecified codes, never UB.
 template <typename Get>
@@ -59,7 +72,7 @@ C10_HOST_DEVICE inline void int4_encode_group(uint8_t* row, int64_t head_dim, in
     hi = v > hi ? v : hi;
   }
   const uint16_t lo_bits = c10::detail::fp16_ieee_from_fp32_value(lo);
-  const uint16_t step_bits = c10::detail::fp16_ieee_from_fp32_value((hi - lo) / kInt4Levels);
+  const uint16_t step_bits = c10::detail::fp16_ieee_from_fp32_value(div_rn(hi - lo, kInt4Levels));
   uint8_t* meta = row + head_dim / 2 + kInt4GroupMetaBytes * group;
   int4_store_u16(meta, step_bits);
   int4_store_u16(meta + 2, lo_bits);
@@ -69,7 +82,7 @@ C10_HOST_DEVICE inline void int4_encode_group(uint8_t* row, int64_t head_dim, in
   for (int64_t i = 0; i < g; i += 2) {
     int codes[2];
     for (int j = 0; j < 2; ++j) {
-      float q = step > 0.f ? rintf((x(i + j) - lo_stored) / step) : 0.f;
+      float q = step > 0.f ? rintf(div_rn(x(i + j) - lo_stored, step)) : 0.f;
       q = q > kInt4Levels ? float(kInt4Levels) : (q >= 0.f ? q : 0.f);  // NaN -> 0
       codes[j] = static_cast<int>(q);
     }

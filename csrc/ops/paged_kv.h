@@ -12,6 +12,16 @@ namespace pagedkv {
 
 constexpr float kNegInf = -INFINITY;
 
+// IEEE division on the host and the device alike (--use_fast_math makes the device's `/` approximate), so a
+// byte a CUDA kernel quantises equals the CPU's and torch's.
+PAGEDKV_HD float div_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Slots and block tables. Slot of token position p: block_table[p / block_size] * block_size +
 // p % block_size; the cache is [num_blocks, block_size, num_kv_heads, head_dim].

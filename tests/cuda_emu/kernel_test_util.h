@@ -9,7 +9,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -63,6 +65,32 @@ std::vector<T> random_vector(std::mt19937_64& rng, size_t n, double lo = -1.0, d
   std::vector<T> v(n);
   for (T& x : v) x = from_double<T>(dist(rng));
   return v;
+}
+
+// float64 attention of one query row over keys [begin, end): score(k) = q . key k (unscaled), value(k, d)
+// element d of value k; scale and softcap as the kernels apply them; sink: the row's sink logit or null. Writes
+// out[0, D) and returns the log-sum-exp.
+template <typename Score, typename Value>
+double reference_attention_row(int64_t begin, int64_t end, int D, double scale, double softcap, const float* sink,
+                               Score score, Value value, std::vector<double>* out) {
+  std::vector<double> logits;
+  double m = -std::numeric_limits<double>::infinity();
+  for (int64_t k = begin; k < end; ++k) {
+    double s = score(k) * scale;
+    if (softcap > 0) s = softcap * std::tanh(s / softcap);
+    logits.push_back(s);
+    m = std::max(m, s);
+  }
+  if (sink != nullptr) m = std::max(m, double(*sink));
+  out->assign(D, 0.0);
+  double l = sink != nullptr ? std::exp(double(*sink) - m) : 0.0;
+  for (int64_t k = begin; k < end; ++k) {
+    const double w = std::exp(logits[k - begin] - m);
+    l += w;
+    for (int d = 0; d < D; ++d) (*out)[d] += w * value(k, d);
+  }
+  for (double& o : *out) o /= l;
+  return m + std::log(l);
 }
 
 // The schedules every kernel test runs under.

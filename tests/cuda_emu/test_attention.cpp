@@ -246,26 +246,14 @@ struct AttnRun {
     }
     const int kv_head = h / (Hq / Hkv);
     const size_t q_off = size_t(query_start_loc[b] + j) * q_token_stride + size_t(h) * D;
-    std::vector<double> logits;
-    double m = -kInf;
-    for (int64_t k = vis.begin; k < vis.end; ++k) {
+    const auto score = [&](int64_t k) {
       double s = 0;
       for (int d = 0; d < D; ++d) s += to_double(query.data[q_off + d]) * kv_value(k_offset, k_scale, b, k, kv_head, d);
-      s *= double(scale);
-      if (c.softcap > 0) s = c.softcap * std::tanh(s / c.softcap);
-      logits.push_back(s);
-      m = std::max(m, s);
-    }
-    if (c.sinks) m = std::max(m, double(sinks[h]));
-    out->assign(D, 0.0);
-    double l = c.sinks ? std::exp(double(sinks[h]) - m) : 0.0;
-    for (int64_t k = vis.begin; k < vis.end; ++k) {
-      const double w = std::exp(logits[k - vis.begin] - m);
-      l += w;
-      for (int d = 0; d < D; ++d) (*out)[d] += w * kv_value(v_offset, v_scale, b, k, kv_head, d);
-    }
-    for (double& o : *out) o /= l;
-    *lse = m + std::log(l);
+      return s;
+    };
+    const auto value = [&](int64_t k, int d) { return kv_value(v_offset, v_scale, b, k, kv_head, d); };
+    *lse = reference_attention_row(vis.begin, vis.end, D, double(scale), c.softcap, c.sinks ? &sinks[h] : nullptr,
+                                   score, value, out);
     return true;
   }
 

@@ -1,6 +1,6 @@
 // The CUDA cache-op kernels (csrc/ops/cuda/cache_ops.cuh) on the CPU emulator: reshape_and_cache for
 // 4-byte (float32) and 2-byte (float16/bfloat16) elements on the 16-byte and the scalar path, and into
-// float8, on every cache layout (separate, vLLM's interleaved cells, [pages, 2, ...], HND) with int32
+// float8 and int4, on every cache layout (separate, vLLM's interleaved cells, [pages, 2, ...], HND) with int32
 // and int64 slots; copy_blocks in 16-byte and byte chunks; bit-exact against a plain copy, both
 // schedules, every untouched byte of the cache buffer compared too. Padding (slot < 0) writes nothing;
 // out-of-range slots and block ids are skipped and reported.
@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 
 #include "kernel_test_util.h"
@@ -301,6 +302,112 @@ TEST(CudaReshapeAndCacheFp8, E5M2AllInputDtypesScalesAndLayouts) {
   reshape_and_cache_fp8_all<float, KvFormat::kE5M2>(3, 16);
   reshape_and_cache_fp8_all<c10::Half, KvFormat::kE5M2>(2, 8);
   reshape_and_cache_fp8_all<c10::BFloat16, KvFormat::kE5M2>(1, 32);
+}
+
+// The int4 row rule of ops/int4_kv.h, written independently of the kernels: per group, step = fp16((max - min) /
+// 15) and minimum = fp16(min) as stored; each element's code is round-half-even((x - minimum) / step) clamped to
+// [0, 15] (0 when the step is 0); element 2i in the low nibble of byte i.
+std::vector<uint8_t> int4_reference_row(const std::vector<float>& x, int group) {
+  const int D = int(x.size());
+  std::vector<uint8_t> row(D / 2 + 4 * (D / group), 0);
+  for (int g = 0; g < D / group; ++g) {
+    const auto first = x.begin() + g * group;
+    const float lo = *std::min_element(first, first + group), hi = *std::max_element(first, first + group);
+    const c10::Half step_h((hi - lo) / 15.f), lo_h(lo);
+    const float step = float(step_h), lo_s = float(lo_h);
+    for (int i = 0; i < group; ++i) {
+      const float q = step > 0.f ? std::nearbyint((first[i] - lo_s) / step) : 0.f;
+      const int code = int(std::min(15.f, std::max(0.f, q)));
+      row[(g * group + i) / 2] |= uint8_t(code << ((i % 2) * 4));
+    }
+    std::memcpy(row.data() + D / 2 + 4 * g, &step_h.x, 2);
+    std::memcpy(row.data() + D / 2 + 4 * g + 2, &lo_h.x, 2);
+  }
+  return row;
+}
+
+// reshape_and_cache_int4: every written row equals the reference rule on every cache layout (row strides in
+// bytes), with both slot types and strided inputs; every other byte of the buffer unchanged; padding skipped;
+// an out-of-range slot skipped and reported.
+template <typename scalar_t, typename slot_t>
+void reshape_and_cache_int4_case(Layout layout, CacheLayout cache_layout, int H, int D, int group, bool with_bad_slot) {
+  for (const cuda_emu::Schedule schedule : schedules()) {
+    SCOPED_TRACE(std::string(dtype_name<scalar_t>()) + ", layout " + std::to_string(int(layout)) + ", cache " +
+                 cache_layout_name(cache_layout) + ", " + slot_type_name<slot_t>() + ", D " + std::to_string(D) +
+                 ", group " + std::to_string(group) + ", " + schedule_name(schedule));
+    const ScheduleScope scope(schedule);
+    std::mt19937_64 rng = make_rng();
+    const int T = 4 + int(rng() % 16), num_blocks = 8, bs = 4, R = D / 2 + 4 * (D / group);
+    const int64_t num_slots = int64_t(num_blocks) * bs;
+    cache::TokenStrides in{int64_t(H) * D, D, 1};
+    if (layout == Layout::kQkvSlice) in.token = int64_t(3 * H) * D;
+    if (layout == Layout::kInterleaved) in = {2 * int64_t(H) * D, 2 * int64_t(D), 2};
+    // Rows of different magnitudes, some constant (step 0).
+    std::vector<scalar_t> key(size_t(T) * in.token), value(size_t(T) * in.token);
+    for (auto* v : {&key, &value}) {
+      for (size_t i = 0; i < v->size(); i += D) {
+        const double m = std::ldexp(1.0, int(rng() % 12) - 6);
+        const bool constant = rng() % 8 == 0;
+        for (size_t j = i; j < std::min(v->size(), i + D); ++j) {
+          (*v)[j] = from_double<scalar_t>(constant ? m : m * (double(rng() % 20001) / 10000.0 - 1.0));
+        }
+      }
+    }
+    const CacheViews views = cache_views(cache_layout, num_blocks, bs, H, R);
+    std::vector<uint8_t> buffer = random_bits<uint8_t>(rng, size_t(views.buffer_elems));  // sentinels
+    int bad_token = -1;
+    const std::vector<int64_t> slots64 = random_slots(rng, T, num_slots, 3, with_bad_slot ? &bad_token : nullptr);
+    const std::vector<slot_t> slots(slots64.begin(), slots64.end());
+    std::vector<uint8_t> want = buffer;
+    for (int t = 0; t < T; ++t) {
+      if (slots64[t] < 0 || slots64[t] >= num_slots) continue;
+      for (int h = 0; h < H; ++h) {
+        for (const bool is_value : {false, true}) {
+          std::vector<float> x(D);
+          for (int d = 0; d < D; ++d) x[d] = float((is_value ? value : key)[t * in.token + h * in.head + d * in.dim]);
+          const std::vector<uint8_t> row = int4_reference_row(x, group);
+          const int64_t at = is_value ? element_at(views.value_strides, views.value_offset, slots64[t], bs, h, 0)
+                                      : element_at(views.key_strides, views.key_offset, slots64[t], bs, h, 0);
+          std::copy(row.begin(), row.end(), want.begin() + at);
+        }
+      }
+    }
+    pagedkv::IndexError error{};
+    cuda_emu::launch(dim3(T), dim3(cache::kThreads), 0, cache::reshape_and_cache_int4_kernel<scalar_t, slot_t>,
+                     key.data(), value.data(), buffer.data() + views.key_offset, buffer.data() + views.value_offset,
+                     slots.data(), in, in, views.key_strides, views.value_strides, H, D, group, int64_t(bs), num_slots,
+                     &error);
+    size_t first_diff = 0;
+    while (first_diff < want.size() && buffer[first_diff] == want[first_diff]) ++first_diff;
+    EXPECT_EQ(first_diff, want.size()) << "first differing byte";  // the rows, and every other byte unchanged
+    EXPECT_EQ(error.claimed, with_bad_slot ? 1u : 0u);
+    if (with_bad_slot) {
+      EXPECT_EQ(error.value, slots64[bad_token]);
+      EXPECT_EQ(error.where, bad_token);
+    }
+  }
+}
+
+template <typename scalar_t>
+void reshape_and_cache_int4_all(Layout layout, int H, int D, int group) {
+  for (const CacheLayout cache_layout : kCacheLayouts) {
+    reshape_and_cache_int4_case<scalar_t, int64_t>(layout, cache_layout, H, D, group, false);
+    reshape_and_cache_int4_case<scalar_t, int32_t>(layout, cache_layout, H, D, group, false);
+  }
+}
+
+TEST(CudaReshapeAndCacheInt4, Float32AllLayouts) {
+  reshape_and_cache_int4_all<float>(Layout::kContiguous, 4, 64, 32);
+  reshape_and_cache_int4_all<float>(Layout::kInterleaved, 2, 32, 16);
+}
+TEST(CudaReshapeAndCacheInt4, HalfQkvSlice) { reshape_and_cache_int4_all<c10::Half>(Layout::kQkvSlice, 2, 128, 64); }
+TEST(CudaReshapeAndCacheInt4, BFloat16OddGroups) {
+  reshape_and_cache_int4_all<c10::BFloat16>(Layout::kContiguous, 3, 36, 18);
+  reshape_and_cache_int4_all<c10::BFloat16>(Layout::kInterleaved, 1, 256, 128);
+}
+TEST(CudaReshapeAndCacheInt4, OutOfRangeSlotSkippedAndReported) {
+  reshape_and_cache_int4_case<float, int64_t>(Layout::kContiguous, CacheLayout::kSeparate, 2, 32, 32, true);
+  reshape_and_cache_int4_case<c10::Half, int32_t>(Layout::kInterleaved, CacheLayout::kHnd, 2, 64, 32, true);
 }
 
 template <typename Chunk>

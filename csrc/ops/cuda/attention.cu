@@ -1,5 +1,5 @@
-// Torch glue of the CUDA paged attention: argument checks, output allocation, launch on the current
-// stream. Kernels and launch planning are in attention.cuh.
+// Torch glue of the CUDA paged attention (float, float8 and int4 caches): argument checks, output allocation,
+// launch on the current stream. Kernels and launch planning are in attention.cuh.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -13,10 +13,12 @@
 
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include "ops/cuda/attention.cuh"
 #include "ops/cuda/index_check.h"
 #include "ops/fp8.h"
+#include "ops/int4.h"
 #include "ops/ops.h"
 #include "ops/paged_kv.h"
 
@@ -32,14 +34,16 @@ int multiprocessor_count(int device) {
   return count;
 }
 
+// cache_t: the caches' element type, or attention_cuda::Int4Rows (rows staged as fp32: any alignment).
 template <typename scalar_t, typename cache_t>
 void launch_paged_attention(KernelParams p, int64_t max_seq_len, int device, cudaStream_t stream,
                             const at::TensorOptions& float_options) {
+  constexpr bool kInt4 = std::is_same_v<cache_t, attention_cuda::Int4Rows>;
+  constexpr int kStaged = sizeof(typename attention_cuda::Staged<cache_t>::type);
+  const bool aligned = kInt4 || (cache_rows_16b_aligned(p.key_cache, kStaged, p.cache_strides) &&
+                                 cache_rows_16b_aligned(p.value_cache, kStaged, p.cache_strides));
   const AttentionLaunch launch =
-      attention_cuda::plan_paged_attention(p, sizeof(cache_t),
-                                           cache_rows_16b_aligned(p.key_cache, sizeof(cache_t), p.cache_strides) &&
-                                               cache_rows_16b_aligned(p.value_cache, sizeof(cache_t), p.cache_strides),
-                                           max_seq_len, multiprocessor_count(device));
+      attention_cuda::plan_paged_attention(p, kStaged, aligned, max_seq_len, multiprocessor_count(device));
   TORCH_CHECK(launch.smem_fits, "paged_attention: head_dim ", p.head_dim, " needs too much shared memory");
   at::Tensor partial_out, partial_lse;
   if (launch.grid_z > 1) {
@@ -63,16 +67,15 @@ void launch_paged_attention(KernelParams p, int64_t max_seq_len, int device, cud
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
-    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+// Attention over checked arguments: float caches (scalar_t), float8 ones (with their scales), or int4 rows
+// (int4_group > 0).
+std::tuple<at::Tensor, at::Tensor> attend_checked(
+    const AttentionShape& shape, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in, const at::Tensor& query_start_loc_in,
     double scale, int64_t max_seq_len, int64_t sliding_window, double softcap,
     const std::optional<at::Tensor>& k_scale_in, const std::optional<at::Tensor>& v_scale_in,
-    const std::optional<at::Tensor>& sinks_in, bool want_lse) {
-  const AttentionShape shape = check_paged_attention(query, key_cache, value_cache, block_tables_in, seq_lens_in,
-                                                     query_start_loc_in, scale, sliding_window, softcap, k_scale_in,
-                                                     v_scale_in, sinks_in);
-  TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor for the CUDA paged_attention");
+    const std::optional<at::Tensor>& sinks_in, bool want_lse, int64_t int4_group, const char* op) {
+  TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor for the CUDA ", op);
   const c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor out = at::empty(query.sizes(), query.options().memory_format(at::MemoryFormat::Contiguous));
@@ -92,6 +95,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
   static_cast<AttentionParams&>(p) = attention_params(shape, query, key_cache, value_cache, block_tables, seq_lens,
                                                       query_start_loc, out, lse, scale, sliding_window, softcap);
   p.index_error = index_check.error();
+  p.int4_group = int(int4_group);
   if (k_scale.defined()) p.k_scale = KvScale{k_scale.data_ptr<float>(), k_scale.dim() == 0 ? 0 : 1};
   if (v_scale.defined()) p.v_scale = KvScale{v_scale.data_ptr<float>(), v_scale.dim() == 0 ? 0 : 1};
   if (sinks.defined()) p.sinks = sinks.data_ptr<float>();
@@ -99,7 +103,9 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
   const int device = query.get_device();
   dispatch_float(query.scalar_type(), [&](auto type) {
     using scalar_t = decltype(type);
-    if (is_fp8(key_cache.scalar_type())) {
+    if (int4_group > 0) {
+      launch_paged_attention<scalar_t, attention_cuda::Int4Rows>(p, max_seq_len, device, stream, float_options);
+    } else if (is_fp8(key_cache.scalar_type())) {
       dispatch_fp8(kv_format(key_cache.scalar_type()), [&](auto format) {
         using cache_t = typename Fp8Traits<decltype(format)::value>::type;
         launch_paged_attention<scalar_t, cache_t>(p, max_seq_len, device, stream, float_options);
@@ -110,8 +116,49 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
   });
   const char* names[] = {"block_tables", "seq_lens"};
   const int64_t bounds[] = {shape.num_blocks, shape.max_blocks * shape.block_size + 1};
-  index_check.raise_if_any("paged_attention", names, bounds);
+  index_check.raise_if_any(op, names, bounds);
   return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_cuda_impl(
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+    int64_t max_seq_len, int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks, bool want_lse) {
+  const AttentionShape shape = check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                                     query_start_loc, scale, sliding_window, softcap, k_scale,
+                                                     v_scale, sinks);
+  return attend_checked(shape, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                        max_seq_len, sliding_window, softcap, k_scale, v_scale, sinks, want_lse, 0,
+                        "paged_attention");
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_int4_cuda_impl(
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+    int64_t group_size, int64_t max_seq_len, int64_t sliding_window, double softcap, bool want_lse) {
+  const AttentionShape shape = check_paged_attention_int4(query, key_cache, value_cache, block_tables, seq_lens,
+                                                          query_start_loc, scale, group_size, sliding_window, softcap);
+  return attend_checked(shape, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                        max_seq_len, sliding_window, softcap, std::nullopt, std::nullopt, std::nullopt, want_lse,
+                        group_size, "paged_attention_int4");
+}
+
+at::Tensor paged_attention_int4_cuda(const at::Tensor& query, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                                     int64_t group_size, int64_t max_seq_len, int64_t sliding_window, double softcap) {
+  return std::get<0>(paged_attention_int4_cuda_impl(query, key_cache, value_cache, block_tables, seq_lens,
+                                                    query_start_loc, scale, group_size, max_seq_len, sliding_window,
+                                                    softcap, false));
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_int4_with_lse_cuda(
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+    int64_t group_size, int64_t max_seq_len, int64_t sliding_window, double softcap) {
+  return paged_attention_int4_cuda_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                                        group_size, max_seq_len, sliding_window, softcap, true);
 }
 
 at::Tensor paged_attention_cuda(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -139,4 +186,6 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_with_lse_cuda(
 TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
   m.impl("paged_attention", &pagedkv::paged_attention_cuda);
   m.impl("paged_attention_with_lse", &pagedkv::paged_attention_with_lse_cuda);
+  m.impl("paged_attention_int4", &pagedkv::paged_attention_int4_cuda);
+  m.impl("paged_attention_int4_with_lse", &pagedkv::paged_attention_int4_with_lse_cuda);
 }

@@ -10,9 +10,11 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "ops/attention_plan.h"
 #include "ops/cuda/device_compat.cuh"
+#include "ops/int4_kv.h"
 #include "ops/paged_kv.h"
 
 namespace pagedkv {
@@ -57,6 +59,23 @@ struct SmemLayout {
 // The call's parameters plus the CTA tiling chosen by plan_paged_attention.
 struct KernelParams : AttentionParams {
   int heads_per_cta, head_chunks, queries_per_cta, key_tile;
+  int int4_group;  // int4 caches (cache_t = Int4Rows): elements per group of a row
+};
+
+// The kernel's cache_t for int4 caches: uint8 rows of ops/int4_kv.h, decoded to fp32 as they are staged.
+struct Int4Rows {};
+
+// What a cache row becomes in shared memory (the element size plan_paged_attention plans with): the cache's
+// own elements, or fp32 for int4 rows.
+template <typename cache_t>
+struct Staged {
+  using type = cache_t;  // the bytes in global memory, element for element
+  using stored = cache_t;
+};
+template <>
+struct Staged<Int4Rows> {
+  using type = float;
+  using stored = uint8_t;
 };
 
 // What launch_paged_attention needs beyond the params: grid, dynamic shared memory, kernel variant.
@@ -142,20 +161,24 @@ __device__ __forceinline__ int64_t checked_row_offset(const AttentionParams& p, 
   return cache_block_offset(block, pos % p.block_size, p.cache_strides);
 }
 
-// scalar_t: the query and output type; cache_t: the caches' (scalar_t, or a float8 type staged as such
-// in shared memory: the K scale is folded into the query and the V scale into the output).
+// scalar_t: the query and output type; cache_t: the caches' (scalar_t, a float8 type staged as such in
+// shared memory: the K scale is folded into the query and the V scale into the output; or Int4Rows, rows
+// decoded to fp32 as they are staged). kVec16: 16-byte staging loads (raw caches) and shared-memory reads.
 template <typename scalar_t, typename cache_t, bool kVec16>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelParams p) {
+  using stage_t = typename Staged<cache_t>::type;
+  using stored_t = typename Staged<cache_t>::stored;
+  constexpr bool kInt4 = std::is_same_v<cache_t, Int4Rows>;
   PAGEDKV_DYNAMIC_SHARED(smem);
-  const SmemLayout L = SmemLayout::make(p.head_dim, p.key_tile, sizeof(cache_t), kVec16);
+  const SmemLayout L = SmemLayout::make(p.head_dim, p.key_tile, sizeof(stage_t), kVec16);
   float* q_s = reinterpret_cast<float*>(smem + L.q);
   float* acc_s = reinterpret_cast<float*>(smem + L.acc);
   float* logits_s = reinterpret_cast<float*>(smem + L.logits);
   OnlineSoftmax* state_s = reinterpret_cast<OnlineSoftmax*>(smem + L.state);
   float* alpha_s = reinterpret_cast<float*>(smem + L.alpha);
   int64_t* key_rows_s = reinterpret_cast<int64_t*>(smem + L.key_rows);  // cache row offsets (KV head 0) of the tile
-  cache_t* k_s = reinterpret_cast<cache_t*>(smem + L.k_tile);
-  cache_t* v_s = reinterpret_cast<cache_t*>(smem + L.v_tile);
+  stage_t* k_s = reinterpret_cast<stage_t*>(smem + L.k_tile);
+  stage_t* v_s = reinterpret_cast<stage_t*>(smem + L.v_tile);
   PAGEDKV_SHARED(int, seq_s);
   PAGEDKV_SHARED(int, tile_s);
 
@@ -195,10 +218,10 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
   }
   if (tid < rows) state_s[tid] = OnlineSoftmax{};
 
-  const auto* key_cache = static_cast<const cache_t*>(p.key_cache);
-  const auto* value_cache = static_cast<const cache_t*>(p.value_cache);
+  const auto* key_cache = static_cast<const stored_t*>(p.key_cache);
+  const auto* value_cache = static_cast<const stored_t*>(p.value_cache);
   const int64_t head_offset = kv_head * p.cache_strides.head;
-  constexpr int kPerVec = 16 / sizeof(cache_t);
+  constexpr int kPerVec = 16 / sizeof(stage_t);
   for (int64_t tile = keys.begin; tile < keys.end; tile += KT) {
     const int n = int(min_i64(KT, keys.end - tile));
     __syncthreads();  // previous tile's readers are done with rows, KV and logits
@@ -206,8 +229,22 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
     __syncthreads();
 
     // --- stage K and V rows of this tile (each read once for all rows of the CTA); the rows of
-    // keys outside the cache are zeros
-    if constexpr (kVec16) {
+    // keys outside the cache are zeros. int4: one thread per code byte (two elements and their group's
+    // step and minimum).
+    if constexpr (kInt4) {
+      const int pairs = D / 2;
+      for (int i = tid; i < n * pairs; i += kThreads) {
+        const int j = i / pairs, c = i % pairs;
+        Int4Pair k2{0.f, 0.f}, v2{0.f, 0.f};
+        if (key_rows_s[j] >= 0) {
+          const int64_t src = key_rows_s[j] + head_offset;
+          k2 = int4_decode_pair(key_cache + src, D, p.int4_group, c);
+          v2 = int4_decode_pair(value_cache + src, D, p.int4_group, c);
+        }
+        k_s[j * L.row_stride + 2 * c] = k2.first, k_s[j * L.row_stride + 2 * c + 1] = k2.second;
+        v_s[j * L.row_stride + 2 * c] = v2.first, v_s[j * L.row_stride + 2 * c + 1] = v2.second;
+      }
+    } else if constexpr (kVec16) {
       const int vecs = D / kPerVec;
       for (int i = tid; i < n * vecs; i += kThreads) {
         const int j = i / vecs, c = (i % vecs) * kPerVec;
@@ -244,12 +281,12 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
       const int64_t pos = tile + j;
       if (j < n && pos >= visible.begin && pos < visible.end && key_rows_s[j] >= 0) {
         const float* q = q_s + r * D;
-        const cache_t* k = k_s + j * L.row_stride;
+        const stage_t* k = k_s + j * L.row_stride;
         float dot = 0.f;
         if constexpr (kVec16) {
           for (int d = 0; d < D; d += kPerVec) {
             const uint4 raw = *reinterpret_cast<const uint4*>(k + d);
-            const cache_t* e = reinterpret_cast<const cache_t*>(&raw);
+            const stage_t* e = reinterpret_cast<const stage_t*>(&raw);
 #pragma unroll
             for (int x = 0; x < kPerVec; ++x) dot += q[d + x] * static_cast<float>(e[x]);
           }
@@ -305,7 +342,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const KernelP
         a.x *= alpha, a.y *= alpha, a.z *= alpha, a.w *= alpha;
         for (int j = int(max_i64(0, visible.begin - tile)); j < j_end; ++j) {
           const float pj = prob[j];
-          const cache_t* v = v_s + j * L.row_stride + d;
+          const stage_t* v = v_s + j * L.row_stride + d;
           a.x += pj * static_cast<float>(v[0]);
           a.y += pj * static_cast<float>(v[1]);
           a.z += pj * static_cast<float>(v[2]);

@@ -10,6 +10,7 @@
 
 #include "ops/cuda/cache_ops.cuh"
 #include "ops/cuda/index_check.h"
+#include "ops/int4.h"
 #include "ops/ops.h"
 
 namespace pagedkv {
@@ -108,6 +109,34 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   index_check.raise_if_any("reshape_and_cache", names, bounds);
 }
 
+void reshape_and_cache_int4_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                                 at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t group_size) {
+  check_reshape_and_cache_int4(key, value, key_cache, value_cache, slot_mapping, group_size);
+  if (key.size(0) == 0) return;
+  TORCH_CHECK(key.is_cuda(), "key must be a CUDA tensor for the CUDA reshape_and_cache_int4");
+  const c10::cuda::CUDAGuard guard(key.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor slots = slot_mapping.contiguous();
+  DeviceIndexCheck index_check(key.device());
+  dispatch_slot_type(slots.scalar_type(), [&](auto slot_tag) {
+    using slot_t = decltype(slot_tag);
+    dispatch_float(key.scalar_type(), [&](auto type_tag) {
+      using scalar_t = decltype(type_tag);
+      cache_cuda::reshape_and_cache_int4_kernel<scalar_t, slot_t><<<key.size(0), kThreads, 0, stream>>>(
+          static_cast<const scalar_t*>(key.data_ptr()), static_cast<const scalar_t*>(value.data_ptr()),
+          static_cast<uint8_t*>(key_cache.data_ptr()), static_cast<uint8_t*>(value_cache.data_ptr()),
+          slots.data_ptr<slot_t>(), token_strides(key), token_strides(value), cache_strides(key_cache),
+          cache_strides(value_cache), static_cast<int>(key.size(1)), static_cast<int>(key.size(2)),
+          static_cast<int>(group_size), key_cache.size(1), key_cache.size(0) * key_cache.size(1),
+          index_check.error());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  const char* names[] = {"slot_mapping"};
+  const int64_t bounds[] = {key_cache.size(0) * key_cache.size(1)};
+  index_check.raise_if_any("reshape_and_cache_int4", names, bounds);
+}
+
 void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
   const std::vector<at::Tensor> keys = key_caches.vec(), values = value_caches.vec();
   check_copy_blocks(keys, values, block_mapping);
@@ -166,6 +195,7 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
 
 TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
   m.impl("reshape_and_cache", &pagedkv::reshape_and_cache_cuda);
+  m.impl("reshape_and_cache_int4", &pagedkv::reshape_and_cache_int4_cuda);
   m.impl("copy_blocks", &pagedkv::copy_blocks_cuda);
   m.impl("swap_blocks", &pagedkv::swap_blocks_cuda);
 }

@@ -1,12 +1,13 @@
 // Device code of the CUDA cache ops (torch-free; included by cache_ops.cu and by tests/cuda_emu):
 // reshape_and_cache into strided cache views with int32 or int64 slots (16-byte vector stores when
-// aligned) and copy_blocks.
+// aligned), into float8 and int4 caches, and copy_blocks.
 #pragma once
 
 #include <cstdint>
 
 #include "ops/cuda/device_compat.cuh"
 #include "ops/fp8.h"
+#include "ops/int4_kv.h"
 #include "ops/paged_kv.h"
 
 namespace pagedkv {
@@ -74,16 +75,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// IEEE division whatever the compiler flags (--use_fast_math turns `/` into an approximation on the
-// device), so a stored float8 byte equals the CPU's and torch's.
-__device__ __forceinline__ float div_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-
 // reshape_and_cache into float8 cache views (format F): one CTA per token, each element divided by its
 // KV head's scale, saturated and rounded as fp8.h says. Strides, padding and out-of-range slots as above.
 template <typename scalar_t, KvFormat F, typename slot_t>
@@ -107,6 +98,32 @@ __global__ void __launch_bounds__(kThreads)
         div_rn(static_cast<float>(k[h * key_strides.head + d * key_strides.dim]), k_scale.at(h)));
     v_dst[h * value_cache_strides.head + d] = fp8_saturating_encode<F>(
         div_rn(static_cast<float>(v[h * value_strides.head + d * value_strides.dim]), v_scale.at(h)));
+  }
+}
+
+// reshape_and_cache_int4 into int4 cache views (rows of ops/int4_kv.h, any block, token and head strides): one
+// CTA per token, one thread per (K or V, head, group), which quantises that group's group_size elements (inputs
+// with any strides) into its code bytes and its step and minimum. Padding and out-of-range slots as above.
+template <typename scalar_t, typename slot_t>
+__global__ void __launch_bounds__(kThreads)
+    reshape_and_cache_int4_kernel(const scalar_t* __restrict__ key, const scalar_t* __restrict__ value,
+                                  uint8_t* __restrict__ key_cache, uint8_t* __restrict__ value_cache,
+                                  const slot_t* __restrict__ slot_mapping, TokenStrides key_strides,
+                                  TokenStrides value_strides, CacheStrides key_cache_strides,
+                                  CacheStrides value_cache_strides, int num_heads, int head_dim, int group_size,
+                                  int64_t block_size, int64_t num_slots, IndexError* index_error) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = token_slot(slot_mapping, token, num_slots, index_error);
+  if (slot < 0) return;
+  const int groups = head_dim / group_size, per_cache = num_heads * groups;
+  for (int i = threadIdx.x; i < 2 * per_cache; i += blockDim.x) {
+    const bool is_value = i >= per_cache;
+    const int h = (i % per_cache) / groups, g = i % groups;
+    const TokenStrides s = is_value ? value_strides : key_strides;
+    const CacheStrides cs = is_value ? value_cache_strides : key_cache_strides;
+    const scalar_t* src = (is_value ? value : key) + token * s.token + h * s.head + int64_t(g) * group_size * s.dim;
+    uint8_t* row = (is_value ? value_cache : key_cache) + cache_slot_offset(slot, block_size, cs) + h * cs.head;
+    int4_encode_group(row, head_dim, g, group_size, [&](int64_t e) { return static_cast<float>(src[e * s.dim]); });
   }
 }
 

@@ -43,7 +43,7 @@ struct Fp8Store {
   KvScale scale;
   template <typename T>
   __device__ __forceinline__ uint8_t operator()(T x) const {
-    return fp8_saturating_encode<F>(cache_cuda::div_rn(static_cast<float>(x), scale.at(0)));
+    return fp8_saturating_encode<F>(div_rn(static_cast<float>(x), scale.at(0)));
   }
 };
 

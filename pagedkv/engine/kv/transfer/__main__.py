@@ -17,11 +17,16 @@ def main(argv=None) -> None:
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--kv-recent-tokens", type=int, default=None,
+                        help="the recent pool's window of a float8 / int4 cache (0: every key from it)")
+    parser.add_argument("--kv-first-block", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--cpu-threads", default="auto")
     args = parser.parse_args(argv)
     threads = args.cpu_threads if args.cpu_threads == "auto" else int(args.cpu_threads)
+    recent = {k: v for k, v in (("kv_recent_tokens", args.kv_recent_tokens),
+                                ("kv_first_block", args.kv_first_block)) if v is not None}
     llm = LLM(args.model, block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.dtype,
-              kv_cache_dtype=args.kv_cache_dtype, cpu_threads=threads)
+              kv_cache_dtype=args.kv_cache_dtype, cpu_threads=threads, **recent)
     with KVTransferServer(llm, args.endpoint, lease_s=args.lease_s) as server:
         print(f"pagedkv-kv-transfer {server.endpoint}", flush=True)
         try:
