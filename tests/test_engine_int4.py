@@ -104,6 +104,7 @@ def test_int4_blocks_come_back_from_the_disk_tier(tmp_path):
     d = model.config.head_dim
     probe = LLM(str(tmp_path / "model"), block_size=8, num_blocks=4, kv_cache_dtype="int4", **PLAIN)
     per_block = kv_cache_block_bytes(probe.model, 8, torch.uint8, int4_row_bytes(d, int4_group_size(d)))
+    (tmp_path / "disk").mkdir()
     single, tiered = engines(str(tmp_path / "model"), per_block, tmp_path / "disk", kv_cache_dtype="int4", **PLAIN)
     assert tiered.bm.num_host_blocks == HOST_BLOCKS
     rounds = conversations(model.config.vocab_size, turns=4)

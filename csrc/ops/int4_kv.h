@@ -15,6 +15,10 @@
 
 #include "ops/paged_kv.h"
 
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
+
 namespace pagedkv {
 
 constexpr int kInt4Levels = 15;           // codes 0..15: 15 steps from a group's minimum to its maximum
@@ -32,6 +36,15 @@ C10_HOST_DEVICE inline uint16_t int4_load_u16(const uint8_t* p) {
 C10_HOST_DEVICE inline void int4_store_u16(uint8_t* p, uint16_t v) {
   p[0] = static_cast<uint8_t>(v & 0xff);
   p[1] = static_cast<uint8_t>(v >> 8);
+}
+
+// fp16 bits of x, rounded to nearest even (c10's conversion is host-only; the device's intrinsic rounds alike).
+C10_HOST_DEVICE inline uint16_t int4_fp16_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(x));
+#else
+  return c10::detail::fp16_ieee_from_fp32_value(x);
+#endif
 }
 
 // One group's read-back rule: x = code * step + lo.
@@ -71,8 +84,8 @@ C10_HOST_DEVICE inline void int4_encode_group(uint8_t* row, int64_t head_dim, in
     lo = v < lo ? v : lo;
     hi = v > hi ? v : hi;
   }
-  const uint16_t lo_bits = c10::detail::fp16_ieee_from_fp32_value(lo);
-  const uint16_t step_bits = c10::detail::fp16_ieee_from_fp32_value(div_rn(hi - lo, kInt4Levels));
+  const uint16_t lo_bits = int4_fp16_bits(lo);
+  const uint16_t step_bits = int4_fp16_bits(div_rn(hi - lo, kInt4Levels));
   uint8_t* meta = row + head_dim / 2 + kInt4GroupMetaBytes * group;
   int4_store_u16(meta, step_bits);
   int4_store_u16(meta + 2, lo_bits);
