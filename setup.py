@@ -1,7 +1,7 @@
-"""Builds pagedkv._C: the block manager (csrc/core + csrc/bindings*.cpp), the torch ops' schemas and CPU
-kernels (csrc/ops), and, when torch has CUDA and a CUDA toolkit is found (set CUDA_HOME) unless
+"""Builds pagedkv._C: the block manager (csrc/core + csrc/bindings*.cpp), pagedkv._ops: the torch ops' schemas
+and CPU kernels (csrc/ops), and, when torch has CUDA and a CUDA toolkit is found (set CUDA_HOME) unless
 PAGEDKV_CUDA=0, pagedkv._C_cuda: the CUDA kernels (csrc/ops/cuda), which pagedkv loads only under a torch
-with CUDA, so _C itself never needs libc10_cuda or libcudart. The default arch list covers sm_80 and sm_90
+with CUDA, so _C and _ops never need libc10_cuda or libcudart. The default arch list covers sm_80 and sm_90
 (override with TORCH_CUDA_ARCH_LIST).
 """
 import glob
@@ -69,7 +69,7 @@ def _core_unity():
 
 def _cuda_op_checks():
     """The argument checks the CUDA kernels share with the CPU ones, for pagedkv._C_cuda: one stub per file
-    in build/cuda_checks that includes it, so its object does not overwrite the one _C links (the two
+    in build/cuda_checks that includes it, so its object does not overwrite the one _ops links (the two
     libraries compile with different flags)."""
     paths = []
     for name in ("checks", "tensor_checks", "view_overlap", "mla", "int4"):
@@ -88,33 +88,39 @@ def _write_if_changed(path, text):
 
 
 def _extension():
-    # csrc/ops/cpu/attention_<isa>.cpp: one copy of the CPU attention kernels per instruction set, chosen at
-    # run time; each sets its ISA with `#pragma GCC target` (x86 only), so no -m flag is passed here.
-    sources = (_core_unity() + _rel("csrc/ops/*.cpp") + _rel("csrc/ops/cpu/*.cpp")
-               + _rel("csrc/bindings*.cpp"))
-    # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into our code;
-    # without it every CPU kernel silently runs on one thread (torch's own libgomp is reused at run time).
-    cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]  # torch picks the C++ standard it needs
-    define_macros = []
-    libraries = []
+    """pagedkv._C: the block manager (csrc/core) and its Python bindings (csrc/bindings*.cpp)."""
     # xxHash is compiled in (XXH_INLINE_ALL), but its header comes from the system: no PyPI package
     # installs xxhash.h (the `xxhash` wheel carries only its compiled module), so pip cannot supply it.
     if not _have_header("xxhash.h"):
         raise RuntimeError("building pagedkv needs xxhash.h (header only, nothing is linked): "
                            "apt-get install libxxhash-dev, dnf install xxhash-devel, "
                            "or put xxhash.h in build_deps/include")
-    kwargs = dict(
+    return cpp_extension.CppExtension(
         name="pagedkv._C",
-        extra_link_args=["-fopenmp"],
+        sources=_core_unity() + _rel("csrc/bindings*.cpp"),
         include_dirs=_include_dirs(),
-        define_macros=define_macros,
-        libraries=libraries,
+        extra_compile_args={"cxx": ["-O3", "-fvisibility=hidden"]},  # torch picks the C++ standard it needs
     )
-    return cpp_extension.CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
+
+
+def _ops_extension():
+    """pagedkv._ops: TORCH_LIBRARY(pagedkv) (the op schemas) and the CPU kernels (csrc/ops, csrc/ops/cpu). A
+    library without a Python module, registered with torch.ops.load_library (pagedkv/_ops_library.py)."""
+    # csrc/ops/cpu/attention_<isa>.cpp: one copy of the CPU attention kernels per instruction set, chosen at
+    # run time; each sets its ISA with `#pragma GCC target` (x86 only), so no -m flag is passed here.
+    # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into our code;
+    # without it every CPU kernel silently runs on one thread (torch's own libgomp is reused at run time).
+    return cpp_extension.CppExtension(
+        name="pagedkv._ops",
+        sources=_rel("csrc/ops/*.cpp") + _rel("csrc/ops/cpu/*.cpp"),
+        include_dirs=_include_dirs(),
+        extra_compile_args={"cxx": ["-O3", "-fvisibility=hidden", "-fopenmp"]},
+        extra_link_args=["-fopenmp"],
+    )
 
 
 def _cuda_extension():
-    """pagedkv._C_cuda: TORCH_LIBRARY_IMPL(pagedkv, CUDA) for the schemas _C defines; no Python module
+    """pagedkv._C_cuda: TORCH_LIBRARY_IMPL(pagedkv, CUDA) for the schemas _ops defines; no Python module
     (loaded with torch.ops.load_library). --no-undefined: every symbol it needs is in it or in torch."""
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
@@ -139,7 +145,7 @@ setup(
     description="Paged KV cache for LLM inference: C++ block manager with exact prefix caching, CPU/CUDA kernels",
     packages=find_packages(include=["pagedkv", "pagedkv.*"]),
     package_data={"pagedkv": ["py.typed", "_C.pyi"]},     # PEP 561: the native module's types
-    ext_modules=[_extension()] + ([_cuda_extension()] if _want_cuda() else []),
+    ext_modules=[_extension(), _ops_extension()] + ([_cuda_extension()] if _want_cuda() else []),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.11",
     install_requires=[_torch_requirement(), "tqdm"],

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 import pagedkv.ops as ops  # noqa: E402
-from pagedkv import _C, int4_row_bytes  # noqa: E402
+from pagedkv import _ops_library, int4_row_bytes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import DTYPES, read_bandwidth_gbs, time_ms  # noqa: E402
@@ -75,7 +75,7 @@ def roofline(args):
     """Decode paged_attention on the CPU as a share of the read bandwidth, per case and K/V dtype."""
     repeats = args.repeats or 7
     print(f"CPU decode roofline: Hq={args.num_q_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
-          f"block_size={args.block_size} threads={torch.get_num_threads()} isa={_C._cpu_attention_isa()} "
+          f"block_size={args.block_size} threads={torch.get_num_threads()} isa={_ops_library.cpu_attention_isa()} "
           f"best of {repeats} calls; "
           f"share = K/V bytes / time / read bandwidth (measured before each case)")
     names = [str(d).split(".")[-1] for d in ROOFLINE_DTYPES]
@@ -156,7 +156,7 @@ def sinks_cost(args, device):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(f"paged_attention with sinks vs without: device={device} Hq={args.num_q_heads} Hkv={args.num_kv_heads} "
           f"D={args.head_dim} block_size={args.block_size} threads={torch.get_num_threads()}"
-          + ("" if device.type == "cuda" else f" isa={_C._cpu_attention_isa()}")
+          + ("" if device.type == "cuda" else f" isa={_ops_library.cpu_attention_isa()}")
           + f"; the two alternate call by call, median of {repeats} calls each")
     print(f"{'case':<24}{'dtype':<10}{'without ms':>12}{'with ms':>10}{'ratio':>8}")
     for batch, ctx, q_len in SINK_CASES:
@@ -200,7 +200,7 @@ def layouts(args, device):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(f"paged_attention on cache views vs contiguous caches: device={device} Hq={args.num_q_heads} "
           f"Hkv={args.num_kv_heads} D={args.head_dim} block_size={args.block_size} threads={torch.get_num_threads()}"
-          + ("" if device.type == "cuda" else f" isa={_C._cpu_attention_isa()}")
+          + ("" if device.type == "cuda" else f" isa={_ops_library.cpu_attention_isa()}")
           + f"; layouts alternate call by call, median of {repeats} calls each; ratio = layout / contiguous")
     print(f"{'case':<24}{'dtype':<10}{'contiguous ms':>14}" + "".join(f"{name + ' ms':>16}{'ratio':>7}"
                                                                    for name in CACHE_LAYOUTS[1:]))
@@ -331,12 +331,12 @@ def main():
     parser.add_argument("--layouts", action="store_true",
                         help="paged_attention on vLLM / FlashInfer / HND cache views vs contiguous caches")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--isa", default="auto", choices=["auto"] + _C._cpu_attention_isas(),
+    parser.add_argument("--isa", default="auto", choices=["auto"] + _ops_library.cpu_attention_isas(),
                         help="copy of the CPU attention kernels (default: the best this CPU runs)")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    _C._set_cpu_attention_isa(args.isa)
+    _ops_library.set_cpu_attention_isa(args.isa)
     if args.roofline:
         return roofline(args)
     if args.int4:
@@ -357,7 +357,7 @@ def main():
 
     print(f"device={device} dtype={str(dtype).split('.')[-1]} Hq={args.num_q_heads} Hkv={args.num_kv_heads} "
           f"D={args.head_dim} block_size={args.block_size} threads={torch.get_num_threads()}"
-          + ("" if cuda else f" isa={_C._cpu_attention_isa()}")
+          + ("" if cuda else f" isa={_ops_library.cpu_attention_isa()}")
           + (f" d2d_copy={copy_gbs:.0f} GB/s" if cuda else ""))
     header = f"{'kind':<8}{'B':>5}{'ctx':>7}{'q_len':>6}{'paged ms':>10}{'sdpa_gqa ms':>12}{'sdpa_exp ms':>12}" \
              f"{'flex ms':>9}{'speed vs best sdpa':>20}{'vs flex':>9}{'max err':>10}"

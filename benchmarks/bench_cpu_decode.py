@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pagedkv.ops as ops  # noqa: E402
-from pagedkv import _C  # noqa: E402
+from pagedkv import _ops_library  # noqa: E402
 from timing import thread_seconds  # noqa: E402
 
 CASES = [(16, 2048), (4, 8192), (64, 512)]
@@ -60,8 +60,8 @@ class DecodeCall:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    isas = [i for i in _C._cpu_attention_isas() if i not in ("baseline", "amx")]
-    parser.add_argument("--isas", default=",".join(isas), help=f"copies to compare (of {_C._cpu_attention_isas()})")
+    isas = [i for i in _ops_library.cpu_attention_isas() if i not in ("baseline", "amx")]
+    parser.add_argument("--isas", default=",".join(isas), help=f"copies to compare (of {_ops_library.cpu_attention_isas()})")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"K/V dtypes (of {list(DTYPES)})")
     parser.add_argument("--cases", default=",".join(f"{b}x{c}" for b, c in CASES), help="batch x context, ...")
     parser.add_argument("--repeats", type=int, default=15, help="rounds (each copy once per round); best is kept")
@@ -94,10 +94,10 @@ def main():
             for _ in range(args.repeats + 1):  # the first round warms up
                 read = min(read, thread_seconds(data.sum))
                 for isa in isas:
-                    _C._set_cpu_attention_isa(isa)
+                    _ops_library.set_cpu_attention_isa(isa)
                     for kind, call in calls.items():
                         best[isa, kind] = min(best[isa, kind], thread_seconds(call))
-            _C._set_cpu_attention_isa("auto")
+            _ops_library.set_cpu_attention_isa("auto")
             bandwidth = data.numel() * 4 / read / 1e9
             kv_bytes = calls["cold"].kv_bytes
             for isa in isas:

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pagedkv.ops as ops  # noqa: E402
-from pagedkv import _C  # noqa: E402
+from pagedkv import _ops_library  # noqa: E402
 from timing import thread_seconds  # noqa: E402
 
 CASES = [(2048, 128), (0, 512)]
@@ -54,8 +54,8 @@ class PrefillCall:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    isas = [i for i in _C._cpu_attention_isas() if i not in ("baseline", "amx")]
-    parser.add_argument("--isas", default=",".join(isas), help=f"copies to compare (of {_C._cpu_attention_isas()})")
+    isas = [i for i in _ops_library.cpu_attention_isas() if i not in ("baseline", "amx")]
+    parser.add_argument("--isas", default=",".join(isas), help=f"copies to compare (of {_ops_library.cpu_attention_isas()})")
     parser.add_argument("--dtypes", default="float32,bfloat16,float16", help=f"dtypes (of {list(DTYPES)})")
     parser.add_argument("--cases", default=",".join(f"{c}+{n}" for c, n in CASES), help="cached+new tokens, ...")
     parser.add_argument("--repeats", type=int, default=10, help="rounds (each copy once per round); best is kept")
@@ -80,9 +80,9 @@ def main():
             for _ in range(args.repeats + 1):  # the first round warms up
                 mm = min(mm, thread_seconds(lambda: torch.mm(a, b)))
                 for isa in isas:
-                    _C._set_cpu_attention_isa(isa)
+                    _ops_library.set_cpu_attention_isa(isa)
                     best[isa] = min(best[isa], thread_seconds(call))
-            _C._set_cpu_attention_isa("auto")
+            _ops_library.set_cpu_attention_isa("auto")
             label = f"{cached}+{new}"
             for isa in isas:
                 ms = best[isa] * 1e3

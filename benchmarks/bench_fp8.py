@@ -182,8 +182,8 @@ def decode_speed(rounds):
 
 
 def ops_isa():
-    from pagedkv import _C
-    return _C._cpu_attention_isa()
+    from pagedkv import _ops_library
+    return _ops_library.cpu_attention_isa()
 
 
 def engine_speed(rounds, num_prompts=16, new_tokens=64):

@@ -1,6 +1,6 @@
 // pybind11 bindings, the extension module pagedkv._C: block hashing and the build's facts here, the block
-// manager in bindings_block_manager.cpp, Python argument conversion in bindings_args.h. Importing the
-// module also registers the torch.ops.pagedkv operators from csrc/ops.
+// manager in bindings_block_manager.cpp, Python argument conversion in bindings_args.h. The torch.ops.pagedkv
+// operators live in their own library (csrc/ops, pagedkv/_ops*.so).
 #include <torch/extension.h>
 
 #include <optional>
@@ -9,7 +9,6 @@
 #include "bindings_args.h"
 #include "core/errors.h"
 #include "core/hashing.h"
-#include "ops/ops.h"
 
 namespace py = pybind11;
 using namespace pagedkv;
@@ -20,7 +19,7 @@ void bind_block_manager(py::module_& m);  // bindings_block_manager.cpp
 }  // namespace pagedkv::bindings
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "pagedkv native module: block manager and paged KV ops";
+  m.doc() = "pagedkv native module: the block manager and block hashing";
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -45,17 +44,5 @@ PYBIND11_MODULE(_C, m) {
       py::arg("cache_salt") = py::none(),
       "Hash of one block: xxh64(seed=0, parent as 8 little-endian bytes + tokens as int64 little-endian).");
   m.def("sha256_available", &sha256_available);
-  m.def("_set_cpu_attention_isa", &set_cpu_attention_isa, py::arg("isa"),
-        "Testing hook: 'amx', 'avx512', 'avx2', 'neon_bf16', 'sve', 'neon' or 'baseline' caps the CPU attention "
-        "kernel copy, 'auto' picks the fastest.");
-  m.def("_cpu_attention_isa", &cpu_attention_isa,
-        "The CPU attention kernel copy in use: 'amx', 'avx512', 'avx2', 'neon_bf16', 'sve', 'neon' or 'baseline'.");
-  m.def("_cpu_attention_isas", [] {
-    py::list names;
-    for (const std::string& name : cpu_attention_isas()) names.append(name);
-    return names;
-  }, "The CPU attention kernel copies this CPU runs, best first.");
-
-
   bind_block_manager(m);
 }

@@ -115,18 +115,6 @@ def sha256_available() -> bool:
     """Always True: SHA-256 is built in (kept for callers that checked it)."""
 
 
-def _set_cpu_attention_isa(isa: str) -> None:
-    """Testing hook: 'amx', 'avx512', 'avx2', 'neon_bf16', 'sve', 'neon' or 'baseline' caps the CPU attention kernel copy, 'auto' picks the fastest."""
-
-
-def _cpu_attention_isa() -> str:
-    """The CPU attention kernel copy in use: 'amx', 'avx512', 'avx2', 'neon_bf16', 'sve', 'neon' or 'baseline'."""
-
-
-def _cpu_attention_isas() -> list[str]:
-    """The CPU attention kernel copies this CPU runs, best first."""
-
-
 class AllocStatus(metaclass=_pybind11_type):
     """Result of can_allocate / can_swap_in.
 

@@ -10,11 +10,14 @@
   and pool sizing (``allocate_mla_cache`` / ``num_mla_blocks_for``: MLA's latent caches).
 - ``pagedkv.engine``: a small reference engine for Llama-family models.
 """
-import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C, _moved, ops
-from ._C import AllocStatus, BlockManager, hash_block_tokens  # also registers torch.ops.pagedkv.*
-from ._cuda_kernels import load_cuda_kernels
+from . import _ops_library
+
+_ops_library.load()  # torch.ops.pagedkv.*: the schemas and CPU kernels
+
+from . import _C, _moved, ops  # noqa: E402
+from ._C import AllocStatus, BlockManager, hash_block_tokens  # noqa: E402
+from ._cuda_kernels import load_cuda_kernels  # noqa: E402
 from .cache import (allocate_host_tier, allocate_int4_kv_cache, allocate_kv_cache, allocate_mla_cache, block_bytes,
                     int4_block_bytes, int4_row_bytes, kv_cache_groups, mla_block_bytes, num_blocks_for,
                     num_mla_blocks_for)

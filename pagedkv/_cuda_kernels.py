@@ -1,5 +1,5 @@
 """The CUDA kernels live in their own library, pagedkv/_C_cuda*.so, loaded only under a torch with CUDA:
-pagedkv._C (the block manager, the op schemas and CPU kernels) needs no CUDA library, so one build imports
+pagedkv._C (the block manager) and pagedkv/_ops*.so (the op schemas and CPU kernels) need no CUDA library, so one build imports
 under a CPU-only torch too."""
 import glob
 import os
@@ -14,7 +14,7 @@ def cuda_kernels_path():
 
 
 def load_cuda_kernels():
-    """Registers the CUDA kernels of torch.ops.pagedkv.* (after pagedkv._C has defined the schemas); returns
+    """Registers the CUDA kernels of torch.ops.pagedkv.* (after pagedkv/_ops*.so has defined the schemas); returns
     whether they were loaded: False under a CPU-only torch or when the build compiled none."""
     path = cuda_kernels_path()
     if torch.version.cuda is None or path is None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _C  # noqa: F401  (registers torch.ops.pagedkv.*)
+from . import _ops_library
+
+_ops_library.load()  # registers torch.ops.pagedkv.*
 
 __all__ = ["reshape_and_cache", "paged_attention", "paged_attention_with_lse", "copy_blocks", "swap_blocks",
            "offload_blocks", "load_blocks", "cpu_attention_isa", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
@@ -211,7 +213,7 @@ def cpu_attention_isa() -> str:
     """The copy of the CPU attention kernels that runs on this machine: "amx", "avx512", "avx2" (x86-64),
     "neon_bf16", "sve", "neon" (aarch64) or "baseline" (the portable copy, any CPU), chosen at run time from
     what the CPU has."""
-    return _C._cpu_attention_isa()
+    return _ops_library.cpu_attention_isa()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pagedkv import _C
+from pagedkv import _ops_library
 
 
 def gather_sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -146,17 +146,17 @@ class PagedBatch:
         return paged_attention(*self.args(), **kwargs)
 
 
-CPU_ISAS = _C._cpu_attention_isas()  # the copies of the CPU attention kernels this CPU runs, best first
+CPU_ISAS = _ops_library.cpu_attention_isas()  # the copies of the CPU attention kernels this CPU runs, best first
 
 
 @contextlib.contextmanager
 def cpu_attention_isa(isa):
     """Runs the given copy of the CPU attention kernels inside the block ("avx512", "avx2", "baseline")."""
-    _C._set_cpu_attention_isa(isa)
+    _ops_library.set_cpu_attention_isa(isa)
     try:
         yield
     finally:
-        _C._set_cpu_attention_isa("auto")
+        _ops_library.set_cpu_attention_isa("auto")
 
 
 def cos_sin_cache(max_position, head_dim, dtype=torch.float32, device="cpu"):

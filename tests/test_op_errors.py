@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv import _C
+from pagedkv import _ops_library
 from pagedkv.cache import allocate_kv_cache, block_bytes, num_blocks_for
 import pagedkv.ops as ops
 
@@ -13,10 +13,10 @@ import ops_reference as ref
 
 
 def test_cpu_attention_isa_switch_rejects_unknown_names():
-    before = _C._cpu_attention_isa()
+    before = _ops_library.cpu_attention_isa()
     with pytest.raises(ValueError, match="cpu attention isa"):
-        _C._set_cpu_attention_isa("sse9")
-    assert _C._cpu_attention_isa() == before
+        _ops_library.set_cpu_attention_isa("sse9")
+    assert _ops_library.cpu_attention_isa() == before
 
 
 # --------------------------------------------------------------------------------------------------
