@@ -24,13 +24,18 @@ import torch  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
 
-def _torch_requirement():
-    """The torch releases this build works with: the building torch's release series. The extension uses
-    torch's C++ API, whose ABI holds only within one release (2.14.0 and 2.14.1 yes, 2.13 or 2.15 no), so a
-    looser range would let pip keep a torch the wheel cannot import under. It never pins a patch or a
-    build variant (+cpu, +cu130), so pip keeps the user's torch whenever it is of that series."""
-    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    return f"torch>={major}.{minor},<{major}.{minor + 1}"
+# The oldest torch the installed-wheel tests (scripts/wheel_check.sh) pass under. _C links no torch and _ops
+# is built on torch's stable ABI (target 2.10), so a newer torch keeps working without a rebuild; only the
+# CUDA kernels (_C_cuda, ATen) are tied to the building torch's release series, and pagedkv loads them under
+# that series alone (pagedkv/_cuda_kernels.py).
+TORCH_REQUIREMENT = "torch>=2.13"
+
+
+def _write_build_info():
+    """pagedkv/_build_info.py: the torch this build compiled against (which series _C_cuda takes)."""
+    _write_if_changed(os.path.join("pagedkv", "_build_info.py"),
+                      '"""Written by setup.py: the torch pagedkv was built against."""\n'
+                      f'TORCH_VERSION = "{torch.__version__}"\n')
 
 
 def _rel(pattern):
@@ -164,6 +169,7 @@ if not _want_cuda():
     for stale in glob.glob(os.path.join(ROOT, "pagedkv", "_C_cuda*.so")):
         os.remove(stale)
 
+_write_build_info()
 setup(
     name="pagedkv",
     version="0.1.0",
@@ -173,7 +179,7 @@ setup(
     ext_modules=[_extension(), _ops_extension()] + ([_cuda_extension()] if _want_cuda() else []),
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True), "sdist": _SDist},
     python_requires=">=3.11",
-    install_requires=[_torch_requirement(), "tqdm"],
+    install_requires=[TORCH_REQUIREMENT, "tqdm"],
     extras_require={"engine": ["safetensors", "tokenizers", "matplotlib", "gguf", "jinja2"],
                     "events": ["pyzmq", "msgspec"],          # LLM(kv_events_endpoint=...)
                     "metrics": ["prometheus_client"],        # LLM(metrics_port=...)

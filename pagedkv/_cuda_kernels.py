@@ -3,6 +3,7 @@ pagedkv._C (the block manager) and pagedkv/_ops*.so (the op schemas and CPU kern
 under a CPU-only torch too."""
 import glob
 import os
+import warnings
 
 import torch
 
@@ -19,6 +20,13 @@ def load_cuda_kernels():
     path = cuda_kernels_path()
     if torch.version.cuda is None or path is None:
         return False
+    built = _series(_built_against())
+    if built is not None and built != _series(torch.__version__):
+        # _C_cuda uses torch's C++ API (ATen), whose ABI holds within one release series only.
+        warnings.warn(f"pagedkv's CUDA kernels were built against torch {_built_against()} and are not loaded "
+                      f"under torch {torch.__version__}: the ops run on CPU tensors only. Build pagedkv against "
+                      f"this torch (pip install --no-build-isolation .) for its CUDA kernels.", stacklevel=3)
+        return False
     try:
         torch.ops.load_library(path)
     except OSError as e:  # e.g. a wheel built for CUDA 13 under a torch built for CUDA 12: another libcudart
@@ -26,3 +34,18 @@ def load_cuda_kernels():
                           f"({torch.__version__}, CUDA {torch.version.cuda}); build pagedkv against it "
                           f"(pip install --no-build-isolation .): {e}") from e
     return True
+
+
+def _built_against() -> str | None:
+    try:
+        from ._build_info import TORCH_VERSION
+    except ImportError:  # a build older than the record
+        return None
+    return TORCH_VERSION
+
+
+def _series(version: str | None) -> tuple[int, int] | None:
+    if version is None:
+        return None
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)

@@ -96,3 +96,26 @@ def test_cpu_only_torch_never_loads_a_cuda_library():
     mapped = {line.split()[-1] for line in maps.splitlines() if "/" in line}
     assert any(os.path.basename(p).startswith("_C.") for p in mapped), "pagedkv._C is not mapped"
     assert cuda_names(mapped) == [] and not any("_C_cuda" in p for p in mapped), sorted(mapped)
+
+
+def test_cuda_kernels_of_another_torch_series_are_skipped_with_a_warning(monkeypatch):
+    """_C_cuda uses ATen's C++ API: under a torch of another release series than the build's it is not loaded
+    (the ops keep their CPU kernels) and a warning says why; the same series would load it."""
+    from pagedkv import _cuda_kernels
+
+    loaded = []
+    monkeypatch.setattr(_cuda_kernels.torch.version, "cuda", "13.0")
+    monkeypatch.setattr(_cuda_kernels, "cuda_kernels_path", lambda: "/nowhere/_C_cuda.so")
+    monkeypatch.setattr(_cuda_kernels.torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(_cuda_kernels, "_built_against", lambda: "1.99.0+cu130")
+    with pytest.warns(UserWarning, match="built against torch 1.99.0.*not loaded"):
+        assert _cuda_kernels.load_cuda_kernels() is False
+    assert loaded == []
+    monkeypatch.setattr(_cuda_kernels, "_built_against", lambda: torch.__version__.split("+")[0] + "+cpu")
+    assert _cuda_kernels.load_cuda_kernels() is True and loaded == ["/nowhere/_C_cuda.so"]
+
+
+def test_the_build_records_its_torch():
+    from pagedkv._build_info import TORCH_VERSION
+
+    assert TORCH_VERSION == torch.__version__
