@@ -488,10 +488,14 @@ def test_contiguous_int64_tensors_are_read_in_place_and_others_converted(dlpack_
     ref, bm = BlockManager(32, 4), BlockManager(32, 4)
     prompt = list(range(100, 113))
     for i, tokens in enumerate([torch.tensor(prompt), torch.tensor(prompt, dtype=torch.int32),
-                                torch.tensor(prompt * 2)[::2], torch.tensor([0] + prompt)[1:]]):
+                                torch.tensor(prompt).repeat_interleave(2)[::2], torch.tensor([0] + prompt)[1:]]):
         assert bm.allocate(i, tokens) == ref.allocate(i, prompt)
         assert bm.token_ids(i) == prompt
-    assert bm.allocate_batch([10, 11], torch.tensor([prompt, prompt]).t().contiguous().t().t()) == [8, 8]
+    bm.mark_computed([0, 1, 2, 3])
+    ref.mark_computed([0, 1, 2, 3])
+    strided_rows = torch.tensor([prompt, prompt]).t().contiguous().t()  # [2, 13], strides (1, 2)
+    assert bm.allocate_batch([10, 11], strided_rows) == ref.allocate_batch([10, 11], [prompt, prompt]) == [12, 12]
+    assert bm.token_ids(11) == prompt
     assert bm.block_tables(torch.tensor([0, 1])).tolist() == ref.block_tables([0, 1]).tolist()
     bm.check_invariants()
 
