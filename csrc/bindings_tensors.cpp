@@ -191,7 +191,8 @@ int64_t CpuTensor::numel() const {
 TorchTensor CpuTensor::release() {
   if (const DLPackExchangeAPI* api = exchange_api()) {
     void* out = nullptr;
-    // The table's importer takes the managed tensor even when it fails.
+    // Handed over before the call: after a failure torch may have taken it already, and a leak on that
+    // rare path is safer than a double free.
     DLManagedTensorVersioned* managed = managed_;
     managed_ = nullptr;
     if (api->managed_tensor_to_py_object_no_sync(managed, &out) != 0) throw py::error_already_set();
