@@ -93,10 +93,19 @@ bool dlpack_exchange_enabled() { return exchange_api() != nullptr; }
 TensorView::TensorView(PyObject* tensor, const char* name) : tensor_(py::reinterpret_borrow<py::object>(tensor)) {
   const DLPackExchangeAPI* api = exchange_api();
   if (api && api->dltensor_from_py_object_no_sync) {
-    if (api->dltensor_from_py_object_no_sync(tensor, &dl_) == 0) return;
+    if (api->dltensor_from_py_object_no_sync(tensor, &dl_) == 0) {
+      check_data(name);
+      return;
+    }
   } else if (api) {
     if (api->managed_tensor_from_py_object_no_sync(tensor, &managed_) == 0) {
       dl_ = managed_->dl_tensor;
+      try {
+        check_data(name);
+      } catch (...) {  // the destructor does not run for a constructor that throws
+        managed_->deleter(managed_);
+        throw;
+      }
       return;
     }
     managed_ = nullptr;
@@ -104,6 +113,7 @@ TensorView::TensorView(PyObject* tensor, const char* name) : tensor_(py::reinter
     capsule_ = py::reinterpret_steal<py::object>(capsule);
     if (auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"))) {
       dl_ = m->dl_tensor;
+      check_data(name);
       return;
     }
   }
@@ -116,6 +126,15 @@ TensorView::TensorView(PyObject* tensor, const char* name) : tensor_(py::reinter
   why = why.substr(0, why.find('\n'));  // torch's message, without its C++ backtrace
   throw ValueError(std::string(name) + ": torch cannot export this tensor (dtype " + dtype + ", device " + device +
                    ") through DLPack: " + why);
+}
+
+void TensorView::check_data(const char* name) const {
+  // A FakeTensor (or another subclass without storage) exports a null pointer on a real device.
+  int64_t numel = 1;
+  for (int d = 0; d < dl_.ndim; ++d) numel *= dl_.shape[d];
+  if (!dl_.data && numel != 0)
+    throw ValueError(std::string(name) + " has no data (a fake tensor, or another tensor without storage): " +
+                     python_str(tensor_.ptr(), "__class__"));
 }
 
 TensorView::~TensorView() {

@@ -51,6 +51,8 @@ class TensorView {
   std::string device_name() const;
 
  private:
+  void check_data(const char* name) const;
+
   py::object tensor_;
   DLTensor dl_{};
   DLManagedTensorVersioned* managed_ = nullptr;  // owned, when torch exported a managed tensor

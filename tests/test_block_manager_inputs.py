@@ -530,6 +530,10 @@ HOSTILE_TENSOR_CALLS = {
     "numpy object array": "bm.allocate(9, np.array([1, None], dtype=object))",
     "numpy 0-d": "bm.allocate(9, np.array(3))",
     "numpy non-contiguous": "bm.allocate(9, np.arange(12).reshape(3, 4)[:, 1])",
+    "fake tokens": "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+                   "with FakeTensorMode():\n    fake = torch.arange(3)\nbm.allocate(9, fake)",
+    "fake ids": "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+                "with FakeTensorMode():\n    fake = torch.arange(2)\nbm.block_tables(fake)",
     "hash of a meta tensor": "pagedkv.hash_block_tokens(torch.ones(4, device='meta', dtype=torch.long))",
 }
 
