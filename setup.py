@@ -10,7 +10,7 @@ import runpy
 
 import shutil
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.sdist import sdist
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -117,19 +117,36 @@ def _write_if_changed(path, text):
             f.write(text)
 
 
+def _dlpack_include():
+    """A folder holding dlpack/dlpack.h, copied from the building torch (which ships it as ATen/dlpack.h):
+    the header alone, so pagedkv._C sees no other torch header. torch >= 2.10's copy declares the DLPack
+    exchange table that _C uses."""
+    src = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "dlpack.h")
+    if not os.path.exists(src):
+        raise RuntimeError(f"building pagedkv._C needs DLPack's header, looked for {src}")
+    _write_if_changed(os.path.join("build", "dlpack", "dlpack", "dlpack.h"), open(src).read())
+    return os.path.join(ROOT, "build", "dlpack")
+
+
 def _extension():
-    """pagedkv._C: the block manager (csrc/core) and its Python bindings (csrc/bindings*.cpp)."""
+    """pagedkv._C: the block manager (csrc/core) and its Python bindings (csrc/bindings*.cpp). A plain
+    pybind11 module that includes and links nothing of torch (tensors cross through DLPack), so it does not
+    tie the wheel to one torch release."""
+    import pybind11
+
     # xxHash is compiled in (XXH_INLINE_ALL), but its header comes from the system: no PyPI package
     # installs xxhash.h (the `xxhash` wheel carries only its compiled module), so pip cannot supply it.
     if not _have_header("xxhash.h"):
         raise RuntimeError("building pagedkv needs xxhash.h (header only, nothing is linked): "
                            "apt-get install libxxhash-dev, dnf install xxhash-devel, "
                            "or put xxhash.h in build_deps/include")
-    return cpp_extension.CppExtension(
+    return Extension(
         name="pagedkv._C",
         sources=_core_unity() + _rel("csrc/bindings*.cpp"),
-        include_dirs=_include_dirs(),
-        extra_compile_args={"cxx": ["-O3", "-fvisibility=hidden"]},  # torch picks the C++ standard it needs
+        include_dirs=_include_dirs() + [_dlpack_include(), pybind11.get_include()],
+        language="c++",
+        # torch's BuildExtension compiles it too (ninja); it adds no torch path or library to a plain Extension.
+        extra_compile_args=["-O3", "-fvisibility=hidden", "-std=c++20"],
     )
 
 

@@ -1,7 +1,9 @@
 // pybind11 bindings, the extension module pagedkv._C: block hashing and the build's facts here, the block
 // manager in bindings_block_manager.cpp, Python argument conversion in bindings_args.h. The torch.ops.pagedkv
-// operators live in their own library (csrc/ops, pagedkv/_ops*.so).
-#include <torch/extension.h>
+// operators live in their own library (csrc/ops, pagedkv/_ops*.so). No torch header or library: tensors
+// cross through DLPack (bindings_tensors.h).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <optional>
 #include <string>
@@ -44,5 +46,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("cache_salt") = py::none(),
       "Hash of one block: xxh64(seed=0, parent as 8 little-endian bytes + tokens as int64 little-endian).");
   m.def("sha256_available", &sha256_available);
+  m.def("_set_dlpack_exchange", &set_dlpack_exchange_enabled, py::arg("enabled"),
+        "Tests only: False makes tensors cross through __dlpack__ capsules and torch.from_dlpack, as under a\n"
+        "torch without the DLPack exchange table (before 2.10).");
+  m.def("_dlpack_exchange", &dlpack_exchange_enabled, "Whether tensors cross through torch's DLPack exchange table.");
   bind_block_manager(m);
 }

@@ -1,8 +1,9 @@
 // Python arguments of the bindings: integers, batches of ids or tokens (Int64Array: a list, a tensor or
-// any integer buffer, read in place when it already is contiguous int64), salts, and result tensors.
+// any integer buffer, read in place when it already is contiguous int64) and salts. Tensors cross through
+// DLPack (bindings_tensors.h): nothing here includes torch.
 #pragma once
-#include <ATen/EmptyTensor.h>
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bindings_tensors.h"
 #include "core/errors.h"
 #include "core/span.h"
 
@@ -70,14 +72,14 @@ struct BufferRelease {
 // Floats, bools and strings are a TypeError; values outside int64 an OverflowError.
 struct Int64Array {
   std::vector<int64_t> storage;
-  torch::Tensor tensor;
+  py::object owner;  // the tensor read in place, or its host copy
   std::unique_ptr<Py_buffer, BufferRelease> buffer;  // the caller's buffer, when read in place
   const int64_t* data = nullptr;
   size_t size = 0;
 
   Int64Array(const py::handle& obj, const char* name) {
-    if (THPVariable_Check(obj.ptr())) {
-      from_tensor(THPVariable_Unpack(obj.ptr()), name);
+    if (is_torch_tensor(obj.ptr())) {
+      from_tensor(obj.ptr(), name);
     } else if (py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj) || PyByteArray_Check(obj.ptr())) {
       throw py::type_error(std::string(name) + " must be a sequence of ints, an integer array or tensor, got " +
                            Py_TYPE(obj.ptr())->tp_name);
@@ -90,35 +92,51 @@ struct Int64Array {
                            Py_TYPE(obj.ptr())->tp_name);
     }
   }
-  Int64Array(const torch::Tensor& t, const char* name) { from_tensor(t, name); }
   std::vector<int64_t> vec() const { return std::vector<int64_t>(data, data + size); }
   pagedkv::Span<int64_t> span() const { return {data, size}; }
 
  private:
-  void from_tensor(const torch::Tensor& t, const char* name) {
-    if (t.dim() != 1) throw ValueError(std::string(name) + " must be 1-D, got a tensor with " + std::to_string(t.dim()) + " dimensions");
-    const at::ScalarType st = t.scalar_type();
-    if (!at::isIntegralType(st, /*includeBool=*/false))
-      throw py::type_error(std::string(name) + " must hold integers, got dtype " + std::string(c10::toString(st)));
-    if (!(t.device().is_cpu() || t.device().is_cuda()))
-      throw ValueError(std::string(name) + " must be a CPU or CUDA tensor, got device " + t.device().str());
-    if (st == at::kLong && t.device().is_cpu() && t.is_contiguous()) {  // in place: no dispatcher call
-      tensor = t;
-      data = t.data_ptr<int64_t>();
-      size = static_cast<size_t>(t.numel());
+  // A 1-D integer tensor of any device: a CPU one is read through DLPack (in place when it is contiguous
+  // int64), a CUDA one is copied to the host first.
+  void from_tensor(PyObject* t, const char* name) {
+    const TensorView view(t, name);
+    if (view.ndim() != 1)
+      throw ValueError(std::string(name) + " must be 1-D, got a tensor with " + std::to_string(view.ndim()) + " dimensions");
+    if (!view.is_integer())
+      throw py::type_error(std::string(name) + " must hold integers, got dtype " + view.dtype_name());
+    if (view.is_cuda()) {
+      from_tensor(to_cpu(t).ptr(), name);  // read in place, the copy is kept as the owner
       return;
     }
-    if (st == at::kUInt64) {
-      const torch::Tensor cpu = t.cpu().contiguous();
-      storage.resize(static_cast<size_t>(cpu.numel()));
-      copy_strided<uint64_t>(static_cast<const char*>(cpu.data_ptr()), sizeof(uint64_t), storage.size(), storage.data(), name);
-      data = storage.data();
-      size = storage.size();
+    if (!view.is_cpu())
+      throw ValueError(std::string(name) + " must be a CPU or CUDA tensor, got device " + view.device_name());
+    const DLDataType dtype = view.dl().dtype;
+    const size_t n = static_cast<size_t>(view.size(0));
+    const int64_t stride = view.stride(0);
+    const char* base = view.data();
+    if (dtype.code == kDLInt && dtype.bits == 64 && dtype.lanes == 1 && (stride == 1 || n <= 1) &&
+        reinterpret_cast<uintptr_t>(base) % alignof(int64_t) == 0) {  // in place: the hot path
+      owner = py::reinterpret_borrow<py::object>(t);
+      data = reinterpret_cast<const int64_t*>(base);
+      size = n;
       return;
     }
-    tensor = t.to(torch::kCPU, torch::kInt64).contiguous();
-    data = tensor.data_ptr<int64_t>();
-    size = static_cast<size_t>(tensor.numel());
+    storage.resize(n);
+    const Py_ssize_t step = static_cast<Py_ssize_t>(stride) * (dtype.bits / 8);
+    int64_t* out = storage.data();
+    switch (dtype.lanes == 1 ? dtype.bits * (dtype.code == kDLInt ? 1 : -1) : 0) {
+      case 8: copy_strided<int8_t>(base, step, n, out, name); break;
+      case 16: copy_strided<int16_t>(base, step, n, out, name); break;
+      case 32: copy_strided<int32_t>(base, step, n, out, name); break;
+      case 64: copy_strided<int64_t>(base, step, n, out, name); break;
+      case -8: copy_strided<uint8_t>(base, step, n, out, name); break;
+      case -16: copy_strided<uint16_t>(base, step, n, out, name); break;
+      case -32: copy_strided<uint32_t>(base, step, n, out, name); break;
+      case -64: copy_strided<uint64_t>(base, step, n, out, name); break;
+      default: throw py::type_error(std::string(name) + " must hold integers, got dtype " + view.dtype_name());
+    }
+    data = storage.data();
+    size = n;
   }
 
   void from_buffer(const py::handle& obj, const char* name) {
@@ -198,7 +216,7 @@ inline std::string salt_bytes(const std::optional<py::object>& salt) {
 // A single integer (a Python int, a numpy integer, ...), as opposed to a sequence or array of them.
 inline bool is_int_scalar(const py::handle& obj) {
   PyObject* o = obj.ptr();
-  return PyLong_Check(o) || (PyIndex_Check(o) && !PySequence_Check(o) && !THPVariable_Check(o));
+  return PyLong_Check(o) || (PyIndex_Check(o) && !PySequence_Check(o) && !is_torch_tensor(o));
 }
 
 
@@ -209,12 +227,6 @@ inline py::object fast_sequence(const py::handle& obj, const char* name) {
   py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(obj.ptr(), name));
   if (!seq) throw py::error_already_set();
   return seq;
-}
-
-// A new CPU tensor for a result, made without the dispatcher (torch::empty through it costs about as
-// much as a small batch's bookkeeping).
-inline torch::Tensor cpu_tensor(at::IntArrayRef sizes, at::ScalarType dtype) {
-  return at::Tensor(at::detail::empty_cpu(sizes, dtype));
 }
 
 }  // namespace pagedkv::bindings

@@ -98,14 +98,19 @@ void bind_block_manager(py::module_& m) {
             std::vector<Span<int64_t>> spans;
             std::vector<Int64Array> tokens;
             std::optional<Int64Array> rows;
-            if (THPVariable_Check(prompts.ptr())) {  // a 2-D integer tensor: one prompt per row
-              const torch::Tensor t = THPVariable_Unpack(prompts.ptr());
-              if (t.dim() != 2) throw ValueError("allocate_batch: a prompts tensor must be 2-D (one prompt per row)");
-              if (!at::isIntegralType(t.scalar_type(), /*includeBool=*/false))
-                throw py::type_error("allocate_batch: prompts must hold integers, got dtype " +
-                                     std::string(c10::toString(t.scalar_type())));
-              rows.emplace(t.flatten(), "prompts");
-              for (int64_t i = 0; i < t.size(0); ++i) spans.push_back({rows->data + i * t.size(1), size_t(t.size(1))});
+            if (is_torch_tensor(prompts.ptr())) {  // a 2-D integer tensor: one prompt per row
+              int64_t num_rows = 0, width = 0;
+              {
+                const TensorView view(prompts.ptr(), "prompts");
+                if (view.ndim() != 2) throw ValueError("allocate_batch: a prompts tensor must be 2-D (one prompt per row)");
+                if (!view.is_integer())
+                  throw py::type_error("allocate_batch: prompts must hold integers, got dtype " + view.dtype_name());
+                num_rows = view.size(0);
+                width = view.size(1);
+              }
+              py::object flat = prompts.attr("reshape")(-1);  // a view when contiguous
+              rows.emplace(flat, "prompts");
+              for (int64_t i = 0; i < num_rows; ++i) spans.push_back({rows->data + i * width, size_t(width)});
             } else {
             // Items of a list/tuple made once: they stay alive while we read them (a generic sequence's
             // items, e.g. a numpy array's rows, are new objects that a py::handle would not keep alive).
@@ -164,13 +169,13 @@ void bind_block_manager(py::module_& m) {
             Int64Array ids(seq_ids, "seq_ids"), tokens(token_ids, "token_ids");
             std::optional<Int64Array> per_seq;
             if (!counts.is_none()) per_seq.emplace(counts, "counts");
-            torch::Tensor slots;
+            std::optional<CpuTensor> slots;
             bm.append_tokens(ids.span(), tokens.span(), per_seq ? std::optional(per_seq->span()) : std::nullopt,
                              [&slots](size_t total) {
-                               slots = cpu_tensor({static_cast<int64_t>(total)}, torch::kInt64);
-                               return slots.data_ptr<int64_t>();
+                               slots.emplace(std::initializer_list<int64_t>{static_cast<int64_t>(total)}, kInt64);
+                               return slots->data<int64_t>();
                              });
-            return slots;
+            return slots->release();
           },
           py::arg("seq_ids"), py::arg("token_ids"), py::arg("counts") = py::none(),
           "Batched decode step: appends one token per sequence, or counts[i] tokens to sequence i (its input\n"
@@ -251,20 +256,20 @@ void bind_block_manager(py::module_& m) {
             const Int64Array &ids = ranges.ids, &begin = ranges.begin;
             const std::optional<Int64Array>& stop = ranges.stop;
             // slot_mappings validates every id and range before it writes anything.
-            const torch::Tensor slots = slot_tensor(bm, ids.span(), begin.span(), ranges.ends(), "attention_inputs", group,
-                                                    static_cast<size_t>(std::numeric_limits<int32_t>::max()));
-            const torch::Tensor tables = block_table_tensor(bm, ids, max_blocks, pad, group);
+            const TorchTensor slots = slot_tensor(bm, ids.span(), begin.span(), ranges.ends(), "attention_inputs", group,
+                                                  static_cast<size_t>(std::numeric_limits<int32_t>::max()));
+            const TorchTensor tables = block_table_tensor(bm, ids, max_blocks, pad, group);
             const auto n = static_cast<int64_t>(ids.size);
-            torch::Tensor lens = cpu_tensor({n}, torch::kInt32), starts_out = cpu_tensor({n + 1}, torch::kInt32);
-            int32_t* len = lens.data_ptr<int32_t>();
-            int32_t* qsl = starts_out.data_ptr<int32_t>();
+            CpuTensor lens({n}, kInt32), starts_out({n + 1}, kInt32);
+            int32_t* len = lens.data<int32_t>();
+            int32_t* qsl = starts_out.data<int32_t>();
             qsl[0] = 0;
             for (int64_t i = 0; i < n; ++i) {
               const int64_t end = stop ? stop->data[i] : bm.num_tokens(ids.data[i]);
               len[i] = static_cast<int32_t>(end);
               qsl[i + 1] = qsl[i] + static_cast<int32_t>(end - begin.data[i]);
             }
-            return py::make_tuple(slots, tables, lens, starts_out);
+            return py::make_tuple(slots, tables, lens.release(), starts_out.release());
           },
           py::arg("seq_ids"), py::arg("starts"), py::arg("ends") = py::none(), py::kw_only(),
           py::arg("max_blocks") = py::none(), py::arg("pad") = 0, py::arg("group") = 0,
@@ -306,7 +311,7 @@ void bind_block_manager(py::module_& m) {
           "num_tokens",
           [](const BlockManager& bm, const py::object& seq_ids) -> py::object {
             if (is_one_id(seq_ids)) return py::int_(bm.num_tokens(to_int64(seq_ids, "seq_ids")));
-            return py::cast(token_counts(bm, Int64Array(seq_ids, "seq_ids")));
+            return token_counts(bm, Int64Array(seq_ids, "seq_ids"));
           },
           py::arg("seq_ids"),
           "Tokens of one sequence (an int), or of each of several (an int32 tensor: paged attention's seq_lens).")

@@ -2,8 +2,6 @@
 // uninitialised BlockManager, and the converters between Python arguments and the core's types.
 #pragma once
 
-#include <torch/extension.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -39,7 +37,7 @@ namespace pagedkv::bindings {
 bool is_one_id(const py::handle& obj);
 
 // The token counts of `ids` as an int32 tensor (paged attention's seq_lens).
-torch::Tensor token_counts(const BlockManager& bm, const Int64Array& ids);
+TorchTensor token_counts(const BlockManager& bm, const Int64Array& ids);
 
 // Warns that `old` is deprecated in favour of `replacement` (once per call site, as Python does).
 void deprecated(const std::string& old, const std::string& replacement);
@@ -63,25 +61,25 @@ std::vector<int64_t> group_windows_arg(const py::object& sliding_window, const p
 
 py::object window_object(int64_t w);
 
-// Block pairs as the int64 [n, 2] (src, dst) CPU tensor that copy_blocks and swap_blocks take.
 // medium: "GPU", "CPU" or "DISK".
 Medium medium_arg(const std::string& medium);
 
 // ok: one bool for all n outcomes, or a list / tuple / 1-D bool or integer tensor of n outcomes.
 std::vector<bool> outcomes(const py::object& ok, int32_t n);
 
-torch::Tensor pairs_tensor(const std::vector<BlockPair>& pairs);
+// Block pairs as the int64 [n, 2] (src, dst) CPU tensor that copy_blocks and swap_blocks take.
+TorchTensor pairs_tensor(const std::vector<BlockPair>& pairs);
 
 py::dict stats_dict(const BlockManagerStats& s);
 
 // Slots of positions [begin[i], end[i]) (end null: each sequence's length) as one int64 tensor, written in
 // place by the core once it has validated every range; more than max_total slots is a ValueError.
-torch::Tensor slot_tensor(const BlockManager& bm, Span<int64_t> ids, Span<int64_t> begin,
+TorchTensor slot_tensor(const BlockManager& bm, Span<int64_t> ids, Span<int64_t> begin,
                           std::optional<Span<int64_t>> end, const char* what, int32_t group,
                           size_t max_total = std::numeric_limits<size_t>::max());
 
 // Block tables of `ids` as an int32 tensor [len(ids), width], written in place by the core.
-torch::Tensor block_table_tensor(const BlockManager& bm, const Int64Array& ids, const std::optional<int32_t>& max_blocks,
+TorchTensor block_table_tensor(const BlockManager& bm, const Int64Array& ids, const std::optional<int32_t>& max_blocks,
                                 int32_t pad, int32_t group);
 
 // The (seq_ids, starts, ends=None) arguments of slot_mappings and attention_inputs, checked for equal lengths.

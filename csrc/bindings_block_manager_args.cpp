@@ -7,16 +7,16 @@ namespace pagedkv::bindings {
 
 // One sequence id (an int, a numpy integer, a 0-d tensor), as opposed to a batch of them.
 bool is_one_id(const py::handle& obj) {
-  if (THPVariable_Check(obj.ptr())) return THPVariable_Unpack(obj.ptr()).dim() == 0;
+  if (is_torch_tensor(obj.ptr())) return TensorView(obj.ptr(), "seq_ids").ndim() == 0;
   return is_int_scalar(obj);
 }
 
 // The token counts of `ids` as an int32 tensor (paged attention's seq_lens).
-torch::Tensor token_counts(const BlockManager& bm, const Int64Array& ids) {
-  torch::Tensor out = cpu_tensor({static_cast<int64_t>(ids.size)}, torch::kInt32);
-  int32_t* p = out.data_ptr<int32_t>();
+TorchTensor token_counts(const BlockManager& bm, const Int64Array& ids) {
+  CpuTensor out({static_cast<int64_t>(ids.size)}, kInt32);
+  int32_t* p = out.data<int32_t>();
   for (size_t i = 0; i < ids.size; ++i) p[i] = static_cast<int32_t>(bm.num_tokens(ids.data[i]));
-  return out;
+  return out.release();
 }
 
 // Warns that `old` is deprecated in favour of `replacement` (once per call site, as Python does).
@@ -107,19 +107,31 @@ Medium medium_arg(const std::string& medium) {
   throw ValueError("medium must be 'GPU', 'CPU' or 'DISK', got '" + medium + "'");
 }
 
+// A 1-D bool or integer tensor of outcomes (nonzero: success), on the CPU or CUDA.
+static std::vector<bool> tensor_outcomes(PyObject* t) {
+  const TensorView view(t, "ok");
+  const DLDataType dtype = view.dl().dtype;
+  if (view.ndim() != 1 || dtype.lanes != 1 || !(view.is_integer() || dtype.code == kDLBool))
+    throw py::type_error("ok must be a bool, or a 1-D bool or integer tensor");
+  if (view.is_cuda()) return tensor_outcomes(to_cpu(t).ptr());
+  if (!view.is_cpu()) throw ValueError("ok must be a CPU or CUDA tensor, got one on " + view.device_name());
+  const size_t bytes = (dtype.bits + 7) / 8;
+  const Py_ssize_t step = static_cast<Py_ssize_t>(view.stride(0) * static_cast<int64_t>(bytes));
+  std::vector<bool> out(static_cast<size_t>(view.size(0)));
+  const char* base = view.data();
+  for (size_t i = 0; i < out.size(); ++i) {
+    const char* item = base + static_cast<Py_ssize_t>(i) * step;
+    bool nonzero = false;
+    for (size_t b = 0; b < bytes; ++b) nonzero |= item[b] != 0;
+    out[i] = nonzero;
+  }
+  return out;
+}
+
 // ok: one bool for all n outcomes, or a list / tuple / 1-D bool or integer tensor of n outcomes.
 std::vector<bool> outcomes(const py::object& ok, int32_t n) {  // the core checks the count
   if (PyBool_Check(ok.ptr())) return std::vector<bool>(static_cast<size_t>(n), ok.ptr() == Py_True);
-  if (THPVariable_Check(ok.ptr())) {
-    const torch::Tensor t = THPVariable_Unpack(ok.ptr());
-    if (t.dim() != 1 || t.is_floating_point() || t.is_complex())
-      throw py::type_error("ok must be a bool, or a 1-D bool or integer tensor");
-    if (!t.device().is_cpu() && !t.device().is_cuda())
-      throw ValueError("ok must be a CPU or CUDA tensor, got one on " + t.device().str());
-    const torch::Tensor flags = t.to(torch::kCPU).to(torch::kBool).contiguous();
-    const bool* p = flags.data_ptr<bool>();
-    return std::vector<bool>(p, p + flags.numel());
-  }
+  if (is_torch_tensor(ok.ptr())) return tensor_outcomes(ok.ptr());
   const py::object items = fast_sequence(ok, "ok");
   std::vector<bool> out;
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items.ptr()); ++i) {
@@ -131,14 +143,14 @@ std::vector<bool> outcomes(const py::object& ok, int32_t n) {  // the core check
   return out;
 }
 
-torch::Tensor pairs_tensor(const std::vector<BlockPair>& pairs) {
-  torch::Tensor out = cpu_tensor({static_cast<int64_t>(pairs.size()), 2}, torch::kInt64);
-  int64_t* p = out.data_ptr<int64_t>();
+TorchTensor pairs_tensor(const std::vector<BlockPair>& pairs) {
+  CpuTensor out({static_cast<int64_t>(pairs.size()), 2}, kInt64);
+  int64_t* p = out.data<int64_t>();
   for (const auto& [src, dst] : pairs) {
     *p++ = src;
     *p++ = dst;
   }
-  return out;
+  return out.release();
 }
 
 
@@ -156,31 +168,31 @@ py::dict stats_dict(const BlockManagerStats& s) {
 
 // Slots of positions [begin[i], end[i]) (end null: each sequence's length) as one int64 tensor, written in
 // place by the core once it has validated every range; more than max_total slots is a ValueError.
-torch::Tensor slot_tensor(const BlockManager& bm, Span<int64_t> ids, Span<int64_t> begin,
-                          std::optional<Span<int64_t>> end, const char* what, int32_t group,
-                          size_t max_total) {
-  torch::Tensor slots;
+TorchTensor slot_tensor(const BlockManager& bm, Span<int64_t> ids, Span<int64_t> begin,
+                        std::optional<Span<int64_t>> end, const char* what, int32_t group, size_t max_total) {
+  std::optional<CpuTensor> slots;
   bm.slot_mappings(ids, begin, end, [&](size_t total) {
     if (total > max_total)
       throw ValueError(std::string(what) + ": " + std::to_string(total) + " query tokens do not fit the int32 "
                        "query_start_loc");
-    slots = cpu_tensor({static_cast<int64_t>(total)}, torch::kInt64);
-    return slots.data_ptr<int64_t>();
+    slots.emplace(std::initializer_list<int64_t>{static_cast<int64_t>(total)}, kInt64);
+    return slots->data<int64_t>();
   }, group, what);
-  return slots;
+  return slots->release();
 }
 
 // Block tables of `ids` as an int32 tensor [len(ids), width], written in place by the core.
-torch::Tensor block_table_tensor(const BlockManager& bm, const Int64Array& ids, const std::optional<int32_t>& max_blocks,
-                                int32_t pad, int32_t group) {
+TorchTensor block_table_tensor(const BlockManager& bm, const Int64Array& ids, const std::optional<int32_t>& max_blocks,
+                               int32_t pad, int32_t group) {
   // Allocated in its final shape (a view() afterwards costs as much as the rest of a small call).
-  torch::Tensor rows;
+  std::optional<CpuTensor> rows;
   const auto batch = static_cast<int64_t>(ids.size);
   const int32_t width = bm.block_tables(ids.span(), max_blocks, pad, [&rows, batch](size_t n) {
-    rows = cpu_tensor({batch, batch ? static_cast<int64_t>(n) / batch : 0}, torch::kInt32);
-    return rows.data_ptr<int32_t>();
+    rows.emplace(std::initializer_list<int64_t>{batch, batch ? static_cast<int64_t>(n) / batch : 0}, kInt32);
+    return rows->data<int32_t>();
   }, group);
-  return batch ? rows : cpu_tensor({0, width}, torch::kInt32);
+  if (!batch || !rows) return CpuTensor({0, width}, kInt32).release();
+  return rows->release();
 }
 
 }  // namespace pagedkv::bindings

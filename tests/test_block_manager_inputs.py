@@ -2,6 +2,7 @@
 whole-batch validation, pending copy-on-write pairs and threads. Each bad call raises a clear Python
 exception and leaves the manager exactly as it was."""
 import array
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedkv import AllocStatus, BlockManager
+from pagedkv import AllocStatus, BlockManager, _C
 
 
 def toks(n, start=0):
@@ -57,6 +58,13 @@ INT_INPUTS = [
     ("torch int64", lambda v: torch.tensor(v)),
     ("torch int32 non-contiguous", lambda v: torch.tensor(v, dtype=torch.int32).repeat_interleave(2)[::2]),
     ("torch uint64", lambda v: torch.tensor(v, dtype=torch.uint64)),
+    ("torch int16", lambda v: torch.tensor(v, dtype=torch.int16)),
+    ("torch uint32", lambda v: torch.tensor(v, dtype=torch.uint32)),
+    ("torch int64 strided", lambda v: torch.tensor(v).repeat_interleave(3)[::3]),
+    ("torch int64 with a storage offset", lambda v: torch.tensor([0] + list(v))[1:]),
+    ("torch int64 expanded", lambda v: torch.tensor(v)[:, None].expand(-1, 2)[:, 1]),
+    ("torch int64 column of a 2-D tensor", lambda v: torch.tensor([list(v), list(v)]).t()[:, 0]),
+    ("torch int64 parameter", lambda v: torch.nn.Parameter(torch.tensor(v), requires_grad=False)),
 ]
 
 
@@ -430,3 +438,128 @@ def test_every_method_survives_hostile_arguments(seed):
         except RuntimeError as e:  # only "not enough blocks" is a RuntimeError
             assert "free" in str(e), (name, args, e)
         bm.check_invariants()
+
+
+# --- tensors through DLPack ------------------------------------------------------------------------------
+
+@pytest.fixture(params=[True, False], ids=["exchange table", "capsules"])
+def dlpack_path(request):
+    """Both ways tensors cross into and out of _C: torch's DLPack exchange table (torch >= 2.10) and the
+    __dlpack__ capsules + torch.from_dlpack that an older torch gets."""
+    _C._set_dlpack_exchange(request.param)
+    try:
+        yield request.param
+    finally:
+        _C._set_dlpack_exchange(True)
+
+
+def test_torch_has_the_dlpack_exchange_table():
+    assert _C._dlpack_exchange()
+
+
+def test_results_are_torch_tensors_that_own_their_memory(dlpack_path):
+    bm = BlockManager(32, 4, num_cpu_blocks=8)
+    bm.allocate(1, torch.arange(9))
+    bm.allocate(2, np.arange(5, dtype=np.int32))
+    results = {
+        "append_tokens": (bm.append_tokens(torch.tensor([1, 2]), [3, 4]), torch.int64, (2,)),
+        "block_tables": (bm.block_tables([1, 2], max_blocks=4), torch.int32, (2, 4)),
+        "num_tokens": (bm.num_tokens(torch.tensor([1, 2], dtype=torch.int32)), torch.int32, (2,)),
+        "slot_mapping": (bm.slot_mapping(1, 0, 10), torch.int64, (10,)),
+        "slot_mappings": (bm.slot_mappings([1, 2], [0, 0]), torch.int64, (16,)),
+        "take_copies": (bm.take_copies(), torch.int64, (0, 2)),
+        "swap_out": (bm.swap_out([2]), torch.int64, (2, 2)),
+    }
+    for name, t in zip(("slots", "tables", "seq_lens", "query_start_loc"), bm.attention_inputs([1], [8])):
+        results[name] = (t, t.dtype, tuple(t.shape))
+    expected = {k: v[0].clone() for k, v in results.items()}
+    del bm  # the tensors outlive the manager
+    for name, (t, dtype, shape) in results.items():
+        assert type(t) is torch.Tensor and t.device.type == "cpu", name
+        assert t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous(), name
+        assert torch.equal(t, expected[name]), name
+        t.add_(1)  # writable
+        assert torch.equal(t, expected[name] + 1), name
+    assert results["slot_mapping"][0].data_ptr() % 64 == 0
+    assert results["slot_mapping"][0].tolist()[:3] == [1, 2, 3]
+
+
+def test_contiguous_int64_tensors_are_read_in_place_and_others_converted(dlpack_path):
+    ref, bm = BlockManager(32, 4), BlockManager(32, 4)
+    prompt = list(range(100, 113))
+    for i, tokens in enumerate([torch.tensor(prompt), torch.tensor(prompt, dtype=torch.int32),
+                                torch.tensor(prompt).repeat_interleave(2)[::2], torch.tensor([0] + prompt)[1:]]):
+        assert bm.allocate(i, tokens) == ref.allocate(i, prompt)
+        assert bm.token_ids(i) == prompt
+    bm.mark_computed([0, 1, 2, 3])
+    ref.mark_computed([0, 1, 2, 3])
+    strided_rows = torch.tensor([prompt, prompt]).t().contiguous().t()  # [2, 13], strides (1, 2)
+    assert bm.allocate_batch([10, 11], strided_rows) == ref.allocate_batch([10, 11], [prompt, prompt]) == [12, 12]
+    assert bm.token_ids(11) == prompt
+    assert bm.block_tables(torch.tensor([0, 1])).tolist() == ref.block_tables([0, 1]).tolist()
+    bm.check_invariants()
+
+
+HOSTILE_TENSOR_CALLS = {
+    "meta tokens": "bm.allocate(9, torch.ones(3, device='meta', dtype=torch.long))",
+    "meta ids": "bm.block_tables(torch.zeros(2, device='meta', dtype=torch.long))",
+    "meta 0-d id": "bm.mark_computed(torch.tensor(1, device='meta'))",
+    "meta prompts": "bm.allocate_batch([9], torch.ones(1, 3, device='meta', dtype=torch.long))",
+    "meta outcomes": "bm.complete_offloads(torch.ones(0, device='meta', dtype=torch.bool))",
+    "sparse tokens": "bm.allocate(9, torch.sparse_coo_tensor([[0, 2]], [1, 2], (4,)))",
+    "0-d tokens": "bm.allocate(9, torch.tensor(5))",
+    "0-d ids": "bm.num_tokens(torch.tensor(1))",
+    "0-d float id": "bm.num_tokens(torch.tensor(1.5))",
+    "2-D ids": "bm.block_tables(torch.zeros(2, 2, dtype=torch.long))",
+    "3-D prompts": "bm.allocate_batch([9], torch.zeros(1, 2, 2, dtype=torch.long))",
+    "float prompts": "bm.allocate_batch([9], torch.zeros(1, 3))",
+    "transposed prompts": "bm.allocate_batch([9, 10], torch.arange(6).view(3, 2).t())",
+    "float tokens": "bm.allocate(9, torch.ones(3))",
+    "nan tokens": "bm.allocate(9, torch.tensor([1.0, float('nan')]))",
+    "complex tokens": "bm.allocate(9, torch.ones(3, dtype=torch.complex64))",
+    "bool tokens": "bm.allocate(9, torch.tensor([True, False]))",
+    "float requiring grad": "bm.allocate(9, torch.ones(3, requires_grad=True))",
+    "uint64 huge": "bm.allocate(9, torch.tensor([1, 2 ** 64 - 1], dtype=torch.uint64))",
+    "int32 ids unknown": "bm.block_tables(torch.tensor([7, 2 ** 31 - 1], dtype=torch.int32))",
+    "int64 extremes": "bm.slot_mappings(torch.tensor([1]), torch.tensor([-2 ** 63]))",
+    "uint8 counts": "bm.append_tokens([1], [5, 6], torch.tensor([2], dtype=torch.uint8))",
+    "float outcomes": "bm.complete_loads(torch.ones(2))",
+    "2-D outcomes": "bm.complete_loads(torch.ones(1, 1, dtype=torch.bool))",
+    "int outcomes": "bm.complete_loads(torch.zeros(0, dtype=torch.int16))",
+    "numpy 2-D prompts": "bm.allocate_batch([9], np.zeros((1, 3), dtype=np.float64))",
+    "numpy object array": "bm.allocate(9, np.array([1, None], dtype=object))",
+    "numpy 0-d": "bm.allocate(9, np.array(3))",
+    "numpy non-contiguous": "bm.allocate(9, np.arange(12).reshape(3, 4)[:, 1])",
+    "fake tokens": "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+                   "with FakeTensorMode():\n    fake = torch.arange(3)\nbm.allocate(9, fake)",
+    "fake ids": "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+                "with FakeTensorMode():\n    fake = torch.arange(2)\nbm.block_tables(fake)",
+    "hash of a meta tensor": "pagedkv.hash_block_tokens(torch.ones(4, device='meta', dtype=torch.long))",
+}
+
+HOSTILE_TENSOR_SCRIPT = """
+import json, sys, numpy as np, torch, pagedkv
+from pagedkv import _C
+_C._set_dlpack_exchange(sys.argv[1] == "1")
+for case, call in json.loads(sys.argv[2]).items():
+    print("case", case, flush=True)  # the last one printed names a case that killed the process
+    bm = pagedkv.BlockManager(16, 4, num_cpu_blocks=4, num_host_blocks=4)
+    bm.allocate(1, [1, 2, 3, 4, 5])
+    try:
+        exec(call)
+    except (TypeError, ValueError, KeyError, OverflowError) as e:
+        assert str(e), case
+    except RuntimeError as e:
+        assert "free" in str(e), (case, e)  # only "not enough blocks" is a RuntimeError
+    bm.check_invariants()
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("exchange", ["1", "0"], ids=["exchange table", "capsules"])
+def test_hostile_tensors_never_abort_the_process(exchange):
+    """Hostile tensors and arrays, in a fresh interpreter (a crash fails this test, it does not end the
+    run): each call returns or raises a documented exception."""
+    done = subprocess.run([sys.executable, "-c", HOSTILE_TENSOR_SCRIPT, exchange, json.dumps(HOSTILE_TENSOR_CALLS)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.endswith("survived\n"), (done.stdout[-500:], done.stderr[-3000:])

@@ -1,6 +1,7 @@
 """The build itself: CUDA kernels are compiled in whenever the toolkit was there and the build asked for
-them (make test does), every op has a kernel for each backend it was built for, and the CUDA kernels are a
-library of their own (pagedkv/_C_cuda), so that a CPU-only torch never loads a CUDA library."""
+them (make test does), every op has a kernel for each backend it was built for, the CUDA kernels are a
+library of their own (pagedkv/_C_cuda), so that a CPU-only torch never loads a CUDA library, and the block
+manager's module (pagedkv/_C) links no torch library at all."""
 import os
 import re
 import shutil
@@ -65,10 +66,24 @@ def cuda_names(names):
 
 @pytest.mark.skipif(shutil.which("readelf") is None, reason="needs readelf (binutils)")
 def test_block_manager_module_needs_no_cuda_library():
-    """pagedkv._C (block manager, op schemas, CPU kernels) imports under a CPU-only torch, whatever the build."""
+    """pagedkv._C (the block manager) imports under a CPU-only torch, whatever the build."""
     names = needed(pagedkv._C.__file__)
-    assert "libc10.so" in names, names          # the parse found the list
+    assert "libc.so.6" in names, names          # the parse found the list
     assert cuda_names(names) == [], names
+
+
+# What a plain C++ extension module may need: the C and C++ runtimes and the dynamic loader.
+SYSTEM_LIBRARIES = ("libstdc++.so", "libm.so", "libgcc_s.so", "libc.so", "ld-linux")
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="needs readelf (binutils)")
+def test_block_manager_module_links_no_torch_library():
+    """pagedkv._C is a plain pybind11 module: it needs no torch library (tensors cross through DLPack), so
+    one build serves every torch release."""
+    names = needed(pagedkv._C.__file__)
+    assert "libc.so.6" in names, names
+    assert not [n for n in names if "torch" in n or "c10" in n], names
+    assert [n for n in names if not n.startswith(SYSTEM_LIBRARIES)] == [], names
 
 
 @pytest.mark.skipif(shutil.which("readelf") is None, reason="needs readelf (binutils)")
