@@ -96,3 +96,18 @@ def test_cpu_only_torch_never_loads_a_cuda_library():
     mapped = {line.split()[-1] for line in maps.splitlines() if "/" in line}
     assert any(os.path.basename(p).startswith("_C.") for p in mapped), "pagedkv._C is not mapped"
     assert cuda_names(mapped) == [] and not any("_C_cuda" in p for p in mapped), sorted(mapped)
+
+
+def test_ops_library_uses_only_the_stable_abi():
+    """pagedkv/_ops*.so is built against torch's stable C ABI (TORCH_STABLE_ONLY): it may import the C shims
+    (aoti_torch_*, torch_*) but no C++ symbol of at::, c10:: or torch::, which would tie it to one release."""
+    nm, cxxfilt = shutil.which("nm"), shutil.which("c++filt")
+    if nm is None or cxxfilt is None:
+        pytest.skip("nm / c++filt (binutils) not installed")
+    from pagedkv._ops_library import library_path
+    symbols = subprocess.run([nm, "-D", "--undefined-only", library_path()], check=True, capture_output=True,
+                             text=True).stdout
+    demangled = subprocess.run([cxxfilt], input=symbols, check=True, capture_output=True, text=True).stdout
+    unstable = [line.strip() for line in demangled.splitlines() if re.search(r"\b(at|c10|torch|caffe2)::", line)]
+    assert not unstable, f"{len(unstable)} unstable torch C++ symbols imported, e.g. {unstable[:5]}"
+    assert any(re.search(r"\b(aoti_torch|torch)_\w+", line) for line in demangled.splitlines())
