@@ -2,7 +2,8 @@
 # The ops library (pagedkv/_ops*.so) is built against torch's stable ABI: this checks that the binary built
 # here imports no unstable torch C++ symbol, then runs the op tests under each other torch given, with the
 # same binary. Usage: scripts/stable_abi_check.sh PYTHON...   (each a python whose venv has another torch,
-# numpy, pytest, hypothesis and xxhash; e.g. /tmp/t213/bin/python).
+# numpy, pytest, hypothesis, xxhash and transformers (test_layer_ops compares with HF Llama); e.g.
+# /tmp/t213/bin/python).
 # pagedkv/_C (the block manager) is copied along as built; where it does not import under another torch,
 # a _C is built against that torch in the copy (setup.py needs ninja there), leaving _ops as built here.
 set -euo pipefail
