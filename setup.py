@@ -150,19 +150,27 @@ def _extension():
     )
 
 
+# The oldest torch whose stable ABI has what the ops use (std::vector<Tensor> and str arguments, typed
+# data pointers, torch::stable::parallel_for / empty / to): 2.10. TORCH_VERSION_2_10_0 of
+# torch/csrc/stable/version.h.
+STABLE_ABI_TARGET = "0x020A000000000000"
+
+
 def _ops_extension():
-    """pagedkv._ops: TORCH_LIBRARY(pagedkv) (the op schemas) and the CPU kernels (csrc/ops, csrc/ops/cpu). A
-    library without a Python module, registered with torch.ops.load_library (pagedkv/_ops_library.py)."""
+    """pagedkv._ops: STABLE_TORCH_LIBRARY(pagedkv) (the op schemas) and the CPU kernels (csrc/ops, csrc/ops/cpu).
+    A library without a Python module, registered with torch.ops.load_library (pagedkv/_ops_library.py).
+    Built against torch's stable ABI only (TORCH_STABLE_ONLY: an ATen or c10 include is a compile error),
+    so one binary loads under every torch from STABLE_ABI_TARGET on."""
     # csrc/ops/cpu/attention_<isa>.cpp: one copy of the CPU attention kernels per instruction set, chosen at
     # run time; each sets its ISA with `#pragma GCC target` (x86 only), so no -m flag is passed here.
-    # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into our code;
-    # without it every CPU kernel silently runs on one thread (torch's own libgomp is reused at run time).
+    # Threads come from torch::stable::parallel_for (torch's own pool); -fopenmp-simd only honours the
+    # kernels' `omp simd` loops and links no OpenMP runtime.
     return cpp_extension.CppExtension(
         name="pagedkv._ops",
         sources=_rel("csrc/ops/*.cpp") + _rel("csrc/ops/cpu/*.cpp"),
         include_dirs=_include_dirs(),
-        extra_compile_args={"cxx": ["-O3", "-fvisibility=hidden", "-fopenmp"]},
-        extra_link_args=["-fopenmp"],
+        define_macros=[("TORCH_STABLE_ONLY", None), ("TORCH_TARGET_VERSION", STABLE_ABI_TARGET)],
+        extra_compile_args={"cxx": ["-O3", "-fvisibility=hidden", "-fopenmp-simd"]},
     )
 
 

@@ -141,3 +141,18 @@ def test_the_build_records_its_torch():
     from pagedkv._build_info import TORCH_VERSION
 
     assert re.fullmatch(r"\d+\.\d+\.\d+.*", TORCH_VERSION), TORCH_VERSION
+
+
+def test_ops_library_uses_only_the_stable_abi():
+    """pagedkv/_ops*.so is built against torch's stable C ABI (TORCH_STABLE_ONLY): it may import the C shims
+    (aoti_torch_*, torch_*) but no C++ symbol of at::, c10:: or torch::, which would tie it to one release."""
+    nm, cxxfilt = shutil.which("nm"), shutil.which("c++filt")
+    if nm is None or cxxfilt is None:
+        pytest.skip("nm / c++filt (binutils) not installed")
+    from pagedkv._ops_library import library_path
+    symbols = subprocess.run([nm, "-D", "--undefined-only", library_path()], check=True, capture_output=True,
+                             text=True).stdout
+    demangled = subprocess.run([cxxfilt], input=symbols, check=True, capture_output=True, text=True).stdout
+    unstable = [line.strip() for line in demangled.splitlines() if re.search(r"\b(at|c10|torch|caffe2)::", line)]
+    assert not unstable, f"{len(unstable)} unstable torch C++ symbols imported, e.g. {unstable[:5]}"
+    assert any(re.search(r"\b(aoti_torch|torch)_\w+", line) for line in demangled.splitlines())

@@ -1,9 +1,7 @@
 // CPU paged attention, torch glue: checks, the run of the plan's work items (ops/cpu/work_plan.cpp) by
-// one ISA copy of the kernels (ops/cpu/) with at::parallel_for, the merge of split-K partitions, and
+// one ISA copy of the kernels (ops/cpu/) with torch's parallel_for, the merge of split-K partitions, and
 // the choice of copy.
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -34,7 +32,7 @@ Isa active_isa() { return cpu::best_isa(isa_limit.load(std::memory_order_relaxed
 template <typename scalar_t, typename cache_t>
 void run_work_items(Isa isa, const AttentionParams& a, const std::vector<WorkItem>& items) {
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  parallel_for(0, num_threads(), 1, [&](int64_t, int64_t) {
     thread_local cpu::Scratch scratch;  // grown once, reused by later calls on this thread
     cpu::attend_work_items<scalar_t, cache_t>(isa, a, items, next, scratch);
   });
@@ -47,7 +45,7 @@ void merge_partitions(const AttentionParams& a, const std::vector<WorkItem>& ite
   for (const WorkItem& item : items) {
     if (item.num_parts > 1 && item.part == 0) firsts.push_back(&item);
   }
-  at::parallel_for(0, static_cast<int64_t>(firsts.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, static_cast<int64_t>(firsts.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(a.head_dim);
     for (int64_t i = begin; i < end; ++i) cpu::merge_partitions<scalar_t>(a, *firsts[i], acc.data());
   });
@@ -55,26 +53,26 @@ void merge_partitions(const AttentionParams& a, const std::vector<WorkItem>& ite
 
 }  // namespace
 
-void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& query_in,
-                              const at::Tensor& key_cache, const at::Tensor& value_cache,
-                              const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
-                              const at::Tensor& query_start_loc_in, double scale, int64_t sliding_window,
+void paged_attention_cpu_into(const Tensor& out, const Tensor& lse, const Tensor& query_in,
+                              const Tensor& key_cache, const Tensor& value_cache,
+                              const Tensor& block_tables_in, const Tensor& seq_lens_in,
+                              const Tensor& query_start_loc_in, double scale, int64_t sliding_window,
                               double softcap, KvScale k_scale, KvScale v_scale, const float* sinks) {
   const AttentionShape shape = check_paged_attention(query_in, key_cache, value_cache, block_tables_in, seq_lens_in,
                                                      query_start_loc_in, scale, sliding_window, softcap);
   // The kernel reads private copies of the metadata, so the values checked are the values used even
   // if another thread writes the caller's tensors meanwhile (no read outside the cache, ever).
-  const at::Tensor block_tables = block_tables_in.clone(at::MemoryFormat::Contiguous);
-  const at::Tensor seq_lens = seq_lens_in.clone(at::MemoryFormat::Contiguous);
-  const at::Tensor query_start_loc = query_start_loc_in.clone(at::MemoryFormat::Contiguous);
+  const Tensor block_tables = contiguous_copy(block_tables_in);
+  const Tensor seq_lens = contiguous_copy(seq_lens_in);
+  const Tensor query_start_loc = contiguous_copy(query_start_loc_in);
   check_attention_metadata_values(shape, block_tables, seq_lens, query_start_loc, sliding_window);
-  const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
+  const Tensor query = query_in.stride(2) == 1 ? query_in : as_contiguous(query_in);
   if (shape.num_tokens == 0) return;
 
   AttentionParams args = attention_params(shape, query, key_cache, value_cache, block_tables, seq_lens,
                                           query_start_loc, out, lse, scale, sliding_window, softcap);
   int64_t num_partial_rows = 0;
-  const std::vector<WorkItem> items = cpu::plan_work(args, at::get_num_threads(), &num_partial_rows);
+  const std::vector<WorkItem> items = cpu::plan_work(args, num_threads(), &num_partial_rows);
   std::vector<float> partial_out(num_partial_rows * shape.head_dim), partial_lse(num_partial_rows);
   args.partial_out = partial_out.data();
   args.partial_lse = partial_lse.data();
@@ -99,40 +97,40 @@ void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, cons
 namespace {
 
 // Checks every argument, copies the scales (checked values = read values), then runs the kernels.
-std::tuple<at::Tensor, at::Tensor> paged_attention_cpu_impl(
-    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-    int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
-    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks, bool want_lse) {
+std::tuple<Tensor, Tensor> paged_attention_cpu_impl(
+    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc, double scale,
+    int64_t sliding_window, double softcap, const std::optional<Tensor>& k_scale,
+    const std::optional<Tensor>& v_scale, const std::optional<Tensor>& sinks, bool want_lse) {
   check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                         sliding_window, softcap, k_scale, v_scale, sinks);
   const auto [k_copy, k_s] = cpu_kv_scale(k_scale, "k_scale");
   const auto [v_copy, v_s] = cpu_kv_scale(v_scale, "v_scale");
-  const at::Tensor sinks_copy = cpu_sinks(sinks);
-  at::Tensor out = at::empty(query.sizes(), query.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor lse = want_lse ? at::empty({query.size(0), query.size(1)}, query.options().dtype(at::kFloat))
-                            : at::Tensor();
+  const Tensor sinks_copy = cpu_sinks(sinks);
+  Tensor out = empty(query.sizes().vec(), query.scalar_type(), query);
+  Tensor lse = want_lse ? empty({query.size(0), query.size(1)}, ScalarType::Float, query)
+                            : Tensor();
   paged_attention_cpu_into(out, lse, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                            sliding_window, softcap, k_s, v_s,
-                           sinks_copy.defined() ? sinks_copy.data_ptr<float>() : nullptr);
+                           sinks_copy.defined() ? sinks_copy.mutable_data_ptr<float>() : nullptr);
   return {out, lse};
 }
 
 // max_seq_len is a CUDA launch-shape hint; the CPU reads seq_lens directly.
-at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                               const at::Tensor& query_start_loc, double scale, int64_t /*max_seq_len*/,
-                               int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
-                               const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks) {
+Tensor paged_attention_cpu(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                               const Tensor& block_tables, const Tensor& seq_lens,
+                               const Tensor& query_start_loc, double scale, int64_t /*max_seq_len*/,
+                               int64_t sliding_window, double softcap, const std::optional<Tensor>& k_scale,
+                               const std::optional<Tensor>& v_scale, const std::optional<Tensor>& sinks) {
   return std::get<0>(paged_attention_cpu_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                               scale, sliding_window, softcap, k_scale, v_scale, sinks, false));
 }
 
-std::tuple<at::Tensor, at::Tensor> paged_attention_with_lse_cpu(
-    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-    int64_t /*max_seq_len*/, int64_t sliding_window, double softcap, const std::optional<at::Tensor>& k_scale,
-    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks) {
+std::tuple<Tensor, Tensor> paged_attention_with_lse_cpu(
+    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc, double scale,
+    int64_t /*max_seq_len*/, int64_t sliding_window, double softcap, const std::optional<Tensor>& k_scale,
+    const std::optional<Tensor>& v_scale, const std::optional<Tensor>& sinks) {
   return paged_attention_cpu_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                                   sliding_window, softcap, k_scale, v_scale, sinks, true);
 }
@@ -145,11 +143,11 @@ void set_cpu_attention_isa(const std::string& isa) {
   }
   for (const Isa candidate : cpu::kAllIsas) {
     if (isa != cpu::isa_name(candidate)) continue;
-    TORCH_CHECK_VALUE(cpu::cpu_supports(candidate), "cpu attention isa '", isa, "' is not supported by this CPU");
+    STD_TORCH_CHECK(cpu::cpu_supports(candidate), "cpu attention isa '", isa, "' is not supported by this CPU");
     isa_limit.store(candidate);
     return;
   }
-  TORCH_CHECK_VALUE(false,
+  STD_TORCH_CHECK(false,
                     "cpu attention isa must be 'auto', 'amx', 'avx512', 'avx2', 'neon_bf16', 'sve', 'neon' or "
                     "'baseline', got '",
                     isa, "'");
@@ -167,7 +165,7 @@ std::vector<std::string> cpu_attention_isas() {
 
 }  // namespace pagedkv
 
-TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
-  m.impl("paged_attention", &pagedkv::paged_attention_cpu);
-  m.impl("paged_attention_with_lse", &pagedkv::paged_attention_with_lse_cpu);
+STABLE_TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("paged_attention", TORCH_BOX(&pagedkv::paged_attention_cpu));
+  m.impl("paged_attention_with_lse", TORCH_BOX(&pagedkv::paged_attention_with_lse_cpu));
 }

@@ -7,9 +7,9 @@
 // Read back: x' = float(stored) * scale.
 #pragma once
 
-#include <c10/macros/Macros.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
+#include <torch/headeronly/macros/Macros.h>
+#include <torch/headeronly/util/Float8_e4m3fn.h>
+#include <torch/headeronly/util/Float8_e5m2.h>
 
 #include <cstdint>
 #include <type_traits>

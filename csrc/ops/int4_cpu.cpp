@@ -2,11 +2,7 @@
 // paged_attention_int4(_with_lse). Attention runs one work item per (query token, KV head) with the KV head's
 // query heads (GQA): a tile of K and V rows is decoded to fp32 once for them, scored and accumulated with an
 // online softmax per head. The inner loops have AVX-512 and AVX2 clones picked at load time (x86-64).
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,17 +20,17 @@ namespace {
 // reshape_and_cache_int4
 
 template <typename scalar_t>
-void write_int4_rows(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& slots, int64_t group_size) {
+void write_int4_rows(const Tensor& key, const Tensor& value, const Tensor& key_cache,
+                     const Tensor& value_cache, const Tensor& slots, int64_t group_size) {
   const int64_t heads = key.size(1), D = key.size(2), block_size = key_cache.size(1);
-  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* slot = slots.mutable_data_ptr<int64_t>();
   const CacheStrides strides = cache_strides(key_cache);
   const CacheStrides v_strides = cache_strides(value_cache);
-  at::parallel_for(0, key.size(0), 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, key.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slot[t] < 0) continue;  // padding
       for (int w = 0; w < 2; ++w) {
-        const at::Tensor& in = w == 0 ? key : value;
+        const Tensor& in = w == 0 ? key : value;
         const CacheStrides& s = w == 0 ? strides : v_strides;
         const auto* x = static_cast<const scalar_t*>(in.data_ptr());
         auto* cache = static_cast<uint8_t*>((w == 0 ? key_cache : value_cache).data_ptr());
@@ -52,12 +48,11 @@ void write_int4_rows(const at::Tensor& key, const at::Tensor& value, const at::T
   });
 }
 
-void reshape_and_cache_int4_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                                at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t group_size) {
+void reshape_and_cache_int4_cpu(const Tensor& key, const Tensor& value, Tensor& key_cache,
+                                Tensor& value_cache, const Tensor& slot_mapping, int64_t group_size) {
   check_reshape_and_cache_int4(key, value, key_cache, value_cache, slot_mapping, group_size);
   // A private int64 copy: the kernel reads exactly the values checked, whatever another thread writes.
-  const at::Tensor slots = slot_mapping.to(at::kLong, /*non_blocking=*/false, /*copy=*/true,
-                                           at::MemoryFormat::Contiguous);
+  const Tensor slots = contiguous_copy(slot_mapping, ScalarType::Long);
   check_slot_values(slots, key_cache.size(0) * key_cache.size(1));
   dispatch_float(key.scalar_type(), [&](auto type_tag) {
     write_int4_rows<decltype(type_tag)>(key, value, key_cache, value_cache, slots, group_size);
@@ -179,22 +174,22 @@ void attend_int4_item(const AttentionParams& a, int64_t group_size, const Int4It
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> paged_attention_int4_cpu_impl(
-    const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
-    const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in, const at::Tensor& query_start_loc_in,
+std::tuple<Tensor, Tensor> paged_attention_int4_cpu_impl(
+    const Tensor& query_in, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables_in, const Tensor& seq_lens_in, const Tensor& query_start_loc_in,
     double scale, int64_t group_size, int64_t sliding_window, double softcap, bool want_lse) {
   const AttentionShape shape =
       check_paged_attention_int4(query_in, key_cache, value_cache, block_tables_in, seq_lens_in, query_start_loc_in,
                                  scale, group_size, sliding_window, softcap);
   // Private copies of the metadata: the values checked are the values used (no read outside the cache).
-  const at::Tensor block_tables = block_tables_in.clone(at::MemoryFormat::Contiguous);
-  const at::Tensor seq_lens = seq_lens_in.clone(at::MemoryFormat::Contiguous);
-  const at::Tensor query_start_loc = query_start_loc_in.clone(at::MemoryFormat::Contiguous);
+  const Tensor block_tables = contiguous_copy(block_tables_in);
+  const Tensor seq_lens = contiguous_copy(seq_lens_in);
+  const Tensor query_start_loc = contiguous_copy(query_start_loc_in);
   check_attention_metadata_values(shape, block_tables, seq_lens, query_start_loc, sliding_window);
-  const at::Tensor& query = query_in;
-  at::Tensor out = at::empty({shape.num_tokens, shape.num_q_heads, shape.head_dim}, query.options());
-  at::Tensor lse = want_lse ? at::empty({shape.num_tokens, shape.num_q_heads}, query.options().dtype(at::kFloat))
-                            : at::Tensor();
+  const Tensor& query = query_in;
+  Tensor out = empty({shape.num_tokens, shape.num_q_heads, shape.head_dim}, query.scalar_type(), query);
+  Tensor lse = want_lse ? empty({shape.num_tokens, shape.num_q_heads}, ScalarType::Float, query)
+                            : Tensor();
   if (shape.num_tokens == 0) return {out, lse};
   const AttentionParams args = attention_params(shape, query, key_cache, value_cache, block_tables, seq_lens,
                                                 query_start_loc, out, lse, scale, sliding_window, softcap);
@@ -207,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_int4_cpu_impl(
   }
   dispatch_float(query.scalar_type(), [&](auto type) {
     using scalar_t = decltype(type);
-    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
       thread_local Int4Scratch scratch;  // grown once, reused by later calls on this thread
       for (int64_t i = begin; i < end; ++i) attend_int4_item<scalar_t>(args, group_size, items[i], scratch);
     });
@@ -215,9 +210,9 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_int4_cpu_impl(
   return {out, lse};
 }
 
-at::Tensor paged_attention_int4_cpu(const at::Tensor& query, const at::Tensor& key_cache,
-                                    const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+Tensor paged_attention_int4_cpu(const Tensor& query, const Tensor& key_cache,
+                                    const Tensor& value_cache, const Tensor& block_tables,
+                                    const Tensor& seq_lens, const Tensor& query_start_loc, double scale,
                                     int64_t group_size, int64_t max_seq_len, int64_t sliding_window, double softcap) {
   (void)max_seq_len;  // a CUDA launch hint; the CPU kernel reads seq_lens
   return std::get<0>(paged_attention_int4_cpu_impl(query, key_cache, value_cache, block_tables, seq_lens,
@@ -225,9 +220,9 @@ at::Tensor paged_attention_int4_cpu(const at::Tensor& query, const at::Tensor& k
                                                    false));
 }
 
-std::tuple<at::Tensor, at::Tensor> paged_attention_int4_with_lse_cpu(
-    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+std::tuple<Tensor, Tensor> paged_attention_int4_with_lse_cpu(
+    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables, const Tensor& seq_lens, const Tensor& query_start_loc, double scale,
     int64_t group_size, int64_t max_seq_len, int64_t sliding_window, double softcap) {
   (void)max_seq_len;
   return paged_attention_int4_cpu_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -237,8 +232,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_int4_with_lse_cpu(
 }  // namespace
 }  // namespace pagedkv
 
-TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
-  m.impl("reshape_and_cache_int4", &pagedkv::reshape_and_cache_int4_cpu);
-  m.impl("paged_attention_int4", &pagedkv::paged_attention_int4_cpu);
-  m.impl("paged_attention_int4_with_lse", &pagedkv::paged_attention_int4_with_lse_cpu);
+STABLE_TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("reshape_and_cache_int4", TORCH_BOX(&pagedkv::reshape_and_cache_int4_cpu));
+  m.impl("paged_attention_int4", TORCH_BOX(&pagedkv::paged_attention_int4_cpu));
+  m.impl("paged_attention_int4_with_lse", TORCH_BOX(&pagedkv::paged_attention_int4_with_lse_cpu));
 }

@@ -7,8 +7,8 @@
 // lo' = fp16(lo) are the stored values (so the codes fit what is read back); it reads back as q * step' + lo'.
 #pragma once
 
-#include <c10/macros/Macros.h>
-#include <c10/util/Half.h>
+#include <torch/headeronly/macros/Macros.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <cmath>
 #include <cstdint>

@@ -5,8 +5,6 @@
 #include <exception>
 #include <string>
 
-#include <c10/util/Exception.h>
-
 #include "ops/ops.h"
 
 namespace {
@@ -25,8 +23,6 @@ __attribute__((visibility("default"))) const char* pagedkv_set_cpu_attention_isa
   try {
     pagedkv::set_cpu_attention_isa(isa == nullptr ? "" : isa);
     return nullptr;
-  } catch (const c10::Error& e) {
-    return keep(e.what_without_backtrace());
   } catch (const std::exception& e) {
     return keep(e.what());
   }

@@ -2,11 +2,7 @@
 // instead of a chain of small ATen ops: rms_norm, fused_add_rms_norm (residual add + norm, in
 // place), silu_and_mul (SwiGLU) and rotary_embedding (half-split RoPE, in place). The CPU kernels;
 // schemas and argument checks are in ops.cpp with the others, the CUDA kernels in cuda/layer_ops.cu.
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <algorithm>
 #include <vector>
@@ -35,10 +31,10 @@ float sum_squares(const scalar_t* x, int64_t n) {
   return s;
 }
 
-at::Tensor rms_norm_cpu(const at::Tensor& input_in, const at::Tensor& weight_in, double epsilon) {
+Tensor rms_norm_cpu(const Tensor& input_in, const Tensor& weight_in, double epsilon) {
   check_rms_norm(input_in, weight_in, epsilon);
-  const at::Tensor input = input_in.contiguous(), weight = weight_in.contiguous();
-  at::Tensor out = at::empty(input.sizes(), input.options());
+  const Tensor input = as_contiguous(input_in), weight = as_contiguous(weight_in);
+  Tensor out = empty(input.sizes().vec(), input.scalar_type(), input);
   const int64_t hidden = input.size(-1), rows = hidden == 0 ? 0 : input.numel() / hidden;
   const float eps = static_cast<float>(epsilon);
   dispatch_float(input.scalar_type(), [&](auto tag) {
@@ -46,7 +42,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& input_in, const at::Tensor& weight_in,
     const auto* x = static_cast<const scalar_t*>(input.data_ptr());
     const auto* w = static_cast<const scalar_t*>(weight.data_ptr());
     auto* y = static_cast<scalar_t*>(out.data_ptr());
-    at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* xr = x + r * hidden;
         const float inv = rms_inv(sum_squares(xr, hidden), hidden, eps);
@@ -57,9 +53,9 @@ at::Tensor rms_norm_cpu(const at::Tensor& input_in, const at::Tensor& weight_in,
   return out;
 }
 
-void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight_in, double epsilon) {
+void fused_add_rms_norm_cpu(Tensor& input, Tensor& residual, const Tensor& weight_in, double epsilon) {
   check_fused_add_rms_norm(input, residual, weight_in, epsilon);
-  const at::Tensor weight = weight_in.contiguous();
+  const Tensor weight = as_contiguous(weight_in);
   const int64_t hidden = input.size(-1), rows = hidden == 0 ? 0 : input.numel() / hidden;
   const float eps = static_cast<float>(epsilon);
   dispatch_float(input.scalar_type(), [&](auto tag) {
@@ -67,7 +63,7 @@ void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::T
     auto* x = static_cast<scalar_t*>(input.data_ptr());
     auto* res = static_cast<scalar_t*>(residual.data_ptr());
     const auto* w = static_cast<const scalar_t*>(weight.data_ptr());
-    at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* xr = x + r * hidden;
         scalar_t* rr = res + r * hidden;
@@ -81,18 +77,18 @@ void fused_add_rms_norm_cpu(at::Tensor& input, at::Tensor& residual, const at::T
   });
 }
 
-at::Tensor silu_and_mul_cpu(const at::Tensor& input_in) {
+Tensor silu_and_mul_cpu(const Tensor& input_in) {
   check_silu_and_mul(input_in);
-  const at::Tensor input = input_in.contiguous();
+  const Tensor input = as_contiguous(input_in);
   const int64_t width = input.size(-1) / 2, rows = width == 0 ? 0 : input.numel() / (2 * width);
-  std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
+  std::vector<int64_t> out_shape = input.sizes().vec();
   out_shape.back() = width;
-  at::Tensor out = at::empty(out_shape, input.options());
+  Tensor out = empty(out_shape, input.scalar_type(), input);
   dispatch_float(input.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const auto* x = static_cast<const scalar_t*>(input.data_ptr());
     auto* y = static_cast<scalar_t*>(out.data_ptr());
-    at::parallel_for(0, rows, grain_rows(2 * width), [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows, grain_rows(2 * width), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* gate = x + r * 2 * width;
         const scalar_t* up = gate + width;
@@ -106,17 +102,17 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& input_in) {
   return out;
 }
 
-void rotary_embedding_cpu(const at::Tensor& positions_in, at::Tensor& x, const at::Tensor& cos_sin_cache_in) {
+void rotary_embedding_cpu(const Tensor& positions_in, Tensor& x, const Tensor& cos_sin_cache_in) {
   check_rotary_embedding(positions_in, x, cos_sin_cache_in);
   // positions: a private copy, so the positions checked below are the ones used (another thread may
   // write the caller's tensor meanwhile).
-  const at::Tensor positions = positions_in.clone(at::MemoryFormat::Contiguous);
-  const at::Tensor cache = cos_sin_cache_in.contiguous();
+  const Tensor positions = contiguous_copy(positions_in);
+  const Tensor cache = as_contiguous(cos_sin_cache_in);
   const int64_t num_tokens = x.size(0), num_heads = x.size(1), head_dim = x.size(2), half = head_dim / 2;
   const int64_t max_position = cache.size(0);
-  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* pos = positions.mutable_data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t) {  // every position is checked before anything is written
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "positions[", t, "] = ", pos[t], " is outside [0, ",
+    STD_TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "positions[", t, "] = ", pos[t], " is outside [0, ",
                 max_position, ") (cos_sin_cache has ", max_position, " rows)");
   }
   const int64_t st = x.stride(0), sh = x.stride(1);
@@ -126,7 +122,7 @@ void rotary_embedding_cpu(const at::Tensor& positions_in, at::Tensor& x, const a
     dispatch_float(cache.scalar_type(), [&](auto cache_tag) {
       using cache_t = decltype(cache_tag);
       const auto* table = static_cast<const cache_t*>(cache.data_ptr());
-      at::parallel_for(0, num_tokens, grain_rows(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+      parallel_for(0, num_tokens, grain_rows(num_heads * head_dim), [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           const cache_t* cos = table + pos[t] * head_dim;
           const cache_t* sin = cos + half;
@@ -146,9 +142,9 @@ void rotary_embedding_cpu(const at::Tensor& positions_in, at::Tensor& x, const a
 
 }  // namespace pagedkv
 
-TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
-  m.impl("rms_norm", &pagedkv::rms_norm_cpu);
-  m.impl("fused_add_rms_norm", &pagedkv::fused_add_rms_norm_cpu);
-  m.impl("silu_and_mul", &pagedkv::silu_and_mul_cpu);
-  m.impl("rotary_embedding", &pagedkv::rotary_embedding_cpu);
+STABLE_TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("rms_norm", TORCH_BOX(&pagedkv::rms_norm_cpu));
+  m.impl("fused_add_rms_norm", TORCH_BOX(&pagedkv::fused_add_rms_norm_cpu));
+  m.impl("silu_and_mul", TORCH_BOX(&pagedkv::silu_and_mul_cpu));
+  m.impl("rotary_embedding", TORCH_BOX(&pagedkv::rotary_embedding_cpu));
 }

@@ -4,8 +4,6 @@
 // row per token (the normalised latent, then the rope key), one "head".
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <optional>
 #include <string>
 
@@ -16,20 +14,20 @@ namespace pagedkv {
 
 // The latent cache as the [num_blocks, block_size, 1, width] cache view the shared checks and index math
 // take (one KV head).
-inline at::Tensor mla_cache_as_kv_view(const at::Tensor& kv_cache) { return kv_cache.unsqueeze(2); }
+inline Tensor mla_cache_as_kv_view(const Tensor& kv_cache) { return unsqueeze_view(kv_cache, 2); }
 
 // concat_and_cache_mla: kv_c [T, kv_lora_rank] and k_pe [T, rope_dim] (any strides) into a latent cache view
 // (any block and token strides, the row contiguous); kv_cache_dtype "auto" or the name of kv_cache's float8
 // format; scale float32 [] or [1], used by float8 caches only. Shapes, dtypes and devices only (never syncs).
-void check_concat_and_cache_mla(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
-                                const at::Tensor& slot_mapping, const std::string& kv_cache_dtype,
-                                const std::optional<at::Tensor>& scale);
+void check_concat_and_cache_mla(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache,
+                                const Tensor& slot_mapping, const std::string& kv_cache_dtype,
+                                const std::optional<Tensor>& scale);
 
 // paged_attention_mla: query [T, Hq, width] against the latent rows (K: all width elements, V: the first
 // kv_lora_rank); the metadata as paged_attention's. Returns the call's shapes (num_kv_heads 1, head_dim width).
-AttentionShape check_paged_attention_mla(const at::Tensor& query, const at::Tensor& kv_cache,
-                                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                         const at::Tensor& query_start_loc, double scale, int64_t kv_lora_rank,
-                                         const std::optional<at::Tensor>& kv_scale);
+AttentionShape check_paged_attention_mla(const Tensor& query, const Tensor& kv_cache,
+                                         const Tensor& block_tables, const Tensor& seq_lens,
+                                         const Tensor& query_start_loc, double scale, int64_t kv_lora_rank,
+                                         const std::optional<Tensor>& kv_scale);
 
 }  // namespace pagedkv

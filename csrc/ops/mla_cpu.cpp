@@ -3,11 +3,7 @@
 // a tile of latent rows is converted to fp32 once for the chunk's heads, scored against every head's query
 // over the whole row (K) and accumulated over the row's first kv_lora_rank elements (V), with an online
 // softmax per head. The two inner loops have AVX-512 and AVX2 clones picked at load time (x86-64).
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <algorithm>
 #include <array>
@@ -29,16 +25,16 @@ namespace {
 // Writes row t of kv_c then row t of k_pe into each token's slot; store(x) maps an input element to a
 // cache element (raw bits, or a float8 encoding).
 template <typename in_t, typename cache_t, typename Store>
-void write_latent_rows(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
-                       const at::Tensor& slots, Store store) {
+void write_latent_rows(const Tensor& kv_c, const Tensor& k_pe, const Tensor& kv_cache,
+                       const Tensor& slots, Store store) {
   const int64_t rank = kv_c.size(1), rope = k_pe.size(1), block_size = kv_cache.size(1);
-  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* slot = slots.mutable_data_ptr<int64_t>();
   const auto* c = static_cast<const in_t*>(kv_c.data_ptr());
   const auto* pe = static_cast<const in_t*>(k_pe.data_ptr());
   auto* cache = static_cast<cache_t*>(kv_cache.data_ptr());
   const CacheStrides strides{kv_cache.stride(0), kv_cache.stride(1), 0};
   const int64_t cs0 = kv_c.stride(0), cs1 = kv_c.stride(1), ps0 = k_pe.stride(0), ps1 = k_pe.stride(1);
-  at::parallel_for(0, kv_c.size(0), 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, kv_c.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slot[t] < 0) continue;  // padding
       cache_t* row = cache + cache_slot_offset(slot[t], block_size, strides);
@@ -48,13 +44,12 @@ void write_latent_rows(const at::Tensor& kv_c, const at::Tensor& k_pe, const at:
   });
 }
 
-void concat_and_cache_mla_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& kv_cache,
-                              const at::Tensor& slot_mapping, c10::string_view kv_cache_dtype,
-                              const std::optional<at::Tensor>& scale) {
+void concat_and_cache_mla_cpu(const Tensor& kv_c, const Tensor& k_pe, Tensor& kv_cache,
+                              const Tensor& slot_mapping, const std::string& kv_cache_dtype,
+                              const std::optional<Tensor>& scale) {
   check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, std::string(kv_cache_dtype), scale);
   // A private int64 copy: the kernel reads exactly the values checked, whatever another thread writes.
-  const at::Tensor slots = slot_mapping.to(at::kLong, /*non_blocking=*/false, /*copy=*/true,
-                                           at::MemoryFormat::Contiguous);
+  const Tensor slots = contiguous_copy(slot_mapping, ScalarType::Long);
   check_slot_values(slots, kv_cache.size(0) * kv_cache.size(1));
   if (is_fp8(kv_cache.scalar_type())) {
     const auto [copy, s] = cpu_kv_scale(scale, "scale");
@@ -223,34 +218,34 @@ void attend_mla_item(const AttentionParams& a, int64_t rank, const MlaItem& item
 
 template <typename scalar_t, typename cache_t>
 void run_mla_items(const AttentionParams& a, int64_t rank, const std::vector<MlaItem>& items) {
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     thread_local MlaScratch scratch;  // grown once, reused by later calls on this thread
     for (int64_t i = begin; i < end; ++i) attend_mla_item<scalar_t, cache_t>(a, rank, items[i], scratch);
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> paged_attention_mla_cpu_impl(
-    const at::Tensor& query_in, const at::Tensor& kv_cache, const at::Tensor& block_tables_in,
-    const at::Tensor& seq_lens_in, const at::Tensor& query_start_loc_in, double scale, int64_t kv_lora_rank,
-    const std::optional<at::Tensor>& kv_scale, bool want_lse) {
+std::tuple<Tensor, Tensor> paged_attention_mla_cpu_impl(
+    const Tensor& query_in, const Tensor& kv_cache, const Tensor& block_tables_in,
+    const Tensor& seq_lens_in, const Tensor& query_start_loc_in, double scale, int64_t kv_lora_rank,
+    const std::optional<Tensor>& kv_scale, bool want_lse) {
   const AttentionShape shape = check_paged_attention_mla(query_in, kv_cache, block_tables_in, seq_lens_in,
                                                          query_start_loc_in, scale, kv_lora_rank, kv_scale);
   const auto [scale_copy, kv_s] = cpu_kv_scale(kv_scale, "kv_scale");
   // Private copies of the metadata: the values checked are the values used (no read outside the cache).
-  const at::Tensor block_tables = block_tables_in.clone(at::MemoryFormat::Contiguous);
-  const at::Tensor seq_lens = seq_lens_in.clone(at::MemoryFormat::Contiguous);
-  const at::Tensor query_start_loc = query_start_loc_in.clone(at::MemoryFormat::Contiguous);
+  const Tensor block_tables = contiguous_copy(block_tables_in);
+  const Tensor seq_lens = contiguous_copy(seq_lens_in);
+  const Tensor query_start_loc = contiguous_copy(query_start_loc_in);
   check_attention_metadata_values(shape, block_tables, seq_lens, query_start_loc, /*sliding_window=*/-1);
-  const at::Tensor query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
-  at::Tensor out = at::empty({shape.num_tokens, shape.num_q_heads, kv_lora_rank}, query.options());
-  at::Tensor lse = want_lse ? at::empty({shape.num_tokens, shape.num_q_heads}, query.options().dtype(at::kFloat))
-                            : at::Tensor();
+  const Tensor query = query_in.stride(2) == 1 ? query_in : as_contiguous(query_in);
+  Tensor out = empty({shape.num_tokens, shape.num_q_heads, kv_lora_rank}, query.scalar_type(), query);
+  Tensor lse = want_lse ? empty({shape.num_tokens, shape.num_q_heads}, ScalarType::Float, query)
+                            : Tensor();
   if (shape.num_tokens == 0) return {out, lse};
-  const at::Tensor cache = mla_cache_as_kv_view(kv_cache);
+  const Tensor cache = mla_cache_as_kv_view(kv_cache);
   AttentionParams args = attention_params(shape, query, cache, cache, block_tables, seq_lens, query_start_loc, out,
                                           lse, scale, /*sliding_window=*/-1, /*softcap=*/0.0);
   args.k_scale = kv_s;
-  const std::vector<MlaItem> items = plan_mla_items(args, at::get_num_threads());
+  const std::vector<MlaItem> items = plan_mla_items(args, num_threads());
   dispatch_float(query.scalar_type(), [&](auto type) {
     using scalar_t = decltype(type);
     if (is_fp8(kv_cache.scalar_type())) {
@@ -264,16 +259,16 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_mla_cpu_impl(
   return {out, lse};
 }
 
-at::Tensor paged_attention_mla_cpu(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                   int64_t kv_lora_rank, const std::optional<at::Tensor>& kv_scale) {
+Tensor paged_attention_mla_cpu(const Tensor& query, const Tensor& kv_cache, const Tensor& block_tables,
+                                   const Tensor& seq_lens, const Tensor& query_start_loc, double scale,
+                                   int64_t kv_lora_rank, const std::optional<Tensor>& kv_scale) {
   return std::get<0>(paged_attention_mla_cpu_impl(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
                                                   kv_lora_rank, kv_scale, false));
 }
 
-std::tuple<at::Tensor, at::Tensor> paged_attention_mla_with_lse_cpu(
-    const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    const at::Tensor& query_start_loc, double scale, int64_t kv_lora_rank, const std::optional<at::Tensor>& kv_scale) {
+std::tuple<Tensor, Tensor> paged_attention_mla_with_lse_cpu(
+    const Tensor& query, const Tensor& kv_cache, const Tensor& block_tables, const Tensor& seq_lens,
+    const Tensor& query_start_loc, double scale, int64_t kv_lora_rank, const std::optional<Tensor>& kv_scale) {
   return paged_attention_mla_cpu_impl(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, kv_lora_rank,
                                       kv_scale, true);
 }
@@ -281,8 +276,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention_mla_with_lse_cpu(
 }  // namespace
 }  // namespace pagedkv
 
-TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
-  m.impl("concat_and_cache_mla", &pagedkv::concat_and_cache_mla_cpu);
-  m.impl("paged_attention_mla", &pagedkv::paged_attention_mla_cpu);
-  m.impl("paged_attention_mla_with_lse", &pagedkv::paged_attention_mla_with_lse_cpu);
+STABLE_TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("concat_and_cache_mla", TORCH_BOX(&pagedkv::concat_and_cache_mla_cpu));
+  m.impl("paged_attention_mla", TORCH_BOX(&pagedkv::paged_attention_mla_cpu));
+  m.impl("paged_attention_mla_with_lse", TORCH_BOX(&pagedkv::paged_attention_mla_with_lse_cpu));
 }

@@ -3,8 +3,7 @@
 // attention_cpu.cpp, the model-layer ops in layer_ops.cpp.
 #include "ops/ops.h"
 
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -27,18 +26,18 @@ namespace {
 // and head strides): cache element d of head h of token t becomes store(element, h) for the input
 // elements of that row. in_t / cache_t are the element types; slots are int64 (a checked private copy).
 template <typename in_t, typename cache_t, typename Store>
-void write_cache_rows(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                      const at::Tensor& value_cache, const at::Tensor& slots, Store k_store, Store v_store) {
+void write_cache_rows(const Tensor& key, const Tensor& value, const Tensor& key_cache,
+                      const Tensor& value_cache, const Tensor& slots, Store k_store, Store v_store) {
   const int64_t num_tokens = key.size(0), num_heads = key.size(1), head_dim = key.size(2);
   const int64_t block_size = key_cache.size(1);
-  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* slot = slots.mutable_data_ptr<int64_t>();
   const auto* k = static_cast<const in_t*>(key.data_ptr());
   const auto* v = static_cast<const in_t*>(value.data_ptr());
   auto* kc = static_cast<cache_t*>(key_cache.data_ptr());
   auto* vc = static_cast<cache_t*>(value_cache.data_ptr());
   const auto ks = key.strides(), vs = value.strides();
   const CacheStrides kcs = cache_strides(key_cache), vcs = cache_strides(value_cache);
-  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slot[t] < 0) continue;  // padding
       cache_t* k_dst = kc + cache_slot_offset(slot[t], block_size, kcs);
@@ -59,16 +58,16 @@ void write_cache_rows(const at::Tensor& key, const at::Tensor& value, const at::
 
 // Same-dtype caches: elements are moved as raw bits.
 template <typename bits_t>
-void reshape_and_cache_cpu_typed(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                                 const at::Tensor& value_cache, const at::Tensor& slots) {
+void reshape_and_cache_cpu_typed(const Tensor& key, const Tensor& value, const Tensor& key_cache,
+                                 const Tensor& value_cache, const Tensor& slots) {
   const auto copy = [](bits_t x, int64_t) { return x; };
   write_cache_rows<bits_t, bits_t>(key, value, key_cache, value_cache, slots, copy, copy);
 }
 
 // Float8 caches: each element divided by its head's scale, saturated and rounded (fp8.h's rule).
 template <typename scalar_t, KvFormat F>
-void reshape_and_cache_fp8_cpu_typed(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                                     const at::Tensor& value_cache, const at::Tensor& slots, KvScale k_scale,
+void reshape_and_cache_fp8_cpu_typed(const Tensor& key, const Tensor& value, const Tensor& key_cache,
+                                     const Tensor& value_cache, const Tensor& slots, KvScale k_scale,
                                      KvScale v_scale) {
   const auto quantiser = [](KvScale scale) {
     return [scale](scalar_t x, int64_t h) { return fp8_saturating_encode<F>(static_cast<float>(x) / scale.at(h)); };
@@ -77,13 +76,12 @@ void reshape_and_cache_fp8_cpu_typed(const at::Tensor& key, const at::Tensor& va
                                       quantiser(v_scale));
 }
 
-void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
-                           at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+void reshape_and_cache_cpu(const Tensor& key, const Tensor& value, Tensor& key_cache,
+                           Tensor& value_cache, const Tensor& slot_mapping,
+                           const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
   check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
   // A private int64 copy: the kernel reads exactly the values checked, whatever another thread writes.
-  const at::Tensor slots = slot_mapping.to(at::kLong, /*non_blocking=*/false, /*copy=*/true,
-                                           at::MemoryFormat::Contiguous);
+  const Tensor slots = contiguous_copy(slot_mapping, ScalarType::Long);
   check_slot_values(slots, key_cache.size(0) * key_cache.size(1));
   if (is_fp8(key_cache.scalar_type())) {
     const auto [k_copy, k_s] = cpu_kv_scale(k_scale, "k_scale");
@@ -103,21 +101,20 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   }
 }
 
-void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
-  const std::vector<at::Tensor> keys = key_caches.vec(), values = value_caches.vec();
+void copy_blocks_cpu(const std::vector<Tensor>& keys, const std::vector<Tensor>& values, const Tensor& block_mapping) {
   check_copy_blocks(keys, values, block_mapping);
   if (keys.empty() || block_mapping.size(0) == 0) return;
   const int64_t num_blocks = keys[0].size(0);
-  const at::Tensor mapping = block_mapping.clone(at::MemoryFormat::Contiguous);  // checked values = read values
+  const Tensor mapping = contiguous_copy(block_mapping);  // checked values = read values
   check_block_mapping_values(mapping, num_blocks, num_blocks, /*same_pool=*/true);
-  const int64_t* m = mapping.data_ptr<int64_t>();
+  const int64_t* m = mapping.mutable_data_ptr<int64_t>();
   const int64_t num_pairs = mapping.size(0);
   const int64_t num_layers = static_cast<int64_t>(keys.size());
   // One work unit = one (layer, pair); each moves a key block and a value block.
-  at::parallel_for(0, num_layers * num_pairs, 8, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_layers * num_pairs, 8, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const at::Tensor& kc = keys[i / num_pairs];
-      const at::Tensor& vc = values[i / num_pairs];
+      const Tensor& kc = keys[i / num_pairs];
+      const Tensor& vc = values[i / num_pairs];
       const int64_t src = m[2 * (i % num_pairs)], dst = m[2 * (i % num_pairs) + 1];
       const int64_t block_bytes = kc.stride(0) * kc.element_size();
       auto* kb = static_cast<char*>(kc.data_ptr());
@@ -128,15 +125,15 @@ void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, con
   });
 }
 
-void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
+void swap_blocks_cpu(const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
   check_swap_blocks(src, dst, block_mapping);
-  const at::Tensor mapping = block_mapping.clone(at::MemoryFormat::Contiguous);  // checked values = read values
+  const Tensor mapping = contiguous_copy(block_mapping);  // checked values = read values
   check_block_mapping_values(mapping, src.size(0), dst.size(0), swap_within_one_pool(src, dst));
-  const int64_t* m = mapping.data_ptr<int64_t>();
+  const int64_t* m = mapping.mutable_data_ptr<int64_t>();
   const int64_t block_bytes = src.numel() == 0 ? 0 : src.stride(0) * src.element_size();
   const auto* s = static_cast<const char*>(src.data_ptr());
   auto* d = static_cast<char*>(dst.data_ptr());
-  at::parallel_for(0, mapping.size(0), 4, [&](int64_t begin, int64_t end) {
+  parallel_for(0, mapping.size(0), 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       std::memmove(d + m[2 * i + 1] * block_bytes, s + m[2 * i] * block_bytes, block_bytes);
     }
@@ -146,8 +143,7 @@ void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& b
 }  // namespace
 }  // namespace pagedkv
 
-TORCH_LIBRARY(pagedkv, m) {
-  m.set_python_module("pagedkv.ops");
+STABLE_TORCH_LIBRARY(pagedkv, m) {
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
@@ -188,8 +184,8 @@ TORCH_LIBRARY(pagedkv, m) {
       "-> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
-  m.impl("reshape_and_cache", &pagedkv::reshape_and_cache_cpu);
-  m.impl("copy_blocks", &pagedkv::copy_blocks_cpu);
-  m.impl("swap_blocks", &pagedkv::swap_blocks_cpu);
+STABLE_TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("reshape_and_cache", TORCH_BOX(&pagedkv::reshape_and_cache_cpu));
+  m.impl("copy_blocks", TORCH_BOX(&pagedkv::copy_blocks_cpu));
+  m.impl("swap_blocks", TORCH_BOX(&pagedkv::swap_blocks_cpu));
 }

@@ -2,11 +2,8 @@
 // (TORCH_CHECK messages name the offending argument) and the kernels each backend provides.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 #include "ops/fp8.h"
+#include "ops/torch_api.h"
 
 #include <optional>
 #include <string>
@@ -33,73 +30,73 @@ struct AttentionShape {
 // Checks that work on shapes, dtypes and devices only (safe on any backend, never syncs). The caches
 // of reshape_and_cache may be views with any block, token and head strides (head_dim contiguous), K and
 // V views of one buffer when they share no element; slot_mapping is int32 or int64.
-void check_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                             const at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale);
+void check_reshape_and_cache(const Tensor& key, const Tensor& value, const Tensor& key_cache,
+                             const Tensor& value_cache, const Tensor& slot_mapping,
+                             const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale);
 // A float8 cache's optional scale: float32, shape [] or [num_kv_heads], on ref's device (ref_name: key
 // or query); an error when the cache is not float8.
-void check_kv_scale(const std::optional<at::Tensor>& scale, const char* name, const at::Tensor& cache,
-                    const at::Tensor& ref, const char* ref_name = "key");
+void check_kv_scale(const std::optional<Tensor>& scale, const char* name, const Tensor& cache,
+                    const Tensor& ref, const char* ref_name = "key");
 // The metadata of a paged attention call against query [T, Hq, D] (block_tables [B, M], seq_lens [B] and
 // query_start_loc [B + 1] int32 on query's device; scale, sliding_window and softcap as paged_attention takes
 // them); returns B. Shapes, dtypes and devices only.
-int64_t check_attention_metadata(const at::Tensor& query, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                 const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+int64_t check_attention_metadata(const Tensor& query, const Tensor& block_tables, const Tensor& seq_lens,
+                                 const Tensor& query_start_loc, double scale, int64_t sliding_window,
                                  double softcap);
 // The caches have query's dtype, or both one float8 dtype (then k_scale / v_scale may be given).
-AttentionShape check_paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
-                                     const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+AttentionShape check_paged_attention(const Tensor& query, const Tensor& key_cache,
+                                     const Tensor& value_cache, const Tensor& block_tables,
+                                     const Tensor& seq_lens, const Tensor& query_start_loc,
                                      double scale, int64_t sliding_window, double softcap,
-                                     const std::optional<at::Tensor>& k_scale = std::nullopt,
-                                     const std::optional<at::Tensor>& v_scale = std::nullopt,
-                                     const std::optional<at::Tensor>& sinks = std::nullopt);
-void check_copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
-                       const at::Tensor& block_mapping);
-void check_swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
+                                     const std::optional<Tensor>& k_scale = std::nullopt,
+                                     const std::optional<Tensor>& v_scale = std::nullopt,
+                                     const std::optional<Tensor>& sinks = std::nullopt);
+void check_copy_blocks(const std::vector<Tensor>& key_caches, const std::vector<Tensor>& value_caches,
+                       const Tensor& block_mapping);
+void check_swap_blocks(const Tensor& src, const Tensor& dst, const Tensor& block_mapping);
 // offload_blocks / load_blocks: caches as copy_blocks takes them (contiguous), the block-major host tier
 // covering layers [first_layer, first_layer + layers); returns the number of layers.
-int64_t check_host_tier_copy(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
-                             const at::Tensor& host_cache, const at::Tensor& block_mapping, int64_t first_layer);
+int64_t check_host_tier_copy(const std::vector<Tensor>& key_caches, const std::vector<Tensor>& value_caches,
+                             const Tensor& host_cache, const Tensor& block_mapping, int64_t first_layer);
 // src and dst are the same tensor (blocks move within one pool).
-bool swap_within_one_pool(const at::Tensor& src, const at::Tensor& dst);
-bool is_fp8(at::ScalarType dtype);  // float8_e4m3fn or float8_e5m2
-KvFormat kv_format(at::ScalarType fp8_dtype);
+bool swap_within_one_pool(const Tensor& src, const Tensor& dst);
+bool is_fp8(ScalarType dtype);  // float8_e4m3fn or float8_e5m2
+KvFormat kv_format(ScalarType fp8_dtype);
 
 // Model-layer ops (kernels in layer_ops.cpp, cuda/layer_ops.cu): shape, dtype and device checks.
-void check_rms_norm(const at::Tensor& input, const at::Tensor& weight, double epsilon);
-void check_fused_add_rms_norm(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight,
+void check_rms_norm(const Tensor& input, const Tensor& weight, double epsilon);
+void check_fused_add_rms_norm(const Tensor& input, const Tensor& residual, const Tensor& weight,
                               double epsilon);
-void check_silu_and_mul(const at::Tensor& input);
-void check_rotary_embedding(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos_sin_cache);
+void check_silu_and_mul(const Tensor& input);
+void check_rotary_embedding(const Tensor& positions, const Tensor& x, const Tensor& cos_sin_cache);
 
 // Checks that read tensor values; only for tensors that live on the CPU.
 // A private contiguous copy of a CPU sinks argument, its values finite (checked values = read values).
-at::Tensor cpu_sinks(const std::optional<at::Tensor>& sinks);
-void check_kv_scale_values(const at::Tensor& scale, const char* name);  // finite and > 0
+Tensor cpu_sinks(const std::optional<Tensor>& sinks);
+void check_kv_scale_values(const Tensor& scale, const char* name);  // finite and > 0
 // A private contiguous copy of a CPU scale argument (checked values = read values) and its view.
-std::pair<at::Tensor, KvScale> cpu_kv_scale(const std::optional<at::Tensor>& scale, const char* name);
+std::pair<Tensor, KvScale> cpu_kv_scale(const std::optional<Tensor>& scale, const char* name);
 // Slots (int32 or int64) below num_slots and, padding (< 0) aside, distinct.
-void check_slot_values(const at::Tensor& slot_mapping, int64_t num_slots);
-void check_attention_metadata_values(const AttentionShape& shape, const at::Tensor& block_tables,
-                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+void check_slot_values(const Tensor& slot_mapping, int64_t num_slots);
+void check_attention_metadata_values(const AttentionShape& shape, const Tensor& block_tables,
+                                     const Tensor& seq_lens, const Tensor& query_start_loc,
                                      int64_t sliding_window);
 // Ids in range and destinations distinct; with same_pool (source and destination blocks in the same
 // tensors) also no chains: no destination may be the source of another pair.
-void check_block_mapping_values(const at::Tensor& block_mapping, int64_t num_src_blocks, int64_t num_dst_blocks,
+void check_block_mapping_values(const Tensor& block_mapping, int64_t num_src_blocks, int64_t num_dst_blocks,
                                 bool same_pool = false);
 
 // Strides (elements) of the block, token and head dimensions of a [num_blocks, block_size, Hkv, D] cache.
-inline CacheStrides cache_strides(const at::Tensor& cache) {
+inline CacheStrides cache_strides(const Tensor& cache) {
   return {cache.stride(0), cache.stride(1), cache.stride(2)};
 }
 
 // The parameters of a paged_attention call (checked shapes; metadata tensors contiguous; lse may be
 // undefined). Split-K buffers and the index check are the backend's to fill.
-inline AttentionParams attention_params(const AttentionShape& shape, const at::Tensor& query, const at::Tensor& key_cache,
-                                        const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                        const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                        const at::Tensor& out, const at::Tensor& lse, double scale,
+inline AttentionParams attention_params(const AttentionShape& shape, const Tensor& query, const Tensor& key_cache,
+                                        const Tensor& value_cache, const Tensor& block_tables,
+                                        const Tensor& seq_lens, const Tensor& query_start_loc,
+                                        const Tensor& out, const Tensor& lse, double scale,
                                         int64_t sliding_window, double softcap) {
   AttentionParams p{};
   p.query = query.data_ptr();
@@ -109,11 +106,11 @@ inline AttentionParams attention_params(const AttentionShape& shape, const at::T
   p.key_cache = key_cache.data_ptr();
   p.value_cache = value_cache.data_ptr();
   p.cache_strides = cache_strides(key_cache);  // value_cache's too (checked)
-  p.block_tables = block_tables.data_ptr<int32_t>();
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.block_tables = block_tables.mutable_data_ptr<int32_t>();
+  p.seq_lens = seq_lens.mutable_data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc.mutable_data_ptr<int32_t>();
   p.out = out.data_ptr();
-  p.lse = lse.defined() ? lse.data_ptr<float>() : nullptr;
+  p.lse = lse.defined() ? lse.mutable_data_ptr<float>() : nullptr;
   p.num_seqs = int(shape.num_seqs);
   p.num_tokens = int(shape.num_tokens);
   p.num_q_heads = int(shape.num_q_heads);
@@ -129,19 +126,19 @@ inline AttentionParams attention_params(const AttentionShape& shape, const at::T
 }
 
 // CPU paged attention (csrc/ops/attention_cpu.cpp): fills out [T, Hq, D] and, when defined, lse [T, Hq].
-void paged_attention_cpu_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& query,
-                              const at::Tensor& key_cache, const at::Tensor& value_cache,
-                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+void paged_attention_cpu_into(const Tensor& out, const Tensor& lse, const Tensor& query,
+                              const Tensor& key_cache, const Tensor& value_cache,
+                              const Tensor& block_tables, const Tensor& seq_lens,
+                              const Tensor& query_start_loc, double scale, int64_t sliding_window,
                               double softcap, KvScale k_scale = {}, KvScale v_scale = {},
                               const float* sinks = nullptr);
 
 // Calls fn with a value of the C++ type of a (checked) float32 / float16 / bfloat16 dtype.
 template <typename Fn>
-void dispatch_float(at::ScalarType dtype, Fn&& fn) {
+void dispatch_float(ScalarType dtype, Fn&& fn) {
   switch (dtype) {
-    case at::kFloat: fn(float{}); break;
-    case at::kHalf: fn(c10::Half{}); break;
+    case ScalarType::Float: fn(float{}); break;
+    case ScalarType::Half: fn(c10::Half{}); break;
     default: fn(c10::BFloat16{}); break;
   }
 }

@@ -4,8 +4,8 @@
 // entry point of each ISA copy, and the row output shared by the kernels and the split-K merge.
 #pragma once
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <algorithm>
 #include <array>
