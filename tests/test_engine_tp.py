@@ -204,7 +204,7 @@ def test_worker_that_raises_mid_run_fails_generate_with_its_error(tiny, monkeypa
         return real(self)
     monkeypatch.setattr(StepMessage, "pack", corrupt)
     start = time.monotonic()
-    error = r"worker rank 1 failed: RuntimeError: (.*: )?slot_mapping\[0\] = 1000000000 is out of range"
+    error = r"worker rank 1 failed: RuntimeError: (.*, )?slot_mapping\[0\] = 1000000000 is out of range"
     with pytest.raises(TensorParallelError, match=error) as info:
         llm.generate(prompts, greedy())
     assert time.monotonic() - start < 30
