@@ -29,7 +29,7 @@ K/V of the same shape (bf16 queries), best of --repeats calls each.
 
     python benchmarks/bench_attention.py --int4 --device cpu
 
-`--roofline` times CPU decode (best of --repeats calls) on shuffled block tables for fp32, bf16 and fp16
+`--roofline` times CPU decode (best of --repeats calls) on shuffled block tables for fp32, bf16, fp16 and fp8
 K/V and prints each case's K/V bytes per second as a share of a streaming read measured in the same
 process (the sum of a 256 MiB fp32 tensor, best of the same number of calls, measured again before
 every case so that load from other processes shows in both).
@@ -68,19 +68,21 @@ def _seconds(fn):
 
 
 ROOFLINE_CASES = [(16, 2048), (4, 8192), (4, 32768), (64, 512)]
-ROOFLINE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ROOFLINE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]  # fp8: fp32 queries
 
 
 def roofline(args):
-    """Decode paged_attention on the CPU as a share of the read bandwidth, per case and K/V dtype."""
+    """Decode paged_attention on the CPU as a share of the read bandwidth, per case and K/V dtype, and each
+    narrow dtype's time as a share of fp32's (bytes read halve for bf16 / fp16 and quarter for fp8)."""
     repeats = args.repeats or 7
     print(f"CPU decode roofline: Hq={args.num_q_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
           f"block_size={args.block_size} threads={torch.get_num_threads()} isa={_ops_library.cpu_attention_isa()} "
           f"best of {repeats} calls; "
-          f"share = K/V bytes / time / read bandwidth (measured before each case)")
-    names = [str(d).split(".")[-1] for d in ROOFLINE_DTYPES]
+          f"share = K/V bytes / time / read bandwidth (measured before each case); "
+          f"x fp32 = time / fp32's time")
+    names = [str(d).split(".")[-1].replace("float8_e4m3fn", "fp8") for d in ROOFLINE_DTYPES]
     print(f"{'case':<14}{'read GB/s':>10}" + "".join(f"{n + ' ms':>13}{'share':>7}" for n in names)
-          + f"{'bf16 speed / fp32':>19}")
+          + "".join(f"{n + ' x fp32':>17}" for n in names[1:]))
     for batch, ctx in ROOFLINE_CASES:
         bandwidth = read_bandwidth_gbs(repeats)
         line, ms = f"{f'B{batch} L{ctx}':<14}{bandwidth:>10.1f}", {}
@@ -92,7 +94,8 @@ def roofline(args):
             ms[dtype] = 1e3 * min(_seconds(case.paged) for _ in range(repeats))
             line += f"{ms[dtype]:>13.2f}{case.kv_bytes / ms[dtype] / 1e6 / bandwidth:>7.2f}"
             del case
-        print(line + f"{ms[torch.float32] / ms[torch.bfloat16]:>18.2f}x", flush=True)
+        fp32 = ms[torch.float32]
+        print(line + "".join(f"{ms[d] / fp32:>17.2f}" for d in ROOFLINE_DTYPES[1:]), flush=True)
 
 
 INT4_CASES = [(1, 4096), (8, 2048), (4, 8192)]
@@ -252,12 +255,15 @@ class Case:
         blocks_per_seq = -(-ctx // block_size)
         num_blocks = batch * blocks_per_seq
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.key_cache = torch.randn(shape, dtype=dtype, device=device)
-        self.value_cache = torch.randn(shape, dtype=dtype, device=device)
+        fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)  # float8 K/V, fp32 queries, per-head scales
+        self.key_cache = torch.randn(shape, device=device).to(dtype)
+        self.value_cache = torch.randn(shape, device=device).to(dtype)
+        self.k_scale = self.v_scale = torch.full((num_kv_heads,), 0.5, device=device) if fp8 else None
         self.block_tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
         self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device)
-        self.query = torch.randn(batch * q_len, num_q_heads, head_dim, dtype=dtype, device=device)
+        self.query = torch.randn(batch * q_len, num_q_heads, head_dim, dtype=torch.float32 if fp8 else dtype,
+                                 device=device)
         self.scale = head_dim ** -0.5
         self.kv_bytes = 2 * self.key_cache[0].numel() * self.key_cache.element_size() * num_blocks
         if not contiguous_copies:
@@ -278,7 +284,8 @@ class Case:
 
     def paged(self):
         return ops.paged_attention(self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
-                                   self.query_start_loc, self.scale, max_seq_len=self.ctx)
+                                   self.query_start_loc, self.scale, max_seq_len=self.ctx,
+                                   k_scale=self.k_scale, v_scale=self.v_scale)
 
     def sdpa_gqa(self):
         return F.scaled_dot_product_attention(self.q, self.k, self.v, attn_mask=self.mask, scale=self.scale,
@@ -325,7 +332,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=None, help="default: 10 on CPU, 50 on CUDA")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiled once per shape)")
     parser.add_argument("--roofline", action="store_true",
-                        help="CPU decode as a share of the read bandwidth (fp32, bf16, fp16; default 7 repeats)")
+                        help="CPU decode as a share of the read bandwidth (fp32, bf16, fp16, fp8; default 7 repeats)")
     parser.add_argument("--sinks", action="store_true", help="the cost of learned attention sinks")
     parser.add_argument("--int4", action="store_true", help="decode over an int4 cache against bf16 K/V")
     parser.add_argument("--layouts", action="store_true",
