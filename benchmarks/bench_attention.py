@@ -50,7 +50,7 @@ import pagedkv.ops as ops  # noqa: E402
 from pagedkv import _ops_library, int4_row_bytes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import DTYPES, read_bandwidth_gbs, time_ms  # noqa: E402
+from timing import DTYPES, gemm_gflops, read_bandwidth_gbs, time_ms  # noqa: E402
 
 
 def copy_bandwidth_gbs(device, warmup, repeats):
@@ -79,13 +79,14 @@ def roofline(args):
           f"block_size={args.block_size} threads={torch.get_num_threads()} isa={_ops_library.cpu_attention_isa()} "
           f"best of {repeats} calls; "
           f"share = K/V bytes / time / read bandwidth (measured before each case); "
-          f"x fp32 = time / fp32's time")
+          f"x fp32 = time / fp32's time; fp32 FMA share = the two products' flops (4 B Hq L D) / time / "
+          f"an fp32 GEMM's rate (torch.mm 1536^2, measured before each case)")
     names = [str(d).split(".")[-1].replace("float8_e4m3fn", "fp8") for d in ROOFLINE_DTYPES]
-    print(f"{'case':<14}{'read GB/s':>10}" + "".join(f"{n + ' ms':>13}{'share':>7}" for n in names)
-          + "".join(f"{n + ' x fp32':>17}" for n in names[1:]))
+    print(f"{'case':<14}{'read GB/s':>10}{'GEMM GF/s':>10}" + "".join(f"{n + ' ms':>13}{'share':>7}" for n in names)
+          + "".join(f"{n + ' x fp32':>17}" for n in names[1:]) + f"{'fp32 FMA share':>16}")
     for batch, ctx in ROOFLINE_CASES:
-        bandwidth = read_bandwidth_gbs(repeats)
-        line, ms = f"{f'B{batch} L{ctx}':<14}{bandwidth:>10.1f}", {}
+        bandwidth, gemm = read_bandwidth_gbs(repeats), gemm_gflops(repeats)
+        line, ms = f"{f'B{batch} L{ctx}':<14}{bandwidth:>10.1f}{gemm:>10.1f}", {}
         for dtype in ROOFLINE_DTYPES:
             case = Case(batch, ctx, 1, num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads,
                         head_dim=args.head_dim, block_size=args.block_size, dtype=dtype, device=torch.device("cpu"),
@@ -95,7 +96,9 @@ def roofline(args):
             line += f"{ms[dtype]:>13.2f}{case.kv_bytes / ms[dtype] / 1e6 / bandwidth:>7.2f}"
             del case
         fp32 = ms[torch.float32]
-        print(line + "".join(f"{ms[d] / fp32:>17.2f}" for d in ROOFLINE_DTYPES[1:]), flush=True)
+        flops = 4 * batch * args.num_q_heads * ctx * args.head_dim
+        print(line + "".join(f"{ms[d] / fp32:>17.2f}" for d in ROOFLINE_DTYPES[1:])
+              + f"{flops / fp32 / 1e6 / gemm:>16.2f}", flush=True)
 
 
 INT4_CASES = [(1, 4096), (8, 2048), (4, 8192)]

@@ -46,3 +46,16 @@ def read_bandwidth_gbs(repeats):
         data.sum()
         best = min(best, time.perf_counter() - t0)
     return data.numel() * data.element_size() / best / 1e9
+
+
+def gemm_gflops(repeats, n=1536):
+    """fp32 GEMM rate of this process's threads (torch.mm of two n x n matrices, best of repeats): the
+    multiply-add rate a well-tuned kernel reaches on this machine, the yardstick of compute-bound work."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9

@@ -85,7 +85,8 @@ print('wheel-check:', '$2', 'torch', torch.__version__, 'pagedkv from', pagedkv.
   local site search cuda_loaded
   site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   # The loader's path as torch sets it up: its lib/ and the CUDA runtime wheels it depends on.
-  search=$(ls -d "$site/torch/lib" "$site"/nvidia/*/lib "$site"/nvidia/*/*/lib 2>/dev/null | tr '\n' ':')
+  search="$site/torch/lib"
+  for dir in "$site"/nvidia/*/lib "$site"/nvidia/*/*/lib; do [ -d "$dir" ] && search+=":$dir"; done
   cuda_loaded=$(cd "$work" && "$venv/bin/python" -c "import pagedkv; print(int(pagedkv._C.built_with_cuda))" 2>/dev/null)
   for so in "$site"/pagedkv/*.so; do  # every library the loader resolves
     if [[ $(basename "$so") == _C_cuda.* ]] && [ "$cuda_loaded" != 1 ]; then
@@ -97,7 +98,7 @@ print('wheel-check:', '$2', 'torch', torch.__version__, 'pagedkv from', pagedkv.
     outside=$(grep -v "^$site/" <<<"$resolved" | xargs -r -n1 basename | sort -u | tr '\n' ' ')
     say "[$2] $(basename "$so"): ldd resolves outside site-packages: $outside"
     for lib in $outside; do
-      case "$lib" in libc.so.*|libm.so.*|libpthread.so.*|libdl.so.*|librt.so.*|ld-linux-*|libstdc++.so.*|libgcc_s.so.*) ;;
+      case "$lib" in libc.so.*|libm.so.*|libpthread.so.*|libdl.so.*|librt.so.*|libutil.so.*|ld-linux-*|libstdc++.so.*|libgcc_s.so.*) ;;
         *) say "FAIL: [$2] $(basename "$so") loads the system's $lib"; exit 1 ;; esac
     done
   done

@@ -14,7 +14,8 @@ import bench_attention as ba  # noqa: E402
 
 def test_roofline_prints_a_row_per_case_with_every_dtype(monkeypatch, capsys):
     monkeypatch.setattr(ba, "ROOFLINE_CASES", [(2, 40)])
-    monkeypatch.setattr(ba, "read_bandwidth_gbs", lambda repeats: 10.0)
+    monkeypatch.setattr(ba, "read_bandwidth_gbs", lambda repeats: 0.001)
+    monkeypatch.setattr(ba, "gemm_gflops", lambda repeats: 0.001)
     args = argparse.Namespace(repeats=1, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
     ba.roofline(args)
     lines = capsys.readouterr().out.splitlines()
@@ -23,9 +24,13 @@ def test_roofline_prints_a_row_per_case_with_every_dtype(monkeypatch, capsys):
         ["float32", "bfloat16", "float16", "fp8", "bfloat16", "float16", "fp8"]
     assert row[0] == "B2" and row[1] == "L40"
     numbers = [float(x) for x in row[2:]]
-    assert len(numbers) == 1 + 2 * len(ba.ROOFLINE_DTYPES) + len(ba.ROOFLINE_DTYPES) - 1
-    times = numbers[1:1 + 2 * len(ba.ROOFLINE_DTYPES):2]
-    ratios = numbers[1 + 2 * len(ba.ROOFLINE_DTYPES):]
+    n = len(ba.ROOFLINE_DTYPES)
+    assert len(numbers) == 2 + 2 * n + n - 1 + 1 and numbers[:2] == [0.0, 0.0]
+    times, shares = numbers[2:2 + 2 * n:2], numbers[3:3 + 2 * n:2]
+    ratios, fma_share = numbers[2 + 2 * n:-1], numbers[-1]
+    assert abs(fma_share - 4 * 2 * 4 * 40 * 64 / times[0] / 1e6 / 0.001) < 0.01 + 0.01 * fma_share
+    assert abs(shares[0] - 2 * 6 * 16 * 2 * 64 * 4 / times[0] / 1e6 / 0.001) < 0.01 + 0.01 * shares[0]
+    assert shares[0] > 1 and fma_share > 1  # the formulas, not rounding, decide the comparisons above
     assert all(t > 0 for t in times)
     for t, ratio in zip(times[1:], ratios):
         assert abs(ratio - t / times[0]) < 0.01 + 0.01 * ratio
