@@ -16,6 +16,13 @@ def test_roofline_prints_a_row_per_case_with_every_dtype(monkeypatch, capsys):
     monkeypatch.setattr(ba, "ROOFLINE_CASES", [(2, 40)])
     monkeypatch.setattr(ba, "read_bandwidth_gbs", lambda repeats: 0.001)
     monkeypatch.setattr(ba, "gemm_gflops", lambda repeats: 0.001)
+    # Fixed call times per K/V dtype (the call still runs), so the printed ratios are checked exactly.
+    seconds = {torch.float32: 0.004, torch.bfloat16: 0.002, torch.float16: 0.003, torch.float8_e4m3fn: 0.001}
+
+    def fixed_seconds(fn):
+        fn()
+        return seconds[fn.__self__.key_cache.dtype]
+    monkeypatch.setattr(ba, "_seconds", fixed_seconds)
     args = argparse.Namespace(repeats=1, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
     ba.roofline(args)
     lines = capsys.readouterr().out.splitlines()
@@ -31,7 +38,7 @@ def test_roofline_prints_a_row_per_case_with_every_dtype(monkeypatch, capsys):
     assert abs(fma_share - 4 * 2 * 4 * 40 * 64 / times[0] / 1e6 / 0.001) < 0.01 + 0.01 * fma_share
     assert abs(shares[0] - 2 * 6 * 16 * 2 * 64 * 4 / times[0] / 1e6 / 0.001) < 0.01 + 0.01 * shares[0]
     assert shares[0] > 1 and fma_share > 1  # the formulas, not rounding, decide the comparisons above
-    assert all(t > 0 for t in times)
+    assert times == [1e3 * seconds[d] for d in ba.ROOFLINE_DTYPES]
     for t, ratio in zip(times[1:], ratios):
         assert abs(ratio - t / times[0]) < 0.01 + 0.01 * ratio
 
